@@ -1,0 +1,155 @@
+"""The ``hrockmate`` command line: ``demo``, ``solve``, ``simulate``.
+
+Errors are printed as one line (``hrockmate: error: ...``) with exit status 2, not a traceback;
+set ``HROCKMATE_DEBUG=1`` to see the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from hrockmate.demo import run_demo
+
+    run_demo(
+        n_layer=args.layers,
+        n_embd=args.embd,
+        seq=args.seq,
+        batch=args.batch,
+        budget=args.budget,
+        iterations=args.iterations,
+    )
+    return 0
+
+
+def _cmd_solve(args: argparse.Namespace) -> int:
+    import hrockmate
+
+    plan = hrockmate.solve_graph(args.graph, args.budget, time_limit=args.time_limit)
+    unit = plan.stats.get("time_unit", "s")
+    print(f"graph            {args.graph} ({plan.stats.get('num_ops', '?')} ops)")
+    print(f"budget           {_format_bytes(plan.budget_bytes)}")
+    print(
+        f"predicted peak   {_format_bytes(plan.peak_bytes)}"
+        f"   (store-all {_format_bytes(plan.baseline_peak_bytes)})"
+    )
+    print(
+        f"predicted time   {plan.time:.6g} {unit}   (store-all {plan.baseline_time:.6g} {unit}, "
+        f"overhead {100 * (plan.time / plan.baseline_time - 1):.1f}%)"
+    )
+    print(f"solve time       {plan.stats.get('solve_seconds', float('nan')):.2f} s")
+    if args.output:
+        plan.save(args.output)
+        print(f"plan written to  {args.output}")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import hrockmate
+
+    graph = hrockmate.Graph.load(args.graph)
+    if args.schedule:
+        schedule = hrockmate.Schedule.load(args.schedule)
+    elif args.reference == "recompute-all":
+        schedule = hrockmate.recompute_all_schedule(graph)
+    else:
+        schedule = hrockmate.store_all_schedule(graph)
+    result = hrockmate.simulate(graph, schedule)
+    print(f"graph        {graph.name or args.graph}: {graph.num_ops} ops, {graph.num_tensors} tensors")
+    print(f"steps        {len(schedule.steps)} (forward segment {schedule.forward_len})")
+    print(f"peak         {_format_bytes(result.peak_bytes)}")
+    print(f"time         {result.time:.6g} {graph.time_unit}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hrockmate",
+        description="Re-materialization planner and runtime for PyTorch training.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="trace, plan and train a built-in GPT-2-style model (random weights)",
+        description="Trace a GPT-2-style model, plan it under a budget, run training steps and "
+        "compare peak memory and time with plain PyTorch.",
+    )
+    demo.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    demo.add_argument("--embd", type=int, default=128, help="embedding width (default 128)")
+    demo.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    demo.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    demo.add_argument(
+        "--budget",
+        default="0.5",
+        help="memory budget: bytes, a size like 200MiB, or a fraction of the store-all peak "
+        "(default 0.5)",
+    )
+    demo.add_argument("--iterations", type=int, default=3, help="timed iterations (default 3)")
+    demo.set_defaults(func=_cmd_demo)
+
+    solve = sub.add_parser(
+        "solve",
+        help="plan a graph file (hrockmate IR JSON or networkx node-link JSON)",
+        description="Solve a graph-level re-materialization problem and print the predicted "
+        "peak memory and time.",
+    )
+    solve.add_argument("graph", type=Path, help="graph file")
+    solve.add_argument("--budget", required=True, help="bytes, a size like 6GiB, or a fraction")
+    solve.add_argument("--time-limit", type=float, default=None, help="seconds for the solver")
+    solve.add_argument("-o", "--output", type=Path, help="write the plan (JSON) here")
+    solve.set_defaults(func=_cmd_solve)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="simulate a schedule on a graph (peak memory and time)",
+        description="Check a schedule against a graph and print its peak memory and time.",
+    )
+    sim.add_argument("graph", type=Path, help="graph file")
+    sim.add_argument("--schedule", type=Path, help="schedule JSON (default: a reference one)")
+    sim.add_argument(
+        "--reference",
+        choices=["store-all", "recompute-all"],
+        default="store-all",
+        help="reference schedule when --schedule is not given",
+    )
+    sim.set_defaults(func=_cmd_simulate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("hrockmate: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one clear line instead of a traceback
+        if os.environ.get("HROCKMATE_DEBUG"):
+            raise
+        print(f"hrockmate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

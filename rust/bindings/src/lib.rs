@@ -1,0 +1,16 @@
+//! Python bindings: `hrockmate._native`.
+//!
+//! Graphs and schedules cross as numpy arrays (docs/graph-ir.md, "Flat array form"); heavy work
+//! runs detached from the interpreter. Each submodule registers its own functions.
+use pyo3::prelude::*;
+
+mod graph_api;
+mod solver_api;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    graph_api::register(m)?;
+    solver_api::register(m)?;
+    Ok(())
+}
