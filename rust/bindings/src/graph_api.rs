@@ -1,5 +1,245 @@
-use pyo3::prelude::*;
+//! Graph IR, schedules and the simulator for Python.
+//!
+//! Graphs arrive as keyword arguments holding the flat numpy arrays of docs/graph-ir.md
+//! ("Flat array form"), plus optional `tensor_grad_of`/`tensor_updates` arrays and optional
+//! `tensor_names`/`op_names` lists (used only in error messages). Arrays are copied out while
+//! attached; the work runs detached. Bad input raises TypeError (wrong kind or dtype) or
+//! ValueError (a rule broken; schedule errors start with "step N:").
 
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+use hrockmate_core::arrays::{
+    graph_from_arrays, schedule_from_arrays, schedule_to_arrays, GraphArrays,
+};
+use hrockmate_core::graph::Graph;
+use hrockmate_core::io::{graph_to_json, parse_graph_json, parse_schedule_json};
+use hrockmate_core::schedule::Schedule;
+use hrockmate_core::schedules::{recompute_all, store_all};
+use hrockmate_core::simulate::simulate as simulate_core;
+use numpy::{Element, IntoPyArray, PyArray1, PyReadonlyArray1};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+const REQUIRED: [&str; 12] = [
+    "tensor_bytes",
+    "tensor_alias",
+    "tensor_role",
+    "op_time",
+    "op_workspace",
+    "op_phase",
+    "op_differentiates",
+    "op_flags",
+    "op_in_ptr",
+    "op_in_idx",
+    "op_out_ptr",
+    "op_out_idx",
+];
+const OPTIONAL: [&str; 4] = [
+    "tensor_grad_of",
+    "tensor_updates",
+    "tensor_names",
+    "op_names",
+];
+
+/// A graph copied out of Python: arrays plus optional names.
+pub(crate) struct GraphInput {
+    arrays: GraphArrays,
+    tensor_names: Option<Vec<String>>,
+    op_names: Option<Vec<String>>,
+}
+
+impl GraphInput {
+    pub(crate) fn build(&self) -> Result<Graph, String> {
+        graph_from_arrays(
+            &self.arrays,
+            self.tensor_names.as_deref(),
+            self.op_names.as_deref(),
+        )
+        .map_err(|e| e.to_string())
+    }
+}
+
+fn array<T: Element + Copy>(
+    kwargs: &Bound<'_, PyDict>,
+    name: &str,
+    dtype: &str,
+) -> PyResult<Option<Vec<T>>> {
+    let Some(value) = kwargs.get_item(name)? else {
+        return Ok(None);
+    };
+    if value.is_none() {
+        return Ok(None);
+    }
+    let arr: PyReadonlyArray1<T> = value.extract().map_err(|e| {
+        PyTypeError::new_err(format!(
+            "graph array '{name}' must be a 1-D numpy array of dtype {dtype} (as Graph.to_arrays() makes): {e}"
+        ))
+    })?;
+    Ok(Some(arr.as_array().iter().copied().collect()))
+}
+
+fn names(kwargs: &Bound<'_, PyDict>, name: &str) -> PyResult<Option<Vec<String>>> {
+    match kwargs.get_item(name)? {
+        Some(v) if !v.is_none() => v
+            .extract::<Vec<String>>()
+            .map(Some)
+            .map_err(|e| PyTypeError::new_err(format!("'{name}' must be a list of str: {e}"))),
+        _ => Ok(None),
+    }
+}
+
+/// Copy the graph arrays out of the keyword arguments (while attached).
+pub(crate) fn graph_input(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<GraphInput> {
+    let Some(kwargs) = kwargs else {
+        return Err(PyTypeError::new_err(format!(
+            "missing graph arrays ({}); pass **graph.to_arrays()",
+            REQUIRED.join(", ")
+        )));
+    };
+    for key in kwargs.keys() {
+        let key: String = key.extract()?;
+        if !REQUIRED.contains(&key.as_str()) && !OPTIONAL.contains(&key.as_str()) {
+            return Err(PyTypeError::new_err(format!(
+                "unexpected keyword argument '{key}'; graph arrays are: {}, optional: {}",
+                REQUIRED.join(", "),
+                OPTIONAL.join(", ")
+            )));
+        }
+    }
+    fn req<T: Element + Copy>(
+        kwargs: &Bound<'_, PyDict>,
+        name: &str,
+        dtype: &str,
+    ) -> PyResult<Vec<T>> {
+        array(kwargs, name, dtype)?.ok_or_else(|| {
+            PyTypeError::new_err(format!(
+                "missing graph array '{name}' ({dtype}); pass **graph.to_arrays()"
+            ))
+        })
+    }
+    Ok(GraphInput {
+        arrays: GraphArrays {
+            tensor_bytes: req(kwargs, "tensor_bytes", "int64")?,
+            tensor_alias: req(kwargs, "tensor_alias", "int64")?,
+            tensor_role: req(kwargs, "tensor_role", "int8")?,
+            op_time: req(kwargs, "op_time", "float64")?,
+            op_workspace: req(kwargs, "op_workspace", "int64")?,
+            op_phase: req(kwargs, "op_phase", "int8")?,
+            op_differentiates: req(kwargs, "op_differentiates", "int64")?,
+            op_flags: req(kwargs, "op_flags", "uint8")?,
+            op_in_ptr: req(kwargs, "op_in_ptr", "int64")?,
+            op_in_idx: req(kwargs, "op_in_idx", "int64")?,
+            op_out_ptr: req(kwargs, "op_out_ptr", "int64")?,
+            op_out_idx: req(kwargs, "op_out_idx", "int64")?,
+            tensor_grad_of: array(kwargs, "tensor_grad_of", "int64")?,
+            tensor_updates: array(kwargs, "tensor_updates", "int64")?,
+        },
+        tensor_names: names(kwargs, "tensor_names")?,
+        op_names: names(kwargs, "op_names")?,
+    })
+}
+
+/// A schedule as Python receives it: (step_kind int8, step_id int64, forward_len).
+type ScheduleArrays<'py> = (Bound<'py, PyArray1<i8>>, Bound<'py, PyArray1<i64>>, usize);
+
+fn schedule_arrays<'py>(py: Python<'py>, s: Schedule) -> ScheduleArrays<'py> {
+    let (kind, id, forward_len) = schedule_to_arrays(&s);
+    (kind.into_pyarray(py), id.into_pyarray(py), forward_len)
+}
+
+/// Parse IR JSON or networkx node-link JSON; return the canonical, validated IR JSON.
+#[pyfunction]
+fn parse_graph(py: Python<'_>, text: &str) -> PyResult<String> {
+    let text = text.to_owned();
+    py.detach(move || parse_graph_json(&text).map(|g| graph_to_json(&g)))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Validate a graph given as flat arrays (ValueError naming the problem).
+#[pyfunction]
+#[pyo3(signature = (**graph))]
+fn check_graph(py: Python<'_>, graph: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+    let input = graph_input(graph)?;
+    py.detach(move || input.build().map(|_| ()))
+        .map_err(PyValueError::new_err)
+}
+
+/// Simulate a schedule on a graph; returns a dict of the SimResult fields.
+#[pyfunction]
+#[pyo3(signature = (step_kind, step_id, forward_len, **graph))]
+fn simulate<'py>(
+    py: Python<'py>,
+    step_kind: PyReadonlyArray1<'py, i8>,
+    step_id: PyReadonlyArray1<'py, i64>,
+    forward_len: i64,
+    graph: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let input = graph_input(graph)?;
+    let kind: Vec<i8> = step_kind.as_array().iter().copied().collect();
+    let id: Vec<i64> = step_id.as_array().iter().copied().collect();
+    let result = py.detach(move || {
+        let g = input.build()?;
+        let s = schedule_from_arrays(&kind, &id, forward_len).map_err(|e| e.to_string())?;
+        simulate_core(&g, &s).map_err(|e| e.to_string())
+    });
+    let r = result.map_err(PyValueError::new_err)?;
+    let d = PyDict::new(py);
+    d.set_item("peak_bytes", r.peak_bytes)?;
+    d.set_item("time", r.time)?;
+    d.set_item("forward_peak", r.forward_peak)?;
+    d.set_item("backward_peak", r.backward_peak)?;
+    d.set_item("bytes_after_forward", r.bytes_after_forward)?;
+    d.set_item("peak_step", r.peak_step)?;
+    let timeline: Vec<i64> = r.timeline.iter().map(|&b| b as i64).collect();
+    d.set_item("timeline", timeline.into_pyarray(py))?;
+    let counts: Vec<i64> = r.compute_count.iter().map(|&c| i64::from(c)).collect();
+    d.set_item("compute_count", counts.into_pyarray(py))?;
+    Ok(d)
+}
+
+/// The store-all (plain autograd) schedule: (step_kind int8, step_id int64, forward_len).
+#[pyfunction(name = "store_all")]
+#[pyo3(signature = (**graph))]
+fn store_all_py<'py>(
+    py: Python<'py>,
+    graph: Option<&Bound<'py, PyDict>>,
+) -> PyResult<ScheduleArrays<'py>> {
+    let input = graph_input(graph)?;
+    let s = py
+        .detach(move || input.build().map(|g| store_all(&g)))
+        .map_err(PyValueError::new_err)?;
+    Ok(schedule_arrays(py, s))
+}
+
+/// The recompute-all schedule: (step_kind int8, step_id int64, forward_len).
+#[pyfunction(name = "recompute_all")]
+#[pyo3(signature = (**graph))]
+fn recompute_all_py<'py>(
+    py: Python<'py>,
+    graph: Option<&Bound<'py, PyDict>>,
+) -> PyResult<ScheduleArrays<'py>> {
+    let input = graph_input(graph)?;
+    let s = py
+        .detach(move || input.build().map(|g| recompute_all(&g)))
+        .map_err(PyValueError::new_err)?;
+    Ok(schedule_arrays(py, s))
+}
+
+/// Parse schedule JSON: (step_kind int8, step_id int64, forward_len); ValueError on bad input.
+#[pyfunction]
+fn parse_schedule<'py>(py: Python<'py>, text: &str) -> PyResult<ScheduleArrays<'py>> {
+    let text = text.to_owned();
+    let s = py
+        .detach(move || parse_schedule_json(&text))
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(schedule_arrays(py, s))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(parse_graph, m)?)?;
+    m.add_function(wrap_pyfunction!(check_graph, m)?)?;
+    m.add_function(wrap_pyfunction!(simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(store_all_py, m)?)?;
+    m.add_function(wrap_pyfunction!(recompute_all_py, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_schedule, m)?)?;
     Ok(())
 }

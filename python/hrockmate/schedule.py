@@ -1,0 +1,256 @@
+"""Schedules (sequences of compute/free steps) and the exact simulator (docs/graph-ir.md).
+
+The rules and the memory model live in the Rust core; this module holds the Python objects,
+their JSON form (format ``hrockmate-schedule`` version 1), and thin wrappers that hand a graph
+and a schedule to ``hrockmate._native`` as flat numpy arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hrockmate.graph import Graph, GraphError, write_atomic
+
+SCHEDULE_FORMAT = "hrockmate-schedule"
+SCHEDULE_VERSION = 1
+STEP_KINDS: tuple[str, ...] = ("compute", "free")
+
+Step = tuple[str, int]
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a rule on a graph. ``step`` is the index of the first bad step
+    (``len(schedule)`` for problems found at the end); the message names the op or tensor."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class Schedule:
+    """A sequence of ``("compute", op_id)`` / ``("free", tensor_id)`` steps; the first
+    ``forward_len`` steps run in the forward call, the rest in backward."""
+
+    __slots__ = ("steps", "forward_len")
+
+    def __init__(self, steps: Iterable[Step], forward_len: int) -> None:
+        checked: list[Step] = []
+        for i, step in enumerate(steps):
+            try:
+                kind, ident = step
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"schedule step {i}: expected a (kind, id) pair, got {step!r}"
+                ) from None
+            if kind not in STEP_KINDS:
+                raise ValueError(
+                    f"schedule step {i}: kind must be 'compute' or 'free', got {kind!r}"
+                )
+            if isinstance(ident, bool) or not isinstance(ident, (int, np.integer)) or ident < 0:
+                raise ValueError(f"schedule step {i}: id must be an integer >= 0, got {ident!r}")
+            checked.append((kind, int(ident)))
+        if isinstance(forward_len, bool) or not isinstance(forward_len, (int, np.integer)):
+            raise ValueError(f"forward_len must be an integer, got {forward_len!r}")
+        if not 0 <= forward_len <= len(checked):
+            raise ValueError(
+                f"forward_len {forward_len} must be between 0 and the number of steps ({len(checked)})"
+            )
+        self.steps: list[Step] = checked
+        self.forward_len: int = int(forward_len)
+
+    # ---- container behaviour ---------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.steps)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        return self.forward_len == other.forward_len and self.steps == other.steps
+
+    def __repr__(self) -> str:
+        n_compute = sum(1 for k, _ in self.steps if k == "compute")
+        return (
+            f"Schedule({len(self.steps)} steps, {n_compute} computes, "
+            f"forward_len={self.forward_len})"
+        )
+
+    @property
+    def forward_steps(self) -> list[Step]:
+        return self.steps[: self.forward_len]
+
+    @property
+    def backward_steps(self) -> list[Step]:
+        return self.steps[self.forward_len :]
+
+    # ---- flat arrays -------------------------------------------------------------------------
+    @classmethod
+    def from_arrays(cls, step_kind: Any, step_id: Any, forward_len: int) -> "Schedule":
+        kinds = np.asarray(step_kind)
+        ids = np.asarray(step_id)
+        if kinds.shape != ids.shape or kinds.ndim != 1:
+            raise ValueError(
+                f"step_kind and step_id must be 1-D arrays of equal length, got shapes "
+                f"{kinds.shape} and {ids.shape}"
+            )
+        bad = np.flatnonzero((kinds != 0) & (kinds != 1))
+        if bad.size:
+            raise ValueError(
+                f"step_kind item {int(bad[0])} is {kinds[bad[0]]}; 0 = compute, 1 = free"
+            )
+        if ids.size and int(ids.min()) < 0:
+            raise ValueError(f"step_id item {int(np.argmin(ids))} is negative; ids are >= 0")
+        forward_len = int(forward_len)
+        if not 0 <= forward_len <= len(ids):
+            raise ValueError(
+                f"forward_len {forward_len} must be between 0 and the number of steps ({len(ids)})"
+            )
+        # Checked in bulk above, so the per-step checks of __init__ are skipped.
+        obj = cls.__new__(cls)
+        obj.steps = [(STEP_KINDS[k], i) for k, i in zip(kinds.tolist(), ids.tolist())]
+        obj.forward_len = forward_len
+        return obj
+
+    def to_arrays(self) -> dict[str, Any]:
+        """``step_kind`` int8, ``step_id`` int64 and ``forward_len``, as the bindings take them."""
+        return {
+            "step_kind": np.array(
+                [0 if k == "compute" else 1 for k, _ in self.steps], dtype=np.int8
+            ),
+            "step_id": np.array([i for _, i in self.steps], dtype=np.int64),
+            "forward_len": self.forward_len,
+        }
+
+    # ---- JSON ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": SCHEDULE_FORMAT,
+            "version": SCHEDULE_VERSION,
+            "forward_len": self.forward_len,
+            "steps": [[k, i] for k, i in self.steps],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        """Parse schedule JSON; ValueError naming the field on bad input."""
+        from hrockmate import _native
+
+        kinds, ids, forward_len = _native.parse_schedule(text)
+        return cls.from_arrays(kinds, ids, forward_len)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write JSON atomically (temporary file + rename)."""
+        write_atomic(Path(path), self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Schedule":
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read schedule file {p}: {exc.strerror or exc}") from None
+        try:
+            return cls.from_json(text)
+        except ValueError as exc:
+            raise ValueError(f"{p}: {exc}") from None
+
+    # ---- readable form ---------------------------------------------------------------------
+    def describe(self, graph: Graph) -> list[str]:
+        """One line per step naming the op or tensor, e.g. ``compute mm_3`` (for debugging)."""
+        lines = []
+        for i, (kind, ident) in enumerate(self.steps):
+            if i == self.forward_len:
+                lines.append("-- backward --")
+            items = graph.ops if kind == "compute" else graph.tensors
+            name = items[ident].name if ident < len(items) else f"<id {ident} out of range>"
+            lines.append(f"{kind} {name}")
+        return lines
+
+
+@dataclass
+class SimulationResult:
+    """What the simulator measured (bytes and the graph's time unit)."""
+
+    peak_bytes: int
+    time: float
+    forward_peak: int
+    backward_peak: int
+    bytes_after_forward: int
+    peak_step: int
+    timeline: np.ndarray  # memory during each step (int64)
+    compute_count: np.ndarray  # times each op is computed (int64)
+
+
+_STEP_PREFIX = re.compile(r"^step (\d+): ")
+
+
+def _graph_names(graph: Graph) -> dict[str, list[str]]:
+    return {
+        "tensor_names": [t.name for t in graph.tensors],
+        "op_names": [o.name for o in graph.ops],
+    }
+
+
+def _call(fn: Callable[..., Any], graph: Graph, arrays: dict[str, Any], **extra: Any) -> Any:
+    """Call a native function; on failure call it again with names so that the message names
+    ops and tensors (names cost a list per call, so they are sent only when needed)."""
+    try:
+        return fn(**extra, **arrays)
+    except ValueError:
+        pass
+    try:
+        fn(**extra, **arrays, **_graph_names(graph))
+    except ValueError as exc:
+        message = str(exc)
+        m = _STEP_PREFIX.match(message)
+        if m:
+            raise ScheduleError(message, int(m.group(1))) from None
+        raise GraphError(message) from None
+    raise AssertionError("native call failed without names but succeeded with them")
+
+
+def simulate(graph: Graph, schedule: Schedule) -> SimulationResult:
+    """Check ``schedule`` against every rule and measure its memory and time on ``graph``.
+
+    Raises ScheduleError (with ``.step``) for a broken rule, GraphError for an invalid graph.
+    """
+    from hrockmate import _native
+
+    d = _call(_native.simulate, graph, graph.to_arrays(), **schedule.to_arrays())
+    return SimulationResult(
+        peak_bytes=int(d["peak_bytes"]),
+        time=float(d["time"]),
+        forward_peak=int(d["forward_peak"]),
+        backward_peak=int(d["backward_peak"]),
+        bytes_after_forward=int(d["bytes_after_forward"]),
+        peak_step=int(d["peak_step"]),
+        timeline=d["timeline"],
+        compute_count=d["compute_count"],
+    )
+
+
+def store_all_schedule(graph: Graph) -> Schedule:
+    """Plain autograd's schedule: every op once, each tensor freed after its last use."""
+    from hrockmate import _native
+
+    return Schedule.from_arrays(*_call(_native.store_all, graph, graph.to_arrays()))
+
+
+def recompute_all_schedule(graph: Graph) -> Schedule:
+    """Forward keeps only the outputs; backward recomputes what each backward op needs."""
+    from hrockmate import _native
+
+    return Schedule.from_arrays(*_call(_native.recompute_all, graph, graph.to_arrays()))
