@@ -227,6 +227,12 @@ class Graph:
                 [-1 if t.alias_of is None else t.alias_of for t in self.tensors], dtype=np.int64
             ),
             "tensor_role": np.array([ROLE_CODE[t.role] for t in self.tensors], dtype=np.int8),
+            "tensor_grad_of": np.array(
+                [-1 if t.grad_of is None else t.grad_of for t in self.tensors], dtype=np.int64
+            ),
+            "tensor_updates": np.array(
+                [-1 if t.updates is None else t.updates for t in self.tensors], dtype=np.int64
+            ),
             "op_time": np.array([o.time for o in self.ops], dtype=np.float64),
             "op_workspace": np.array([o.workspace for o in self.ops], dtype=np.int64),
             "op_phase": np.array(

@@ -1,0 +1,329 @@
+"""Cost model: run time and temporary workspace of every op of a traced iteration.
+
+Times (seconds):
+- ``"measure"``: each distinct op *signature* (target + shapes, strides, dtypes and devices of
+  tensor arguments + the non-tensor arguments) is run on the sample's device on real tensors
+  and timed; repeated layers are measured once. On CUDA with CUDA events, on CPU with
+  ``time.perf_counter``; one warm-up call, then repeats until ``MIN_MEASURE_S`` of run time or
+  ``MAX_REPEATS`` calls, and the median is kept. Once ``budget_s`` seconds have been spent
+  measuring, remaining new signatures are estimated instead (reported in ``CostReport``).
+- ``"estimate"``: ``launch + flops / peak_flops + bytes_moved / bandwidth`` with FLOPs from
+  ``torch.utils.flop_counter``'s formulas (matmuls, convolutions, attention; 0 for other ops)
+  and bytes moved = bytes of the tensor arguments read + bytes of the outputs written. The
+  constants are in ``DEVICE_SPEEDS``: rough figures for a current server CPU core pair and a
+  data-centre GPU; only ratios between ops matter to the planner.
+
+Real tensors: the joint graph is run once on the real sample (parameters, buffers, inputs and
+tangents of ones), so every op sees values like the real ones (integer indices stay in range).
+The values are detached, and ops run with grad mode on as when traced (some kernels, e.g.
+oneDNN's LSTM layer, only return the workspace their backward needs in grad mode).
+
+Output sizes: the same real run checks every output against the fake tensors (size of the
+storage it owns, or the storage it shares) and corrects the IR where they differ
+(``CostReport.resized``).
+
+Workspace (bytes): memory an op allocates while it runs beyond its new outputs, measured in
+that same run: on CUDA, ``max_memory_allocated`` during the op minus the memory allocated
+before it and its new outputs; on CPU, from the profiler's allocator events (running sum of the
+bytes allocated and freed inside the op, peak minus its new outputs). ``"none"`` leaves 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from hrockmate.trace import (
+    Traced,
+    allocated_bytes,
+    placeholder_values,
+    preserved_rng,
+    run_joint,
+)
+
+__all__ = [
+    "DEVICE_SPEEDS",
+    "CostReport",
+    "annotate_costs",
+    "estimate_time",
+    "op_signature",
+]
+
+#: (peak FLOP/s, memory bandwidth bytes/s, per-op launch overhead s) per device type.
+DEVICE_SPEEDS: dict[str, tuple[float, float, float]] = {
+    "cpu": (5.0e10, 1.0e10, 5.0e-6),
+    "cuda": (5.0e13, 1.5e12, 5.0e-6),
+}
+MIN_MEASURE_S = 2e-3
+MAX_REPEATS = 25
+MIN_REPEATS = 3
+
+
+@dataclass
+class CostReport:
+    mode: str
+    signatures: int = 0  # distinct op signatures seen
+    measured: int = 0  # signatures timed on the device
+    estimated: int = 0  # signatures estimated (mode "estimate", or the time budget ran out)
+    resized: int = 0  # output sizes corrected from the real run (fake kernels got them wrong)
+    measure_seconds: float = 0.0
+    workspace_seconds: float = 0.0
+    cache: dict[Any, float] = field(default_factory=dict)
+
+
+def _tensor_sig(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.type)
+    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(x)
+    return x
+
+
+def op_signature(node: fx.Node) -> Any:
+    """Hashable key: target + tensor metadata of the arguments + the non-tensor arguments."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    key = tuple(_tensor_sig(x) for x in flat)
+    try:
+        hash(key)
+    except TypeError:
+        key = repr(key)  # type: ignore[assignment]
+    return (str(node.target), str(spec), key)
+
+
+def _nbytes(x: Any) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for t in pytree.tree_leaves(x)
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def estimate_time(node: fx.Node, device_type: str = "cpu") -> float:
+    """FLOP/bandwidth estimate of one op from its fake-tensor metadata (seconds)."""
+    from torch.utils.flop_counter import flop_registry
+
+    peak, bandwidth, launch = DEVICE_SPEEDS.get(device_type, DEVICE_SPEEDS["cpu"])
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    out = node.meta.get("val")
+    flops = 0
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None and packet in flop_registry:
+        try:
+            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+        except Exception:  # noqa: BLE001 - a formula that rejects these args counts 0 FLOPs
+            flops = 0
+    schema = getattr(node.target, "_schema", None)
+    is_view = schema is not None and all(r.alias_info is not None for r in schema.returns)
+    moved = 0 if is_view else _nbytes((args, kwargs)) + _nbytes(out)
+    return launch + flops / peak + moved / bandwidth
+
+
+def _new_output_bytes(traced: Traced, op_id: int) -> int:
+    g = traced.graph
+    return sum(g.tensors[t].bytes for t in g.ops[op_id].outputs if g.tensors[t].alias_of is None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_op(node: fx.Node, args: Any, kwargs: Any, device: torch.device) -> float:
+    fn = node.target
+    fn(*args, **kwargs)  # warm-up
+    samples: list[float] = []
+    total = 0.0
+    while len(samples) < MAX_REPEATS and (total < MIN_MEASURE_S or len(samples) < MIN_REPEATS):
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args, **kwargs)
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn(*args, **kwargs)
+            dt = time.perf_counter() - t0
+        samples.append(dt)
+        total += dt
+    return statistics.median(samples)
+
+
+def _correct_outputs(traced: Traced, op_id: int, args: Any, kwargs: Any, out: Any) -> int:
+    """Make ``op_id``'s outputs in the IR agree with what the real run allocated.
+
+    Fake (meta) kernels may get an output wrong: oneDNN's LSTM layer reports an empty
+    workspace tensor that is tens of kilobytes in reality, and a fake kernel may return one
+    tensor twice where the real kernel makes two. A storage-owning output gets the real size;
+    an output recorded as sharing the storage of an input or of another output of the op, but
+    which does not share it in reality, becomes a storage owner. Returns how many changed."""
+    g = traced.graph
+    op = g.ops[op_id]
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    real_of: dict[int, torch.Tensor] = {}
+    in_vals = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if len(in_vals) == len(op.inputs):
+        real_of.update(zip(op.inputs, in_vals))
+    for tid in op.outputs:
+        index = traced.tensor_nodes[tid][1]
+        real = outs[0] if index is None else outs[index]
+        if isinstance(real, torch.Tensor):
+            real_of[tid] = real
+    changed = 0
+    for tid in op.outputs:
+        t, real = g.tensors[tid], real_of.get(tid)
+        if real is None:
+            continue
+        nbytes = allocated_bytes(real.untyped_storage().nbytes(), traced.device)
+        if t.alias_of is not None:
+            base = real_of.get(t.alias_of)
+            if base is None or _same_storage(base, real):
+                continue  # a view as recorded (or of a tensor this op does not see)
+            t.alias_of = None
+            t.bytes = nbytes
+            changed += 1
+        elif nbytes != t.bytes:
+            t.bytes = nbytes
+            changed += 1
+    return changed
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _measure_workspace_cpu(
+    traced: Traced, values: dict[str, torch.Tensor]
+) -> tuple[list[int], int]:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    n = len(traced.op_nodes)
+    resized = 0
+
+    def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
+        nonlocal resized
+        with record_function(f"hrockmate_op:{op_id}"):
+            out = node.target(*args, **kwargs)
+        resized += _correct_outputs(traced, op_id, args, kwargs, out)
+        return out
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_joint(traced, values, keep=set(), on_op=on_op)
+    windows: list[tuple[int, int, int]] = []
+    mem: list[tuple[int, int]] = []
+    for ev in prof.profiler.kineto_results.events():
+        name = ev.name()
+        if name == "[memory]":
+            mem.append((ev.start_ns(), int(ev.nbytes())))
+        elif name.startswith("hrockmate_op:"):
+            windows.append((ev.start_ns(), ev.start_ns() + ev.duration_ns(), int(name[13:])))
+    mem.sort()
+    windows.sort()
+    peaks = [0] * n
+    j = 0
+    for start, end, op_id in windows:
+        while j < len(mem) and mem[j][0] < start:
+            j += 1
+        running = peak = 0
+        while j < len(mem) and mem[j][0] <= end:
+            running += mem[j][1]
+            peak = max(peak, running)
+            j += 1
+        peaks[op_id] = peak
+    return [max(0, peaks[i] - _new_output_bytes(traced, i)) for i in range(n)], resized
+
+
+def _measure_workspace_cuda(
+    traced: Traced, values: dict[str, torch.Tensor]
+) -> tuple[list[int], int]:
+    device = traced.device
+    work = [0] * len(traced.op_nodes)
+    resized = 0
+
+    def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
+        nonlocal resized
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = node.target(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        resized += _correct_outputs(traced, op_id, args, kwargs, out)
+        work[op_id] = max(0, peak - _new_output_bytes(traced, op_id))
+        return out
+
+    run_joint(traced, values, keep=set(), on_op=on_op)
+    return work, resized
+
+
+def annotate_costs(
+    traced: Traced,
+    model: nn.Module,
+    sample: Any,
+    *,
+    mode: str = "measure",
+    budget_s: float = 120.0,
+) -> CostReport:
+    """Fill ``time`` and ``workspace`` of every op of ``traced.graph`` (see module docstring)."""
+    if mode not in ("measure", "estimate"):
+        raise ValueError(f"cost mode must be 'measure' or 'estimate', got {mode!r}")
+    device = traced.device
+    report = CostReport(mode=mode)
+    values = placeholder_values(traced, model, sample)
+    ops = traced.graph.ops
+
+    t0 = time.perf_counter()
+    with preserved_rng(device), torch.enable_grad():
+        if device.type == "cuda":
+            work, report.resized = _measure_workspace_cuda(traced, values)
+        else:
+            work, report.resized = _measure_workspace_cpu(traced, values)
+    for op, w in zip(ops, work):
+        op.workspace = int(w)
+    report.workspace_seconds = time.perf_counter() - t0
+
+    sigs = [op_signature(n) for n in traced.op_nodes]
+    report.signatures = len(set(sigs))
+    cache = report.cache
+    if mode == "estimate":
+        for i, node in enumerate(traced.op_nodes):
+            if sigs[i] not in cache:
+                cache[sigs[i]] = estimate_time(node, device.type)
+        report.estimated = len(cache)
+    else:
+        t1 = time.perf_counter()
+
+        def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
+            sig = sigs[op_id]
+            if sig not in cache:
+                if time.perf_counter() - t1 < budget_s:
+                    cache[sig] = _time_op(node, args, kwargs, device)
+                    report.measured += 1
+                else:
+                    cache[sig] = estimate_time(node, device.type)
+                    report.estimated += 1
+            return node.target(*args, **kwargs)
+
+        with preserved_rng(device), torch.enable_grad():
+            run_joint(traced, values, keep=set(), on_op=on_op)
+        report.measure_seconds = time.perf_counter() - t1
+    for op, sig in zip(ops, sigs):
+        op.time = float(cache[sig])
+    traced.graph.meta["cost_report"] = {
+        "mode": mode,
+        "signatures": report.signatures,
+        "measured": report.measured,
+        "estimated": report.estimated,
+        "resized": report.resized,
+    }
+    return report

@@ -1,0 +1,249 @@
+"""Peak-memory measurement by the budget definition of hrockmate.
+
+The budget bounds *activation memory*: the peak, during one training step, of the memory
+allocated beyond what was allocated before the step started, not counting the parameters'
+``.grad`` tensors.
+
+How ``measure_peak_memory`` implements it:
+- ``.grad`` exclusion: for every parameter passed in ``params`` whose ``.grad`` is ``None``, a
+  zero ``.grad`` is created *before* the baseline is taken. Autograd then accumulates each
+  parameter's gradient into that existing tensor in place, so the freshly computed gradient is
+  a transient: it is counted from the moment the backward op produces it until autograd has
+  added it into ``.grad`` and dropped it. This is exactly how the graph IR counts ``param_grad``
+  tensors (alive from production until freed, and freeing = handing to ``.grad``).
+- CUDA: ``reset_peak_memory_stats``; baseline = ``memory_allocated()`` before the step; peak =
+  ``max_memory_allocated()`` during the step minus the baseline. These are the caching
+  allocator's block sizes (rounded up to 512 bytes), so tiny tensors count a little more than
+  their ``nbytes``.
+- CPU: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free made
+  while the step runs (any thread); the peak of the running sum of their byte counts is the
+  peak. The profiler only sees allocations made during the step, so ``baseline_bytes`` is 0 on
+  CPU (the peak is relative to the start of the step by construction).
+
+The step function's return value stays referenced until the measurement ends, so tensors it
+returns (e.g. the model's outputs) count until the end of the step, like ``output`` tensors in
+the IR. Whatever the step needs that is not part of the iteration (inputs, tangents) must be
+created before calling ``measure_peak_memory``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+__all__ = [
+    "PeakMeasurement",
+    "measure_peak_memory",
+    "eager_training_step",
+    "measure_eager_peak",
+    "format_truth_table",
+    "truth_row",
+    "truth_table",
+]
+
+
+@dataclass
+class PeakMeasurement:
+    peak_bytes: int
+    baseline_bytes: int
+    device: str
+    #: on CPU: memory above the start after each allocator event (bytes); None on CUDA.
+    timeline: list[int] | None = None
+    #: what the step function returned (kept alive until the measurement ended)
+    result: Any = field(default=None, repr=False)
+
+
+def _resolve_device(device: torch.device | str | None, params: list[torch.Tensor]) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if params:
+        return params[0].device
+    return torch.device("cpu")
+
+
+def measure_peak_memory(
+    step_fn: Callable[[], Any],
+    *,
+    device: torch.device | str | None = None,
+    params: Iterable[torch.Tensor] | None = None,
+) -> PeakMeasurement:
+    """Run ``step_fn()`` once and measure its activation-memory peak (see module docstring).
+
+    ``params``: the parameters whose ``.grad`` must not count (zero ``.grad`` tensors are
+    created for those that have none). ``device``: where to measure; default: the parameters'
+    device, else CPU.
+    """
+    plist = list(params) if params is not None else []
+    dev = _resolve_device(device, plist)
+    with torch.no_grad():
+        for p in plist:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        baseline = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        result = step_fn()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - baseline
+        return PeakMeasurement(int(peak), int(baseline), str(dev), None, result)
+    if dev.type != "cpu":
+        raise ValueError(
+            f"measure_peak_memory supports cpu and cuda devices, got {dev}; "
+            "move the model to one of them"
+        )
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = step_fn()
+    events = sorted(
+        (ev.start_ns(), int(ev.nbytes()))
+        for ev in prof.profiler.kineto_results.events()
+        if ev.name() == "[memory]" and ev.device_type() == torch.autograd.DeviceType.CPU
+    )
+    running = peak = 0
+    timeline: list[int] = []
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+        timeline.append(running)
+    return PeakMeasurement(int(peak), 0, str(dev), timeline, result)
+
+
+def eager_training_step(
+    model: nn.Module,
+    sample: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    tangents: list[torch.Tensor] | None = None,
+) -> Callable[[], Any]:
+    """A plain-autograd training step for ``measure_peak_memory``: forward (plus ``loss_fn``),
+    then backward from the tensor outputs that require grad with ``tangents`` (one per such
+    output, in pytree order; create them beforehand, default ones made on first use). Returns
+    the outputs, so they stay alive until the step ends."""
+    from hrockmate.trace import split_sample
+
+    args, kwargs = split_sample(sample)
+
+    def step() -> Any:
+        out = model(*args, **kwargs)
+        if loss_fn is not None:
+            out = loss_fn(out)
+        outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        diff = [x for x in outs if x.requires_grad]
+        grads = tangents if tangents is not None else [torch.ones_like(x) for x in diff]
+        if len(grads) != len(diff):
+            raise ValueError(
+                f"{len(grads)} tangents given for {len(diff)} outputs that require grad"
+            )
+        torch.autograd.backward(diff, grads)
+        return out
+
+    return step
+
+
+def measure_eager_peak(
+    model: nn.Module,
+    sample: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    traced: Any = None,
+) -> PeakMeasurement:
+    """Activation-memory peak of one plain-autograd training step of ``model`` on ``sample``:
+    the iteration a traced graph describes, with tangents of ones created before the baseline
+    (shapes from ``traced`` when given, else from a no-grad forward run)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if traced is not None:
+        g = traced.graph
+        tangent_ids = sorted(
+            (key, tid) for tid, (kind, key) in traced.sources.items() if kind == "tangent"
+        )
+        tangents = []
+        for _key, tid in tangent_ids:
+            t = g.tensors[tid]
+            tangents.append(torch.ones(t.shape or [], dtype=getattr(torch, t.dtype or "float32"),
+                                       device=traced.device))
+    else:
+        from hrockmate.trace import split_sample
+
+        args, kwargs = split_sample(sample)
+        with torch.enable_grad():
+            out = model(*args, **kwargs)
+            if loss_fn is not None:
+                out = loss_fn(out)
+        tangents = [torch.ones_like(x) for x in pytree.tree_leaves(out)
+                    if isinstance(x, torch.Tensor) and x.requires_grad]
+        del out
+    step = eager_training_step(model, sample, loss_fn=loss_fn, tangents=tangents)
+    return measure_peak_memory(step, params=params)
+
+
+def truth_row(
+    name: str,
+    model: nn.Module,
+    sample: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Trace ``model`` (estimated times, measured workspaces), simulate the store-all schedule
+    and measure plain autograd's peak on the same iteration: one row of the truth table."""
+    import hrockmate
+    from hrockmate.trace import trace_model
+
+    t0 = time.perf_counter()
+    traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate", name=name)
+    trace_s = time.perf_counter() - t0
+    sim = hrockmate.simulate(traced.graph, hrockmate.store_all_schedule(traced.graph))
+    measured = measure_eager_peak(model, sample, loss_fn=loss_fn, traced=traced).peak_bytes
+    simulated = int(sim.peak_bytes)
+    return {
+        "model": name,
+        "ops": traced.graph.num_ops,
+        "trace_s": round(trace_s, 3),
+        "simulated_peak": simulated,
+        "measured_peak": int(measured),
+        "error": (simulated - measured) / measured if measured else float("nan"),
+    }
+
+
+def format_truth_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'model':<24}{'ops':>6}{'trace s':>9}{'simulated':>12}{'measured':>12}{'error':>9}"]
+    for r in rows:
+        lines.append(
+            f"{r['model']:<24}{r['ops']:>6}{r['trace_s']:>9.2f}{r['simulated_peak']:>12}"
+            f"{r['measured_peak']:>12}{100 * r['error']:>8.2f}%"
+        )
+    return "\n".join(lines)
+
+
+def truth_table(
+    names: Iterable[str] | None = None,
+    *,
+    out: str | Path | None = "bench-results/truth_table.json",
+    echo: bool = True,
+) -> list[dict[str, Any]]:
+    """Simulated store-all peak of each built-in model's traced graph (default configuration)
+    against the peak of plain autograd measured on CPU. Writes the rows as JSON to ``out``."""
+    from hrockmate import models
+
+    rows = []
+    for name in names or models.MODELS:
+        model, sample = models.build(name)
+        rows.append(truth_row(name, model, sample))
+    if echo:
+        print(format_truth_table(rows))
+    if out is not None:
+        from hrockmate.graph import write_atomic
+
+        write_atomic(Path(out), json.dumps({"device": "cpu", "torch": torch.__version__,
+                                            "rows": rows}, indent=2))
+    return rows

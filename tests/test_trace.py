@@ -1,0 +1,435 @@
+"""Tracing real models into the IR, and executing the traced joint graph like plain autograd."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+import hrockmate
+from hrockmate import models
+from hrockmate.graph import PREEXISTING_ROLES
+from hrockmate.trace import (
+    TraceError,
+    Traced,
+    placeholder_values,
+    run_joint,
+    split_sample,
+    trace_model,
+)
+
+_CACHE: dict[str, tuple[nn.Module, Any, Traced]] = {}
+
+
+def traced_builtin(name: str) -> tuple[nn.Module, Any, Traced]:
+    """Trace each built-in model once per test session (cost "none": tests of structure)."""
+    if name not in _CACHE:
+        model, sample = models.build(name)
+        _CACHE[name] = (model, sample, trace_model(model, sample, cost="none", name=name))
+    return _CACHE[name]
+
+
+def eager_step(
+    model: nn.Module, sample: Any, seed: int, loss_fn: Callable[[Any], torch.Tensor] | None = None
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Plain autograd: outputs, parameter gradients, buffers after the step (tangents of ones)."""
+    args, kwargs = split_sample(sample)
+    torch.manual_seed(seed)
+    out = model(*args, **kwargs)
+    if loss_fn is not None:
+        out = loss_fn(out)
+    leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    diff = [x for x in leaves if x.requires_grad]
+    torch.autograd.backward(diff, [torch.ones_like(x) for x in diff])
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return leaves, grads, {n: b.clone() for n, b in model.named_buffers()}
+
+
+def joint_step(
+    traced: Traced, model: nn.Module, sample: Any, seed: int
+) -> dict[int, torch.Tensor]:
+    torch.manual_seed(seed)
+    return run_joint(traced, placeholder_values(traced, model, sample))
+
+
+def assert_reproduces_autograd(
+    model: nn.Module, sample: Any, traced: Traced, *, exact: bool = True,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> None:
+    fresh = copy.deepcopy(model)  # the eager step below updates BatchNorm buffers
+    got = joint_step(traced, fresh, sample, seed=1234)
+    outs, grads, buffers = eager_step(model, sample, seed=1234, loss_fn=loss_fn)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    assert len(outs) == len(traced.output_ids)
+    for tid, ref in zip(traced.output_ids, outs):
+        assert same(got[tid], ref), f"output {traced.graph.tensors[tid].name} differs"
+    assert set(traced.param_grads) == set(grads)
+    for name, tid in traced.param_grads.items():
+        assert same(got[tid], grads[name]), f"gradient of {name} differs"
+    for name, tid in traced.buffer_updates.items():
+        assert same(got[tid], buffers[name]), f"buffer {name} differs"
+
+
+# ---- every built-in model ------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_builtin_model_traces_to_valid_ir(name: str) -> None:
+    model, _sample, traced = traced_builtin(name)
+    g = traced.graph
+    g.validate()  # the Rust core's checks
+    phases = [op.phase for op in g.ops]
+    n_fwd = phases.count("forward")
+    assert 0 < n_fwd < len(phases)
+    assert phases == ["forward"] * n_fwd + ["backward"] * (len(phases) - n_fwd)
+    # one IR parameter per distinct Parameter, and one gradient for each
+    params = dict(model.named_parameters())
+    assert sum(t.role == "parameter" for t in g.tensors) == len(params)
+    assert set(traced.param_grads) == set(params)
+    for name, tid in traced.param_grads.items():
+        t = g.tensors[tid]
+        assert t.role == "param_grad"
+        assert g.tensors[t.grad_of].name == f"param:{name}"
+    assert len(traced.op_nodes) == g.num_ops
+    assert len(traced.tensor_nodes) == g.num_tensors
+    for tid, t in enumerate(g.tensors):
+        node, _ = traced.tensor_nodes[tid]
+        if t.role in PREEXISTING_ROLES:
+            assert node.op == "placeholder" and tid in traced.sources
+        if t.alias_of is not None:
+            assert t.bytes == 0
+    # every traced graph of a model with parameters has backward ops grouped under forward ops
+    assert any(op.differentiates is not None for op in g.ops if op.phase == "backward")
+    for op in g.ops:
+        if op.differentiates is not None:
+            assert g.ops[op.differentiates].phase == "forward"
+
+
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_builtin_joint_graph_reproduces_autograd(name: str) -> None:
+    model, sample, traced = traced_builtin(name)
+    assert_reproduces_autograd(copy.deepcopy(model), sample, traced, exact=True)
+
+
+# ---- specific features -----------------------------------------------------------------------
+def test_batchnorm_running_stats_become_buffer_updates() -> None:
+    model, _sample, traced = traced_builtin("cnn_bn")
+    g = traced.graph
+    buffers = dict(model.named_buffers())
+    assert set(traced.buffer_updates) == set(buffers)
+    for name, tid in traced.buffer_updates.items():
+        t = g.tensors[tid]
+        assert t.role == "buffer_update" and g.tensors[t.updates].name == f"buffer:{name}"
+        producer = next(op for op in g.ops if tid in op.outputs)
+        assert producer.mutates_buffer and producer.phase == "forward"
+    assert any(op.target.startswith("aten._native_batch_norm_legit") for op in g.ops)
+
+
+def test_dropout_ops_are_random_and_replay_with_the_seed() -> None:
+    model, sample, traced = traced_builtin("gpt2_tiny")
+    g = traced.graph
+    random_ops = [op for op in g.ops if op.random]
+    assert len(random_ops) == 7  # embedding dropout + 3 per block (attn, resid, mlp) x 2 blocks
+    assert all(op.phase == "forward" for op in random_ops)
+    loss = traced.output_ids[0]
+    a = joint_step(traced, model, sample, seed=5)[loss]
+    b = joint_step(traced, model, sample, seed=5)[loss]
+    c = joint_step(traced, model, sample, seed=6)[loss]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_tied_weights_give_one_parameter_and_one_gradient() -> None:
+    model, _sample, traced = traced_builtin("gpt2_tiny")
+    assert model.lm_head.weight is model.wte.weight
+    assert "wte.weight" in traced.param_grads
+    assert "lm_head.weight" not in traced.param_grads
+    names = [t.name for t in traced.graph.tensors if t.role == "parameter"]
+    assert "param:wte.weight" in names and "param:lm_head.weight" not in names
+
+
+def test_views_alias_their_input_and_own_no_bytes() -> None:
+    _model, _sample, traced = traced_builtin("mlp")
+    g = traced.graph
+    views = [op for op in g.ops if op.target in ("aten.t.default", "aten.view.default")]
+    assert views
+    for op in views:
+        (out,) = op.outputs
+        assert g.tensors[out].alias_of == op.inputs[0] and g.tensors[out].bytes == 0
+    mm = next(op for op in g.ops if op.target == "aten.addmm.default")
+    out = g.tensors[mm.outputs[0]]
+    assert out.alias_of is None and out.bytes == 8 * 64 * 4  # (batch, hidden) float32
+
+
+def test_storage_sharing_without_schema_annotation_is_an_alias() -> None:
+    # nn.LSTMCell splits its gates with unsafe_chunk: outputs share the gates' storage
+    _model, _sample, traced = traced_builtin("rnn_loop")
+    g = traced.graph
+    split = next(op for op in g.ops if op.target == "aten.unsafe_split.Tensor")
+    assert len(split.outputs) == 4
+    for t in split.outputs:
+        assert g.tensors[t].alias_of == split.inputs[0] and g.tensors[t].bytes == 0
+
+
+def test_multi_output_members_are_tensors_even_if_unused() -> None:
+    _model, _sample, traced = traced_builtin("cnn_bn")
+    g = traced.graph
+    bn = next(op for op in g.ops if op.target.startswith("aten._native_batch_norm_legit"))
+    assert len(bn.outputs) == 5  # out, save_mean, save_invstd, new running mean, new running var
+    assert sum(g.tensors[t].role == "buffer_update" for t in bn.outputs) == 2
+    assert all(g.tensors[t].bytes > 0 for t in bn.outputs)
+
+
+def test_module_paths_and_backward_grouping() -> None:
+    _model, _sample, traced = traced_builtin("gpt2_tiny")
+    g = traced.graph
+    fwd_modules = {op.module for op in g.ops if op.phase == "forward"}
+    assert {"h.0.attn.qkv", "h.1.mlp.0", "ln_f"} <= fwd_modules
+    for op in g.ops:
+        if op.phase == "backward" and op.differentiates is not None:
+            assert op.module == g.ops[op.differentiates].module or op.module
+    # the weight gradient of the first MLP projection differentiates its addmm
+    addmm = next(i for i, op in enumerate(g.ops)
+                 if op.module == "h.0.mlp.0" and op.target == "aten.addmm.default")
+    assert any(op.differentiates == addmm and op.target == "aten.mm.default" for op in g.ops)
+
+
+def test_int_inputs_and_model_returning_its_own_loss() -> None:
+    model, sample, traced = traced_builtin("gpt2_tiny")
+    g = traced.graph
+    inputs = [g.tensors[t] for t, (kind, _) in traced.sources.items() if kind == "input"]
+    assert [t.dtype for t in inputs] == ["int64", "int64"]
+    (loss,) = traced.output_ids
+    assert g.tensors[loss].shape == [] and g.tensors[loss].role == "output"
+    tangents = [t for t, (kind, _) in traced.sources.items() if kind == "tangent"]
+    assert len(tangents) == 1 and traced.sources[tangents[0]] == ("tangent", 0)
+
+
+def test_outputs_without_loss_are_driven_by_tangents() -> None:
+    model, sample = models.gpt2_tiny(with_loss=False, n_layer=1)
+    traced = trace_model(model, sample, cost="none")
+    (logits,) = traced.output_ids
+    t = traced.graph.tensors[logits]
+    assert t.shape == [2, 16, 64]
+    (tangent,) = [tid for tid, (kind, _) in traced.sources.items() if kind == "tangent"]
+    assert traced.graph.tensors[tangent].shape == [2, 16, 64]
+    assert_reproduces_autograd(copy.deepcopy(model), sample, traced)
+
+
+def test_loss_fn_is_traced_inside() -> None:
+    model, sample = models.mlp(n_layers=1)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    traced = trace_model(model, sample, cost="none", loss_fn=loss_fn)
+    (loss,) = traced.output_ids
+    assert traced.graph.tensors[loss].shape == []
+    assert any(op.target == "aten.mean.default" for op in traced.graph.ops)
+    assert_reproduces_autograd(copy.deepcopy(model), sample, traced, loss_fn=loss_fn)
+
+
+class _DictModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, ids: torch.Tensor, scale: float = 1.0, extra: torch.Tensor | None = None
+                ) -> dict[str, Any]:
+        h = self.lin(self.emb(ids)) * scale
+        assert extra is not None
+        return {"h": h, "stats": (h.sum(), "tag", 3), "extra": extra * 2}
+
+
+def test_dict_sample_several_outputs_and_constants() -> None:
+    model = _DictModel()
+    sample = {"ids": torch.tensor([[1, 2, 3]]), "scale": 0.5, "extra": torch.ones(2)}
+    traced = trace_model(model, sample, cost="none")
+    assert len(traced.output_ids) == 3
+    spec, leaves = traced.output_spec
+    rebuilt = pytree.tree_unflatten(
+        [f"T{i}" if x is None else x for i, x in enumerate(leaves)], spec
+    )
+    assert rebuilt["stats"][1:] == ("tag", 3) and isinstance(rebuilt["h"], str)
+    assert [m if not isinstance(m, tuple) else m[0] for m in traced.input_meta] == [
+        (1, 3), 0.5, (2,)
+    ]
+    # "extra" does not require grad, so its output has no tangent: 2 tangents for 3 outputs
+    assert sum(kind == "tangent" for kind, _ in traced.sources.values()) == 2
+    assert_reproduces_autograd(copy.deepcopy(model), sample, traced)
+
+
+def test_input_requiring_grad_gets_an_input_grad() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    x = torch.randn(2, 4, requires_grad=True)
+    traced = trace_model(model, x, cost="none")
+    assert list(traced.input_grads) == [0]
+    t = traced.graph.tensors[traced.input_grads[0]]
+    assert t.role == "input_grad" and traced.graph.tensors[t.grad_of].role == "input"
+
+
+class _GradIsTangent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(2, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + self.b, x  # d(out)/d(b) is the tangent itself; the input is returned as is
+
+
+def test_results_that_are_placeholders_get_their_own_alias_op() -> None:
+    model = _GradIsTangent()
+    x = torch.randn(2, 4)
+    traced = trace_model(model, x, cost="none")
+    g = traced.graph
+    g.validate()
+    aliases = [op for op in g.ops if op.target == "aten.alias.default"]
+    assert len(aliases) == 2
+    grad = g.tensors[traced.param_grads["b"]]
+    assert g.tensors[grad.alias_of].role == "tangent"
+    ret = g.tensors[traced.output_ids[1]]
+    assert ret.role == "output" and g.tensors[ret.alias_of].role == "input"
+    got = joint_step(traced, model, x, seed=0)
+    assert torch.equal(got[traced.output_ids[1]], x)
+    assert torch.equal(got[traced.param_grads["b"]], torch.ones(2, 4))
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_transposed_output_tangent_keeps_traced_strides() -> None:
+    # batch_first attention returns a transposed tensor: its tangent is traced with those strides
+    model, x = _SelfAttention(), torch.randn(2, 4, 8)
+    traced = trace_model(model, x, cost="none")
+    (tangent,) = [tid for tid, (kind, _) in traced.sources.items() if kind == "tangent"]
+    assert not traced.tensor_nodes[tangent][0].meta["val"].is_contiguous()
+    assert_reproduces_autograd(copy.deepcopy(model), x, traced)
+
+
+def test_encoder_layer_dropout_on_transposed_tensor_replays_eager_numbers() -> None:
+    model = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.5, batch_first=True)
+    x = torch.randn(2, 4, 8)
+    traced = trace_model(model, x, cost="none")
+    assert sum(op.random for op in traced.graph.ops) == 4
+    assert_reproduces_autograd(copy.deepcopy(model), x, traced)
+
+
+def test_gru_loop_matches_autograd_to_rounding() -> None:
+    model, sample = models.rnn_loop(cell="gru", steps=3)
+    traced = trace_model(model, sample, cost="none")
+    assert_reproduces_autograd(copy.deepcopy(model), sample, traced, exact=False)
+
+
+def test_trace_leaves_global_rng_untouched() -> None:
+    model, sample = models.gpt2_tiny(n_layer=1)
+    torch.manual_seed(77)
+    before = torch.random.get_rng_state()
+    hrockmate.trace(model, sample, cost="estimate")
+    assert torch.equal(before, torch.random.get_rng_state())
+
+
+def test_trace_returns_graph_with_costs() -> None:
+    model, sample = models.mlp(n_layers=1)
+    g = hrockmate.trace(model, sample, cost="estimate")
+    assert isinstance(g, hrockmate.Graph)
+    assert all(op.time > 0 for op in g.ops)
+    assert g.meta["cost"] == "estimate" and g.meta["trace_seconds"] > 0
+
+
+# ---- errors --------------------------------------------------------------------------------
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.sum() > 0:  # data-dependent control flow
+            return h
+        return -h
+
+
+def test_data_dependent_control_flow_names_the_module() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _Branchy())
+    with pytest.raises(TraceError, match=r"module '1' \(_Branchy\).*control flow"):
+        trace_model(model, torch.randn(2, 4), cost="none")
+
+
+@torch.library.custom_op("hrockmate_test::no_fake", mutates_args=())
+def _no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def test_op_without_fake_implementation_is_named() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(_no_fake(x))
+
+    with pytest.raises(TraceError, match=r"no_fake.*register_fake"):
+        trace_model(M(), torch.randn(2, 4), cost="none")
+
+
+def test_bad_arguments_are_reported() -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(TraceError, match="sample must be a tensor"):
+        trace_model(model, 3.0, cost="none")
+    with pytest.raises(TraceError, match="cost must be one of"):
+        trace_model(model, torch.randn(2, 4), cost="fast")
+    with pytest.raises(TraceError, match="must be a torch.nn.Module"):
+        trace_model(lambda x: x, torch.randn(2, 4), cost="none")  # type: ignore[arg-type]
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(TraceError, match="no gradient flows"):
+        trace_model(frozen, torch.randn(2, 4), cost="none")
+
+
+def test_in_place_update_of_an_input_is_rejected() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2)  # modifies the caller's input
+            return self.lin(x)
+
+    with pytest.raises(TraceError, match="modifies its input"):
+        trace_model(M(), torch.randn(2, 4), cost="none")
+
+
+class _PlainTensorAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = torch.tensor([1.0, 2.0, 3.0])  # neither parameter nor buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_closed_over_tensors_become_constants() -> None:
+    model = _PlainTensorAttribute()
+    x = torch.randn(5, 4)
+    target = torch.randint(0, 3, (5,))
+    loss_fn = lambda out: nn.functional.cross_entropy(out, target)  # noqa: E731
+    traced = trace_model(model, x, cost="none", loss_fn=loss_fn)
+    traced.graph.validate()
+    constants = {tid: key for tid, (kind, key) in traced.sources.items() if kind == "constant"}
+    assert len(constants) >= 2  # the attribute and the targets
+    for tid, key in constants.items():
+        assert traced.graph.tensors[tid].role == "buffer"
+        assert isinstance(getattr(traced.gm, key), torch.Tensor)
+    values = {torch.equal(getattr(traced.gm, k), target) for k in constants.values()}
+    assert True in values
+    assert_reproduces_autograd(copy.deepcopy(model), x, traced, loss_fn=loss_fn)
