@@ -205,7 +205,9 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _measure_workspace_cpu(
     traced: Traced, values: dict[str, torch.Tensor]
 ) -> tuple[list[int], int]:
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
+
+    from hrockmate.memory import cpu_memory_profile
 
     n = len(traced.op_nodes)
     resized = 0
@@ -217,7 +219,7 @@ def _measure_workspace_cpu(
         resized += _correct_outputs(traced, op_id, args, kwargs, out)
         return out
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         run_joint(traced, values, keep=set(), on_op=on_op)
     windows: list[tuple[int, int, int]] = []
     mem: list[tuple[int, int]] = []

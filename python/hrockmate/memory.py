@@ -28,12 +28,15 @@ created before calling ``measure_peak_memory``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import sys
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -69,6 +72,41 @@ def _resolve_device(device: torch.device | str | None, params: list[torch.Tensor
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Hide what native code writes to stderr meanwhile (the profiler library prints a banner
+    on every start and stop that is noise to users)."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced, e.g. by a test runner
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def cpu_memory_profile() -> Iterator[Any]:
+    """``torch.profiler`` recording CPU allocator events, started and stopped quietly."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _quiet_native_stderr():
+            prof.stop()
+
+
 def measure_peak_memory(
     step_fn: Callable[[], Any],
     *,
@@ -101,9 +139,7 @@ def measure_peak_memory(
             f"measure_peak_memory supports cpu and cuda devices, got {dev}; "
             "move the model to one of them"
         )
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         result = step_fn()
     events = sorted(
         (ev.start_ns(), int(ev.nbytes()))

@@ -172,7 +172,16 @@ pub fn simulate(g: &Graph, s: &Schedule) -> Result<SimResult, ScheduleError> {
                         continue;
                     }
                     let shared = if is_view {
-                        nearest_alive_instance(g, t, &alive, &inst_of)
+                        // A view aliases what its op reads (or another output of the same op):
+                        // share the instance of an alive one of those with the same root first,
+                        // then fall back to the alias chain.
+                        op.inputs
+                            .iter()
+                            .chain(op.outputs.iter())
+                            .copied()
+                            .find(|&x| x != t && alive[x] && roots[x] == roots[t] && counted(x))
+                            .map(|x| inst_of[x])
+                            .unwrap_or_else(|| nearest_alive_instance(g, t, &alive, &inst_of))
                     } else {
                         NONE
                     };

@@ -583,6 +583,32 @@ fn recomputing_a_base_while_its_old_view_is_alive_counts_two_copies() {
 }
 
 #[test]
+fn a_view_shares_the_storage_its_op_reads_even_when_its_alias_base_was_freed() {
+    // a (1000) <- mm; b = view of a (t1); c = view of a, produced by t2 reading b.
+    // After `free a`, b still holds a's storage, so c adds nothing.
+    let d = doc(
+        vec![
+            tensor("x", 8, "input"),
+            tensor("a", 1000, "activation"),
+            view("b", 1),
+            view("c", 1),
+            tensor("y", 4, "output"),
+        ],
+        vec![
+            op("mm", "forward", &[0], &[1]),
+            op("t1", "forward", &[1], &[2]),
+            op("t2", "forward", &[2], &[3]),
+            op("out", "forward", &[3], &[4]),
+        ],
+    );
+    let g = parse(&d).unwrap();
+    let s = Schedule { steps: vec![C(0), C(1), F(1), C(2), C(3)], forward_len: 5 };
+    let r = simulate(&g, &s).unwrap();
+    assert_eq!(r.timeline[3], 1000, "c must share b's storage instance");
+    assert_eq!(r.peak_bytes, 1004);
+}
+
+#[test]
 fn views_of_preexisting_tensors_and_of_sibling_outputs() {
     let d = doc(
         vec![
