@@ -1,0 +1,1070 @@
+"""The execution runtime: run a schedule over the traced joint graph inside autograd.
+
+``HRockmate(model, sample, budget)`` traces one training iteration of ``model`` (see
+``hrockmate.trace``), picks a schedule (store-all when the budget allows it, otherwise the
+solver's plan) and returns a ``torch.nn.Module`` that is called like ``model``. In training mode
+with gradients enabled a call runs the schedule's *forward segment* inside a
+``torch.autograd.Function``; when autograd reaches it, its backward runs the *backward segment*
+(with its recomputations) on the output gradients. The backward segment is cut into chunks, each
+one autograd node chained behind the previous one, so that finished parameter gradients reach
+autograd while the backward still runs. Parameters are inputs of these nodes, so autograd itself
+accumulates into their ``.grad`` (existing gradients are added to; DDP/FSDP hooks fire as
+usual).
+
+The schedule is compiled once into straight-line Python functions (the forward segment and each
+backward chunk) over a list ``E`` indexed by IR tensor id: a compute step is one call of the ATen
+op with its arguments read from ``E``; a free step drops the reference. Everything the hot path
+needs (op callables, constants, where outputs go, which random ops must replay their generator
+state, where buffers are written back, where the backward is cut) is decided while compiling.
+
+Semantics kept from eager PyTorch:
+
+- random ops draw exactly the numbers plain PyTorch draws with the same seed: the generator
+  state is saved right before the first execution of a random op that the schedule runs again,
+  and replayed around each recomputation (the current state is restored afterwards);
+- buffer updates (e.g. BatchNorm running statistics) are written back once per iteration, when
+  their value is first computed; recomputations neither write again nor see the new value;
+- in ``eval()`` mode or under ``torch.no_grad()`` the original model runs unchanged.
+
+A call whose inputs differ from the traced sample (structure, shape, dtype or device of a tensor,
+or the value of a non-tensor argument) raises ``InputMismatchError``; build a new ``HRockmate``
+for the new input (its plan depends on the shapes).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+__all__ = ["HRockmate", "InputMismatchError", "RuntimeScheduleError"]
+
+
+class InputMismatchError(ValueError):
+    """A call's inputs do not match the sample the module was traced (and planned) with."""
+
+
+class RuntimeScheduleError(ValueError):
+    """A schedule cannot be executed on the traced graph; the message names the step."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample / call normalisation
+# ---------------------------------------------------------------------------------------------
+def _leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """Readable names of the flattened leaves of a call, e.g. ``args[0]``, ``kwargs['mask']``."""
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        head, rest = path[0], path[1:]
+        root = "args" if getattr(head, "idx", 0) == 0 else "kwargs"
+        names.append(root + "".join(str(k) for k in rest))
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation of a schedule into straight-line code
+# ---------------------------------------------------------------------------------------------
+_LITERAL_TYPES = (bool, int, str, type(None))
+_PREEXISTING = frozenset({"input", "parameter", "buffer", "tangent"})
+
+
+@dataclass
+class _Segment:
+    fn: Callable[..., Any]
+    source: str
+
+
+@dataclass
+class Program:
+    """A schedule compiled for one traced graph (what the autograd Functions execute).
+
+    ``forward.fn(P, B, X, S) -> E``: P parameters by slot, B buffers by slot, X tensor inputs by
+    slot, S the list of saved generator states (filled here); returns the environment.
+    ``chunks[i].fn(E, B, T, S, GP, GX)``: the i-th part of the backward segment (T the output
+    gradients); it stores gradients per parameter / tensor-input slot into GP / GX.
+
+    The backward segment is cut into chunks so that gradients reach autograd (and thus
+    ``.grad``, DDP hooks...) while the backward still runs, not all at its end: each chunk is one
+    autograd node and hands over the gradients of ``chunk_params[i]`` / ``chunk_inputs[i]``.
+    Cuts are placed only where holding the finished gradients longer would raise the peak.
+    """
+
+    forward: _Segment
+    chunks: list[_Segment]
+    chunk_params: list[list[int]]
+    chunk_inputs: list[list[int]]
+    num_tensors: int
+    num_rng_slots: int
+    output_ids: list[int]
+    tangent_contiguous: list[bool]  # per output: traced gradient layout was contiguous
+    num_param_slots: int
+    num_input_slots: int
+    recomputed_ops: int  # compute steps that re-run an op already run in this iteration
+    modelled_peak_bytes: int  # peak of the runtime's own memory model (gradients as handed over)
+    #: memory the runtime holds beyond the graph's tensors (at most): saved generator states of
+    #: replayed random ops, and old values of buffers that recomputations read after write-back
+    extra_bytes: int
+
+
+def _resolve_generator(node: torch.fx.Node) -> torch.Generator:
+    """The default generator a random op draws from, from the device of its traced output."""
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) and val else val
+    device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.init()
+        return torch.cuda.default_generators[idx]
+    raise RuntimeScheduleError(
+        f"random op '{node.name}' runs on device {device}; replaying its random numbers is "
+        "supported on cpu and cuda only"
+    )
+
+
+def _state_nbytes(gen: torch.Generator) -> int:
+    """Bytes of one saved state of ``gen`` (5056 for the CPU Mersenne twister, 16 on CUDA)."""
+    return int(gen.get_state().nbytes)
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+class _Compiler:
+    """Turns (traced graph, schedule) into the Python source of the two segments."""
+
+    def __init__(
+        self,
+        traced: Any,
+        steps: Sequence[tuple[str, int]],
+        forward_len: int,
+        param_slot: dict[str, int],
+        buffer_slot: dict[str, int],
+        input_slot: dict[int, int],
+    ) -> None:
+        self.traced = traced
+        self.graph = traced.graph
+        self.steps = [(str(k), int(i)) for k, i in steps]
+        self.forward_len = int(forward_len)
+        self.param_slot = param_slot
+        self.buffer_slot = buffer_slot
+        self.input_slot = input_slot
+        self.namespace: dict[str, Any] = {}
+        self._consts: dict[int, str] = {}
+        self._node_key: dict[tuple[torch.fx.Node, int | None], int] = {}
+        for tid, (node, idx) in enumerate(traced.tensor_nodes):
+            if node is None:
+                continue
+            self._node_key[(node, idx)] = tid
+            if node.op == "call_function" and node.target is operator.getitem and idx is None:
+                self._node_key[(node.args[0], node.args[1])] = tid
+
+    # ---- argument expressions ------------------------------------------------------------
+    def _const(self, value: Any) -> str:
+        key = id(value)
+        name = self._consts.get(key)
+        if name is None:
+            name = f"K{len(self._consts)}"
+            self._consts[key] = name
+            self.namespace[name] = value
+        return name
+
+    def _tensor_of(self, node: torch.fx.Node, op_name: str) -> int:
+        tid = self._node_key.get((node, None))
+        if tid is None and node.op == "call_function" and node.target is operator.getitem:
+            tid = self._node_key.get((node.args[0], node.args[1]))
+        if tid is None:
+            raise RuntimeScheduleError(
+                f"op '{op_name}' reads fx node '{node.name}', which is no tensor of the graph "
+                "IR; the trace is inconsistent (re-trace the model)"
+            )
+        return tid
+
+    def _expr(self, a: Any, op_name: str, reads: list[int]) -> str:
+        if isinstance(a, torch.fx.Node):
+            tid = self._tensor_of(a, op_name)
+            reads.append(tid)
+            return f"E[{tid}]"
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(self._expr(x, op_name, reads) for x in a)
+            if isinstance(a, tuple):
+                return f"({inner},)" if len(a) == 1 else f"({inner})"
+            return f"[{inner}]"
+        if isinstance(a, _LITERAL_TYPES) and not isinstance(a, torch.SymInt):
+            return repr(a)
+        if isinstance(a, float) and math.isfinite(a):
+            return repr(a)
+        return self._const(a)
+
+    def _call(self, op_id: int, reads: list[int]) -> str:
+        node = self.traced.op_nodes[op_id]
+        name = f"F{op_id}"
+        if name not in self.namespace:
+            target = node.target
+            # OpOverload.__call__ only forwards to the C++ op; calling it directly saves a frame.
+            self.namespace[name] = getattr(target, "_op", target)
+        parts = [self._expr(a, node.name, reads) for a in node.args]
+        parts += [f"{k}={self._expr(v, node.name, reads)}" for k, v in node.kwargs.items()]
+        return f"{name}({', '.join(parts)})"
+
+    def _output_slots(self, op_id: int) -> list[tuple[int, int | None]]:
+        """(tensor id, position in the op's tuple result or None) for each IR output."""
+        node = self.traced.op_nodes[op_id]
+        out = []
+        for tid in self.graph.ops[op_id].outputs:
+            src, idx = self.traced.tensor_nodes[tid]
+            if src is not node:  # registered on the getitem node that unpacks the result
+                if src.op == "call_function" and src.target is operator.getitem:
+                    idx = src.args[1]
+                else:
+                    raise RuntimeScheduleError(
+                        f"tensor '{self.graph.tensors[tid].name}' is an output of op "
+                        f"'{self.graph.ops[op_id].name}' in the IR but not of its fx node"
+                    )
+            out.append((tid, idx))
+        return out
+
+    # ---- the whole program -------------------------------------------------------------
+    def compile(self) -> Program:
+        g = self.graph
+        tr = self.traced
+        n_t = g.num_tensors
+        if not 0 <= self.forward_len <= len(self.steps):
+            raise RuntimeScheduleError(
+                f"forward_len {self.forward_len} is outside the schedule of {len(self.steps)} steps"
+            )
+        roles = [t.role for t in g.tensors]
+        preexisting = [r in _PREEXISTING for r in roles]
+
+        # Where each gradient goes: ("GP", parameter slot) or ("GX", tensor-input slot).
+        grad_slot: dict[int, tuple[str, int]] = {}
+        for pname, tid in tr.param_grads.items():
+            if pname not in self.param_slot:
+                raise RuntimeScheduleError(
+                    f"the trace has a gradient for parameter '{pname}', which the model no "
+                    "longer has; re-create HRockmate for the current model"
+                )
+            grad_slot[tid] = ("GP", self.param_slot[pname])
+        for flat_idx, tid in tr.input_grads.items():
+            grad_slot[tid] = ("GX", self.input_slot[int(flat_idx)])
+        slot_uses: dict[tuple[str, int], int] = {}
+        for slot in grad_slot.values():
+            slot_uses[slot] = slot_uses.get(slot, 0) + 1
+        buffer_of_update = {tid: b for b, tid in tr.buffer_updates.items()}
+        buffer_tensor: dict[str, int] = {}
+        head_fwd: list[str] = [f"E = [None] * {n_t}"]
+        head_bwd: list[str] = []
+        for tid, (kind, key) in tr.sources.items():
+            tid = int(tid)
+            if kind == "param":
+                head_fwd.append(f"E[{tid}] = P[{self.param_slot[key]}]")
+            elif kind == "buffer":
+                head_fwd.append(f"E[{tid}] = B[{self.buffer_slot[key]}]")
+                buffer_tensor[key] = tid
+            elif kind == "input":
+                slot = self.input_slot.get(int(key))
+                if slot is None:
+                    raise RuntimeScheduleError(
+                        f"graph input '{g.tensors[tid].name}' comes from sample leaf {key}, "
+                        "which is not a tensor"
+                    )
+                head_fwd.append(f"E[{tid}] = X[{slot}]")
+            elif kind == "tangent":
+                head_bwd.append(f"E[{tid}] = T[{int(key)}]")
+            else:
+                raise RuntimeScheduleError(f"unknown source kind {kind!r} for tensor {tid}")
+
+        # First pass: check reads, count how often each op runs, find the last read of each
+        # tensor (a buffer written back must keep its old value for later recomputations).
+        alive = list(preexisting)
+        runs = [0] * g.num_ops
+        calls: list[str | None] = []
+        last_read: dict[int, int] = {}
+        for pos, (kind, ident) in enumerate(self.steps):
+            where = f"schedule step {pos} ({kind} {ident})"
+            if kind == "compute":
+                if not 0 <= ident < g.num_ops:
+                    raise RuntimeScheduleError(f"{where}: no op {ident} in the graph")
+                if pos < self.forward_len and g.ops[ident].phase == "backward":
+                    raise RuntimeScheduleError(
+                        f"{where}: backward op '{g.ops[ident].name}' in the forward segment"
+                    )
+                reads: list[int] = []
+                calls.append(self._call(ident, reads))
+                for t in reads:
+                    if not alive[t]:
+                        raise RuntimeScheduleError(
+                            f"{where}: op '{g.ops[ident].name}' reads tensor "
+                            f"'{g.tensors[t].name}', which is not alive at that point"
+                        )
+                    last_read[t] = pos
+                runs[ident] += 1
+                for t in g.ops[ident].outputs:
+                    alive[t] = True
+            elif kind == "free":
+                if not 0 <= ident < n_t:
+                    raise RuntimeScheduleError(f"{where}: no tensor {ident} in the graph")
+                if roles[ident] in _PREEXISTING or roles[ident] == "output":
+                    raise RuntimeScheduleError(
+                        f"{where}: tensor '{g.tensors[ident].name}' has role "
+                        f"'{roles[ident]}', which a schedule may not free"
+                    )
+                if not alive[ident]:
+                    raise RuntimeScheduleError(
+                        f"{where}: tensor '{g.tensors[ident].name}' is not alive"
+                    )
+                calls.append(None)
+                alive[ident] = False
+            else:
+                raise RuntimeScheduleError(f"{where}: unknown step kind {kind!r}")
+        freed = {i for k, i in self.steps if k == "free"}
+        for t in grad_slot:
+            if not alive[t] and t not in freed:
+                raise RuntimeScheduleError(
+                    f"the schedule never produces gradient '{g.tensors[t].name}'"
+                )
+        for t in tr.output_ids:
+            if not alive[t]:
+                raise RuntimeScheduleError(
+                    f"output '{g.tensors[t].name}' is not produced by the schedule"
+                )
+
+        random_ops = [k for k in range(g.num_ops) if g.ops[k].random or _is_random(tr.op_nodes[k])]
+        self._check_random_order(random_ops)
+        rng_slot: dict[int, int] = {}
+        rng_bytes = 0
+        for k in random_ops:
+            if runs[k] > 1:  # only ops that run again need their generator state kept
+                rng_slot[k] = len(rng_slot)
+                gen = _resolve_generator(tr.op_nodes[k])
+                self.namespace[f"RG{rng_slot[k]}"] = gen
+                rng_bytes += _state_nbytes(gen)
+
+        cuts = self._chunk_cuts(grad_slot)
+
+        # Second pass: emit code.
+        extra_bytes = 0
+        alive = list(preexisting)
+        done = [0] * g.num_ops
+        written_back: set[int] = set()
+        fwd_body: list[str] = []
+        chunk_bodies: list[list[str]] = [list(head_bwd)]
+        pending: list[int] = []  # gradients stashed since the last cut
+        chunk_grads: list[list[int]] = []
+        for pos, (kind, ident) in enumerate(self.steps):
+            if pos in cuts:
+                chunk_grads.append(pending)
+                pending = []
+                chunk_bodies.append([])
+            out = fwd_body if pos < self.forward_len else chunk_bodies[-1]
+            if kind == "free":
+                t = ident
+                if t in grad_slot:
+                    out.append(self._stash(t, grad_slot[t], slot_uses))
+                    pending.append(t)
+                out.append(f"E[{t}] = None")
+                alive[t] = False
+                continue
+            k = ident
+            fresh = [(t, i) for t, i in self._output_slots(k) if not alive[t]]
+            call = calls[pos]
+            assert call is not None
+            lines: list[str] = []
+            if not fresh:
+                lines.append(call)  # every output is alive: a temporary, dropped at once
+            elif len(fresh) == 1 and fresh[0][1] is None:
+                lines.append(f"E[{fresh[0][0]}] = {call}")
+            else:
+                lines.append(f"_r = {call}")
+                lines += [f"E[{t}] = _r[{i}]" for t, i in fresh]
+                lines.append("del _r")
+            if k in rng_slot:
+                r = rng_slot[k]
+                if done[k] == 0:
+                    lines.insert(0, f"S[{r}] = RG{r}.get_state()")
+                else:
+                    lines.insert(0, f"_c = RG{r}.get_state(); RG{r}.set_state(S[{r}])")
+                    lines.append(f"RG{r}.set_state(_c); del _c")
+                    if done[k] == runs[k] - 1:
+                        lines.append(f"S[{r}] = None")  # last replay: the state is not needed
+            done[k] += 1
+            for t, _ in fresh:
+                alive[t] = True
+                b = buffer_of_update.get(t)
+                if b is not None and t not in written_back:
+                    written_back.add(t)
+                    bt = buffer_tensor.get(b)
+                    if bt is not None and last_read.get(bt, -1) > pos:
+                        # a later recomputation reads the buffer: keep its old value for it
+                        lines.append(f"E[{bt}] = E[{bt}].clone()")
+                        extra_bytes += g.tensors[bt].bytes
+                    lines.append(f"B[{self.buffer_slot[b]}].copy_(E[{t}])")
+            out.extend(lines)
+        tail = []
+        for t in grad_slot:
+            if alive[t]:
+                tail.append(self._stash(t, grad_slot[t], slot_uses))
+                pending.append(t)
+        chunk_bodies[-1].extend(tail)
+        chunk_grads.append(pending)
+
+        self.namespace["_acc"] = _accumulate
+        fwd_src = "def forward_segment(P, B, X, S):\n" + "".join(
+            f"    {line}\n" for line in head_fwd + fwd_body + ["return E"]
+        )
+        chunks = []
+        for i, body in enumerate(chunk_bodies):
+            src = f"def backward_chunk_{i}(E, B, T, S, GP, GX):\n" + "".join(
+                f"    {line}\n" for line in body + ["return None"]
+            )
+            chunks.append(_Segment(self._exec(src, f"backward_chunk_{i}"), src))
+
+        # Each slot is handed over with the chunk that stashes its last gradient.
+        slot_chunk: dict[tuple[str, int], int] = {}
+        for i, grads in enumerate(chunk_grads):
+            for t in grads:
+                slot_chunk[grad_slot[t]] = i
+        chunk_params: list[list[int]] = [[] for _ in chunks]
+        chunk_inputs: list[list[int]] = [[] for _ in chunks]
+        n_params = len(set(self.param_slot.values()))
+        for j in range(n_params):
+            chunk_params[slot_chunk.get(("GP", j), 0)].append(j)
+        for j in range(len(self.input_slot)):
+            chunk_inputs[slot_chunk.get(("GX", j), 0)].append(j)
+
+        tangent_contig: list[bool] = []
+        for o in tr.output_ids:
+            node, idx = tr.tensor_nodes[o]
+            val = node.meta.get("val")
+            if isinstance(val, (tuple, list)) and idx is not None:
+                val = val[idx]
+            tangent_contig.append(not isinstance(val, torch.Tensor) or val.is_contiguous())
+        return Program(
+            forward=_Segment(self._exec(fwd_src, "forward_segment"), fwd_src),
+            chunks=chunks,
+            chunk_params=chunk_params,
+            chunk_inputs=chunk_inputs,
+            num_tensors=n_t,
+            num_rng_slots=len(rng_slot),
+            output_ids=list(tr.output_ids),
+            tangent_contiguous=tangent_contig,
+            num_param_slots=n_params,
+            num_input_slots=len(self.input_slot),
+            recomputed_ops=sum(max(0, r - 1) for r in runs),
+            modelled_peak_bytes=self._modelled_peak,
+            extra_bytes=rng_bytes + extra_bytes,
+        )
+
+    def _check_random_order(self, random_ops: list[int]) -> None:
+        """Plain PyTorch draws random numbers in forward order; the schedule must run each
+        random op for the first time in the forward segment and in that order."""
+        first: list[tuple[int, int]] = []
+        seen: set[int] = set()
+        wanted = set(random_ops)
+        for pos, (kind, ident) in enumerate(self.steps):
+            if kind == "compute" and ident in wanted and ident not in seen:
+                seen.add(ident)
+                first.append((pos, ident))
+        for (pos, k), (_, prev) in zip(first[1:], first):
+            if k < prev:
+                raise RuntimeScheduleError(
+                    f"schedule step {pos} runs random op '{self.graph.ops[k].name}' for the first "
+                    f"time after random op '{self.graph.ops[prev].name}', which comes later in "
+                    "the forward pass; plain PyTorch's random numbers could not be reproduced"
+                )
+        for pos, k in first:
+            if pos >= self.forward_len:
+                raise RuntimeScheduleError(
+                    f"schedule step {pos} runs random op '{self.graph.ops[k].name}' for the first "
+                    "time in the backward segment; it must first run in the forward segment"
+                )
+
+    def _chunk_cuts(self, grad_slot: dict[int, tuple[str, int]]) -> set[int]:
+        """Step positions (in the backward segment) before which the finished gradients are
+        handed to autograd. Memory model of docs/graph-ir.md (storages of alive tensors, plus
+        new outputs and workspace at a compute step); first the schedule as written (gradients
+        gone when freed), then with freed gradients held until the next cut, cutting as late
+        as possible without exceeding the first peak."""
+        g = self.graph
+        roles = [t.role for t in g.tensors]
+        root = list(range(g.num_tensors))
+        for t in range(g.num_tensors):
+            r = t
+            seen = 0
+            while g.tensors[r].alias_of is not None and seen <= g.num_tensors:
+                r = g.tensors[r].alias_of
+                seen += 1
+            root[t] = r
+        counted = [roles[root[t]] not in _PREEXISTING for t in range(g.num_tensors)]
+        nbytes = [g.tensors[t].bytes for t in range(g.num_tensors)]
+
+        def run(hold: bool, limit: int | None) -> tuple[int, set[int]]:
+            refs: dict[int, int] = {}
+            live = 0
+            alive = [r in _PREEXISTING for r in roles]
+            held: list[int] = []
+            cuts: set[int] = set()
+            peak = 0
+
+            def ref(t: int) -> None:
+                nonlocal live
+                r = root[t]
+                if counted[t]:
+                    if refs.get(r, 0) == 0:
+                        live += nbytes[r]
+                    refs[r] = refs.get(r, 0) + 1
+
+            def unref(t: int) -> None:
+                nonlocal live
+                r = root[t]
+                if counted[t]:
+                    refs[r] -= 1
+                    if refs[r] == 0:
+                        live -= nbytes[r]
+
+            for pos, (kind, ident) in enumerate(self.steps):
+                if kind == "compute":
+                    op = g.ops[ident]
+                    new_roots = {root[t] for t in op.outputs if counted[t]}
+                    extra = sum(nbytes[r] for r in new_roots if refs.get(r, 0) == 0 or any(
+                        alive[t] and root[t] == r for t in op.outputs))
+                    mem = live + extra + op.workspace
+                    if hold and limit is not None and held and mem > limit and pos >= self.forward_len:
+                        cuts.add(pos)
+                        for t in held:
+                            unref(t)
+                        held = []
+                        mem = live + extra + op.workspace
+                    peak = max(peak, mem)
+                    for t in op.outputs:
+                        if not alive[t]:
+                            alive[t] = True
+                            ref(t)
+                else:
+                    t = ident
+                    if alive[t]:
+                        alive[t] = False
+                        if hold and t in grad_slot:
+                            held.append(t)  # the reference moves to the gradient list
+                        else:
+                            unref(t)
+            return peak, cuts
+
+        base_peak, _ = run(False, None)
+        held_peak, cuts = run(True, base_peak)
+        self._modelled_peak = held_peak
+        return cuts
+
+    @staticmethod
+    def _stash(t: int, slot: tuple[str, int], uses: dict[tuple[str, int], int]) -> str:
+        arr, j = slot
+        if uses[slot] > 1:  # several traced gradients of one parameter (tied under two names)
+            return f"{arr}[{j}] = _acc({arr}[{j}], E[{t}])"
+        return f"{arr}[{j}] = E[{t}]"
+
+    def _exec(self, src: str, name: str) -> Callable[..., Any]:
+        code = compile(src, f"<hrockmate {name} of {self.graph.name or 'graph'}>", "exec")
+        scope = dict(self.namespace)
+        exec(code, scope)  # generated from the traced graph only; no user strings are inlined
+        return scope[name]
+
+
+def _accumulate(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    return g if acc is None else acc + g
+
+
+def compile_schedule(
+    traced: Any,
+    steps: Sequence[tuple[str, int]],
+    forward_len: int,
+    param_slot: dict[str, int],
+    buffer_slot: dict[str, int],
+    input_slot: dict[int, int],
+) -> Program:
+    """Compile a schedule for a traced graph (see ``Program``)."""
+    return _Compiler(traced, steps, forward_len, param_slot, buffer_slot, input_slot).compile()
+
+
+# ---------------------------------------------------------------------------------------------
+# The autograd Functions
+# ---------------------------------------------------------------------------------------------
+class _IterationState:
+    """Everything one iteration (one call) shares between its forward and backward chunks."""
+
+    __slots__ = ("program", "params", "buffers", "inputs", "env", "rng", "gp", "gx")
+
+    def __init__(
+        self,
+        program: Program,
+        params: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+    ) -> None:
+        self.program = program
+        self.params = params
+        self.buffers = buffers
+        self.inputs = inputs
+        self.env: list[Any] | None = None
+        self.rng: list[Any] = [None] * program.num_rng_slots
+        self.gp: list[Any] = [None] * program.num_param_slots
+        self.gx: list[Any] = [None] * program.num_input_slots
+
+    def run_chunk(self, i: int, grad_outputs: Sequence[torch.Tensor] = ()) -> list[Any]:
+        """Run backward chunk ``i``; return the gradients it hands over (and forget them)."""
+        program = self.program
+        env = self.env
+        if env is None:
+            raise RuntimeError(
+                "HRockmate: backward ran twice through the same iteration (retain_graph=True "
+                "is not supported: the schedule frees activations); run the forward pass again"
+            )
+        program.chunks[i].fn(env, self.buffers, grad_outputs, self.rng, self.gp, self.gx)
+        gp, gx = self.gp, self.gx
+        grads: list[Any] = []
+        for j in program.chunk_params[i]:
+            grads.append(gp[j])
+            gp[j] = None  # no extra reference: autograd may take the tensor over as .grad
+        for j in program.chunk_inputs[i]:
+            grads.append(gx[j])
+            gx[j] = None
+        if i == len(program.chunks) - 1:
+            self.release()
+        return grads
+
+    def release(self) -> None:
+        self.env = None
+        self.params = self.inputs = self.buffers = []
+        self.rng = []
+
+
+class _ForwardSegment(torch.autograd.Function):
+    """Runs the forward segment; its backward runs the first backward chunk."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, state: _IterationState, token: torch.Tensor | None, *wired: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        program = state.program
+        env = program.forward.fn(state.params, state.buffers, state.inputs, state.rng)
+        outputs = [env[t] for t in program.output_ids]
+        for t in program.output_ids:
+            env[t] = None  # kept by save_for_backward instead: no reference cycle through ctx
+        state.env = env
+        ctx.state = state
+        ctx.has_token = token is not None
+        ctx.save_for_backward(*outputs)
+        nondiff = [o for o in outputs if not (o.is_floating_point() or o.is_complex())]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        state: _IterationState = ctx.state
+        program = state.program
+        if state.env is not None:
+            for t, saved in zip(program.output_ids, ctx.saved_tensors):
+                state.env[t] = saved
+        grads_out = [
+            g if not contig or g.is_contiguous() else g.contiguous()
+            for g, contig in zip(grad_outputs, program.tangent_contiguous)
+        ]
+        device = grads_out[0].device if grads_out else None
+        grads = state.run_chunk(0, grads_out)
+        del grads_out
+        token_grad = torch.empty(0, device=device) if ctx.has_token else None
+        return (None, token_grad, *grads)
+
+
+class _BackwardChunk(torch.autograd.Function):
+    """A no-op in forward; its backward runs backward chunk ``index`` after chunk
+    ``index - 1`` (it receives that chunk's token gradient)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, state: _IterationState, index: int, token: torch.Tensor, *wired: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.state = state
+        ctx.index = index
+        return token.new_empty(0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, token_grad: torch.Tensor) -> tuple[Any, ...]:
+        state: _IterationState = ctx.state
+        grads = state.run_chunk(ctx.index)
+        last = ctx.index == len(state.program.chunks) - 1
+        # the last chunk's token is a fresh anchor that needs no gradient
+        return (None, None, None if last else token_grad, *grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# The module
+# ---------------------------------------------------------------------------------------------
+def _owner_slots(model: nn.Module, named: list[tuple[str, Any]]) -> list[tuple[nn.Module, str]]:
+    slots = []
+    for name, _ in named:
+        prefix, _, attr = name.rpartition(".")
+        slots.append((model.get_submodule(prefix) if prefix else model, attr))
+    return slots
+
+
+class HRockmate(nn.Module):
+    """``model`` trained within ``budget``, with gradients identical to plain PyTorch.
+
+    ``HRockmate(model, sample, budget=None, plan=None, **solve_options)``
+
+    - ``sample``: what the model is called with (a tensor, a tuple of positional arguments or a
+      dict of keyword arguments); every later call must have the same structure, tensor shapes,
+      dtypes and devices, and the same non-tensor values.
+    - ``budget``: bytes (int), a size string (``"6GiB"``), a fraction of the store-all peak
+      (float in (0, 1] or ``"50%"``), or ``None`` for store-all (plain autograd's memory).
+    - ``plan``: a ``Plan`` (from ``hrockmate.solve`` or ``load_plan``) or a ``Schedule`` for this
+      model and sample; when given, ``budget`` and ``solve_options`` are not used.
+    - ``solve_options``: passed to ``hrockmate.solve`` when a budget below the store-all peak
+      needs a plan.
+
+    ``parameters()``, ``named_parameters()``, ``buffers()`` and ``state_dict()`` are the original
+    model's (same objects, same keys); other attributes fall through to the model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Any,
+        budget: Any = None,
+        plan: Any = None,
+        **solve_options: Any,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"HRockmate needs a torch.nn.Module, got {type(model).__name__}")
+        object.__setattr__(self, "_hr_model", model)
+        # Share the model's registries: parameters, buffers, children and state_dict keys are
+        # exactly the original's, and .to()/zero_grad()/train() reach the same objects.
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._modules = model._modules
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set
+        self.training = model.training
+
+        from hrockmate.trace import split_sample, trace_model
+
+        args, kwargs = split_sample(sample)
+        # "estimate" also measures each op's workspace, which the predicted peak includes.
+        traced = trace_model(model, sample, cost="estimate")
+        object.__setattr__(self, "_hr_traced", traced)
+
+        # Slots: the unique parameters and buffers in the model's order, and tensor inputs.
+        named_p = list(model.named_parameters())
+        named_b = list(model.named_buffers())
+        p_index = {id(p): j for j, (_, p) in enumerate(named_p)}
+        b_index = {id(b): j for j, (_, b) in enumerate(named_b)}
+        self._hr_param_slot = {
+            n: p_index[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+        }
+        self._hr_buffer_slot = {
+            n: b_index[id(b)] for n, b in model.named_buffers(remove_duplicate=False)
+        }
+        self._hr_param_slots = _owner_slots(model, named_p)
+        self._hr_buffer_slots = _owner_slots(model, named_b)
+
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensor_leaf = [j for j, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self._hr_input_slot = {flat: s for s, flat in enumerate(tensor_leaf)}
+        self._hr_tensor_leaf = tensor_leaf
+        self._hr_input_spec = traced.input_spec
+        self._hr_input_meta = list(traced.input_meta)
+        self._hr_positional_tensors = (
+            not kwargs
+            and len(tensor_leaf) == len(leaves)
+            and pytree.tree_flatten((tuple(leaves), {}))[1] == traced.input_spec
+        )
+        self._hr_input_grad_leaves = {int(k) for k in traced.input_grads}
+        self._hr_out_leaves, self._hr_out_spec = _output_structure(traced)
+        self._hr_single_output = self._hr_out_leaves == [None] and self._hr_out_spec.is_leaf()
+        self._hr_device = traced.device
+
+        self._install(*_choose_schedule(
+            model, sample, traced, budget, plan, solve_options, self._compile
+        ))
+
+    def use_plan(self, plan: Any) -> None:
+        """Switch to another ``Plan`` or ``Schedule`` for the same traced graph (no re-tracing)."""
+        self._install(*_choose_schedule(
+            self.__dict__["_hr_model"], None, self.traced, None, plan, {}, self._compile
+        ))
+
+    def _compile(self, schedule: Any) -> Program:
+        return compile_schedule(
+            self.traced,
+            schedule.steps,
+            schedule.forward_len,
+            self._hr_param_slot,
+            self._hr_buffer_slot,
+            self._hr_input_slot,
+        )
+
+    def _install(self, schedule: Any, plan: Any, predicted: int, program: Program) -> None:
+        object.__setattr__(self, "_hr_plan", plan)
+        object.__setattr__(self, "_hr_schedule", schedule)
+        object.__setattr__(self, "_hr_program", program)
+        # The simulator's peak plus what the runtime keeps beyond the graph's tensors.
+        self.predicted_peak_bytes: int = predicted + program.extra_bytes
+
+    # ---- public properties -------------------------------------------------------------
+    @property
+    def plan(self) -> Any:
+        """The ``Plan`` in use: the solver's, or one describing the store-all schedule
+        (``plan.method == "store-all"``) or a hand-given ``Schedule`` (``"given"``)."""
+        return self.__dict__["_hr_plan"]
+
+    @property
+    def schedule(self) -> Any:
+        """The schedule being executed."""
+        return self.__dict__["_hr_schedule"]
+
+    @property
+    def traced(self) -> Any:
+        """The ``Traced`` iteration (graph IR and joint graph) the schedule runs on."""
+        return self.__dict__["_hr_traced"]
+
+    @property
+    def wrapped_model(self) -> nn.Module:
+        """The original model (runs as is in ``eval()`` mode and under ``torch.no_grad()``)."""
+        return self.__dict__["_hr_model"]
+
+    @property
+    def recomputed_ops(self) -> int:
+        """How many compute steps of one iteration re-run an op (0 for store-all)."""
+        return self._hr_program.recomputed_ops
+
+    def generated_code(self) -> str:
+        """The Python source of the compiled forward and backward segments (for inspection)."""
+        return self._hr_program.forward.source + "\n" + self._hr_program.backward.source
+
+    # ---- nn.Module behaviour -------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_hr_model")
+            if model is None:
+                raise
+            return getattr(model, name)
+
+    def train(self, mode: bool = True) -> "HRockmate":
+        super().train(mode)
+        self.__dict__["_hr_model"].training = mode
+        return self
+
+    def extra_repr(self) -> str:
+        plan = self.__dict__.get("_hr_plan")
+        peak = getattr(self, "predicted_peak_bytes", 0)
+        how = plan.method if plan is not None else "?"
+        return f"{how}, predicted peak {peak} bytes, {self.recomputed_ops} recomputed ops"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        model: nn.Module = self.__dict__["_hr_model"]
+        if not (self.training and torch.is_grad_enabled()):
+            return model(*args, **kwargs)
+        leaves = self._check_inputs(args, kwargs)
+        program: Program = self._hr_program
+        params = [owner._parameters[attr] for owner, attr in self._hr_param_slots]
+        inputs = [leaves[j] for j in self._hr_tensor_leaf]
+        if not any(t.requires_grad for t in params) and not any(t.requires_grad for t in inputs):
+            return model(*args, **kwargs)  # nothing to differentiate: plain forward
+        buffers = [owner._buffers[attr] for owner, attr in self._hr_buffer_slots]
+        state = _IterationState(program, params, buffers, inputs)
+        n = len(program.chunks)
+        token: torch.Tensor | None = None
+        if n > 1:
+            # Chain the later chunks behind the first: autograd runs chunk i only after
+            # chunk i - 1 has handed its gradients over (and AccumulateGrad consumed them).
+            token = torch.empty(0, device=self._hr_device, requires_grad=True)
+            for i in range(n - 1, 0, -1):
+                wired = [params[j] for j in program.chunk_params[i]]
+                wired += [inputs[j] for j in program.chunk_inputs[i]]
+                token = _BackwardChunk.apply(state, i, token, *wired)
+        wired = [params[j] for j in program.chunk_params[0]]
+        wired += [inputs[j] for j in program.chunk_inputs[0]]
+        outs = _ForwardSegment.apply(state, token, *wired)
+        if self._hr_single_output:
+            return outs[0]
+        return _rebuild_outputs(self._hr_out_leaves, self._hr_out_spec, outs)
+
+    # ---- input checks ----------------------------------------------------------------------
+    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if self._hr_positional_tensors and not kwargs and len(args) == len(self._hr_input_meta):
+            leaves = list(args)  # common case: only positional tensors, no pytree walk needed
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            self._check_structure(spec)
+        meta = self._hr_input_meta
+        for j, leaf in enumerate(leaves):
+            want = meta[j]
+            if isinstance(leaf, torch.Tensor):
+                if not (isinstance(want, tuple) and len(want) == 3):
+                    self._mismatch(args, kwargs, j, "a non-tensor value", "a tensor")
+                shape, dtype, device = want
+                if tuple(leaf.shape) != tuple(shape):
+                    self._mismatch(args, kwargs, j, f"shape {tuple(shape)}", f"shape {tuple(leaf.shape)}")
+                if leaf.dtype != dtype:
+                    self._mismatch(args, kwargs, j, f"dtype {dtype}", f"dtype {leaf.dtype}")
+                if leaf.device != torch.device(device):
+                    self._mismatch(args, kwargs, j, f"device {device}", f"device {leaf.device}")
+                if leaf.requires_grad and j not in self._hr_input_grad_leaves:
+                    name = _leaf_names(args, kwargs)[j]
+                    raise InputMismatchError(
+                        f"input {name} requires grad but the traced sample's did not, so no "
+                        "gradient for it was planned; build HRockmate with a sample whose "
+                        f"{name} requires grad"
+                    )
+            elif isinstance(want, tuple) and len(want) == 3 and isinstance(want[1], torch.dtype):
+                self._mismatch(args, kwargs, j, "a tensor", f"{type(leaf).__name__} {leaf!r}")
+            elif not _same_value(leaf, want):
+                self._mismatch(args, kwargs, j, f"value {want!r}", f"value {leaf!r}")
+        return leaves
+
+    def _check_structure(self, spec: Any) -> None:
+        if spec != self._hr_input_spec:
+            raise InputMismatchError(
+                "HRockmate was called with a different argument structure than the traced "
+                f"sample: expected {self._hr_input_spec}, got {spec}; call it like the sample or "
+                "build a new HRockmate for these arguments"
+            )
+
+    def _mismatch(self, args: Any, kwargs: Any, j: int, traced: str, got: str) -> None:
+        name = _leaf_names(args, kwargs)[j]
+        raise InputMismatchError(
+            f"argument {name} differs from the traced sample: traced with {traced}, called with "
+            f"{got}; the plan is specific to the sample, so build a new HRockmate for this input"
+        )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # objects whose comparison fails count as different
+        return a is b
+
+
+def _output_structure(traced: Any) -> tuple[list[Any], Any]:
+    """(leaf template, spec): the template holds the non-tensor leaves of the model's output
+    and ``None`` where a tensor output goes, in order."""
+    spec, leaves = traced.output_spec
+    return list(leaves), spec
+
+
+def _rebuild_outputs(template: list[Any], spec: Any, outs: Sequence[torch.Tensor]) -> Any:
+    leaves = list(template)
+    it = iter(outs)
+    for j, v in enumerate(leaves):
+        if v is None:
+            leaves[j] = next(it)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _choose_schedule(
+    model: nn.Module,
+    sample: Any,
+    traced: Any,
+    budget: Any,
+    plan: Any,
+    solve_options: dict[str, Any],
+    compile_fn: Callable[[Any], Program],
+) -> tuple[Any, Any, int, Program]:
+    """(schedule, plan, simulated peak, compiled program) for the given arguments. Without a
+    solver plan (store-all, or a hand-given schedule) a ``Plan`` describing the schedule is made,
+    with ``stats["method"]`` "store-all" or "given"."""
+    from hrockmate.schedule import simulate, store_all_schedule
+
+    graph = traced.graph
+    if plan is not None:
+        if hasattr(plan, "check_graph"):  # a Plan
+            plan.check_graph(graph)
+            schedule = plan.schedule
+            peak = int(simulate(graph, schedule).peak_bytes)  # validates it on this graph
+            return schedule, plan, peak, compile_fn(schedule)
+        if hasattr(plan, "steps") and hasattr(plan, "forward_len"):  # a Schedule
+            sim = simulate(graph, plan)
+            base = simulate(graph, store_all_schedule(graph))
+            made = _describe(graph, plan, sim, base, int(sim.peak_bytes), "given")
+            return plan, made, int(sim.peak_bytes), compile_fn(plan)
+        raise TypeError(
+            f"plan= must be a hrockmate Plan or Schedule, got {type(plan).__name__}"
+        )
+    store_all = store_all_schedule(graph)
+    base = simulate(graph, store_all)
+    baseline = int(base.peak_bytes)
+    program = compile_fn(store_all)
+    budget_bytes = baseline + program.extra_bytes
+    if budget is not None:
+        from hrockmate.budget import parse_budget
+
+        budget_bytes = parse_budget(budget, baseline)
+    if budget_bytes >= baseline + program.extra_bytes:
+        made = _describe(graph, store_all, base, base, budget_bytes, "store-all")
+        return store_all, made, baseline, program
+    from hrockmate.costmodel import annotate_costs
+    from hrockmate.plan import InfeasibleBudget
+    from hrockmate.solve import solve_graph
+
+    options = dict(solve_options)
+    cost = options.pop("cost", "measure")
+    if cost not in ("measure", "estimate"):
+        raise ValueError(f"cost must be 'measure' or 'estimate', got {cost!r}")
+    if cost == "measure":  # op times matter for choosing what to recompute
+        annotate_costs(traced, model, sample, mode="measure")
+    # The graph does not contain what the runtime keeps besides its tensors (saved generator
+    # states, old buffer values): solve, and if the plan plus that exceeds the budget, solve
+    # again for a budget reduced by it (a few rounds).
+    target = budget_bytes
+    min_bytes = budget_bytes + 1
+    for _ in range(4):
+        try:
+            new_plan = solve_graph(graph, target, **options)
+        except InfeasibleBudget as exc:
+            min_bytes = max(min_bytes, exc.min_bytes)
+            break
+        new_plan.check_graph(graph)
+        schedule = new_plan.schedule
+        peak = int(simulate(graph, schedule).peak_bytes)
+        program = compile_fn(schedule)
+        if peak + program.extra_bytes <= budget_bytes:
+            return schedule, new_plan, peak, program
+        min_bytes = max(min_bytes, peak + program.extra_bytes)
+        target = min(target, budget_bytes - program.extra_bytes) - 1
+        if target <= 0:
+            break
+    raise InfeasibleBudget(budget_bytes, min_bytes, graph.name)
+
+
+def _describe(graph: Any, schedule: Any, sim: Any, base: Any, budget_bytes: int,
+              method: str) -> Any:
+    """A ``Plan`` for a schedule that did not come from the solver."""
+    from hrockmate.plan import Plan
+
+    return Plan(
+        graph_hash=graph.structure_hash(),
+        graph_name=graph.name,
+        budget_bytes=int(budget_bytes),
+        peak_bytes=int(sim.peak_bytes),
+        time=float(sim.time),
+        baseline_peak_bytes=int(base.peak_bytes),
+        baseline_time=float(base.time),
+        steps=list(schedule.steps),
+        forward_len=int(schedule.forward_len),
+        time_unit=graph.time_unit,
+        stats={"method": method, "optimal": method == "store-all"},
+    )

@@ -1,0 +1,614 @@
+"""The execution runtime: exact gradients, random replay, buffer updates, memory, input checks."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+import hrockmate
+from hrockmate import models
+from hrockmate.graph import Graph
+from hrockmate.runtime import HRockmate, InputMismatchError, RuntimeScheduleError
+
+PREEXISTING = {"input", "parameter", "buffer", "tangent"}
+
+
+# ---- schedules built by hand ---------------------------------------------------------------------
+def checkpoint_schedule(graph: Graph, keep_every: int) -> Any:
+    """Keep the outputs of every ``keep_every``-th forward op (and the model outputs); drop every
+    other forward activation (and buffer update) after its last forward use and recompute it,
+    recursively, right before each backward op that needs it, dropping it again afterwards.
+    Gradients are freed (handed over) as soon as they exist.
+    ``keep_every`` larger than the number of ops recomputes everything."""
+    roles = [t.role for t in graph.tensors]
+    producer = graph.producers()
+    fwd = [k for k, o in enumerate(graph.ops) if o.phase == "forward"]
+    bwd = [k for k, o in enumerate(graph.ops) if o.phase == "backward"]
+    kept: set[int] = {t for t, r in enumerate(roles) if r == "output"}
+    for j, k in enumerate(fwd):
+        if j % keep_every == 0:
+            kept.update(graph.ops[k].outputs)
+    last_fwd_use: dict[int, int] = {}
+    for j, k in enumerate(fwd):
+        for t in graph.ops[k].inputs:
+            last_fwd_use[t] = j
+    alive = {t for t, r in enumerate(roles) if r in PREEXISTING}
+    steps: list[tuple[str, int]] = []
+    is_fwd_tensor = {t for k in fwd for t in graph.ops[k].outputs}
+
+    def free(t: int) -> None:
+        if t in alive and roles[t] not in PREEXISTING | {"output"}:
+            steps.append(("free", t))
+            alive.discard(t)
+
+    def compute(k: int) -> None:
+        steps.append(("compute", k))
+        alive.update(graph.ops[k].outputs)
+        for t in graph.ops[k].outputs:
+            if roles[t] in ("param_grad", "input_grad"):
+                free(t)
+
+    def ensure(t: int) -> None:
+        if t in alive:
+            return
+        p = producer[t]
+        assert p is not None, graph.tensors[t].name
+        for i in graph.ops[p].inputs:
+            ensure(i)
+        compute(p)
+
+    for j, k in enumerate(fwd):
+        compute(k)
+        for t in list(graph.ops[k].inputs) + list(graph.ops[k].outputs):
+            droppable = roles[t] in ("activation", "buffer_update") and t not in kept
+            if droppable and last_fwd_use.get(t, -1) <= j:
+                free(t)
+    forward_len = len(steps)
+    remaining_reads: dict[int, int] = {}
+    for k in bwd:
+        for t in set(graph.ops[k].inputs):
+            remaining_reads[t] = remaining_reads.get(t, 0) + 1
+    for k in bwd:
+        for t in graph.ops[k].inputs:
+            ensure(t)
+        compute(k)
+        for t in set(graph.ops[k].inputs):
+            remaining_reads[t] -= 1
+        for t in sorted(alive):
+            if roles[t] not in ("activation", "buffer_update"):
+                continue
+            recomputable = t in is_fwd_tensor and t not in kept
+            if recomputable or remaining_reads.get(t, 0) == 0:
+                free(t)
+    return hrockmate.Schedule(steps=steps, forward_len=forward_len)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _loss(out: Any) -> torch.Tensor:
+    leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    return sum(x.float().square().mean() for x in leaves if x.is_floating_point())
+
+
+def _call(model: nn.Module, sample: Any) -> Any:
+    if isinstance(sample, dict):
+        return model(**sample)
+    if isinstance(sample, (tuple, list)):
+        return model(*sample)
+    return model(sample)
+
+
+def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Bitwise equal, or within 1e-6 relative (where the op order may differ)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    if torch.equal(a, b):
+        return
+    scale = b.abs().max().clamp_min(1e-30)
+    err = (a - b).abs().max() / scale
+    assert err <= 1e-6, f"{what}: relative difference {float(err):.3g}"
+
+
+def _compare_training(
+    factory: Callable[[], tuple[nn.Module, Any]],
+    make_schedule: Callable[[Graph], Any] | None,
+    iterations: int = 2,
+    seed: int = 1234,
+) -> HRockmate:
+    """Train the model with HRockmate (given schedule, or store-all) and a deep copy with plain
+    autograd side by side; compare outputs, loss, gradients, buffers and RNG state."""
+    model, sample = factory()
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample)
+    if make_schedule is not None:
+        sched = make_schedule(hm.traced.graph)
+        hrockmate.simulate(hm.traced.graph, sched)  # the hand-made schedule is valid
+        hm.use_plan(sched)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for it in range(iterations):
+        torch.manual_seed(seed + it)
+        out = _call(hm, sample)
+        loss = _loss(out)
+        loss.backward()
+        state_after = torch.get_rng_state()
+        torch.manual_seed(seed + it)
+        ref_out = _call(ref, sample)
+        ref_loss = _loss(ref_out)
+        ref_loss.backward()
+        assert torch.equal(state_after, torch.get_rng_state()), "RNG state differs after iteration"
+        for x, y in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref_out)):
+            _assert_same(x.detach(), y.detach(), f"iteration {it}: output")
+        _assert_same(loss.detach(), ref_loss.detach(), f"iteration {it}: loss")
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                _assert_same(p.grad, q.grad, f"iteration {it}: grad of {name}")
+        for (name, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
+            _assert_same(b, c, f"iteration {it}: buffer {name}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    return hm
+
+
+MODEL_FACTORIES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
+    "mlp": lambda: models.mlp(batch=4, d_in=8, hidden=16, n_layers=2, d_out=4),
+    "cnn_bn": lambda: models.cnn_bn(batch=2, image=4, width=4),
+    "gpt2_tiny": lambda: models.gpt2_tiny(n_layer=2, n_embd=16, seq=8, vocab=32, dropout=0.3),
+    "unet_tiny": lambda: models.unet_tiny(image=4, base=2),
+    "transformer_encdec": lambda: models.transformer_encdec(
+        src_len=4, tgt_len=4, d_model=8, d_ff=16, dropout=0.2
+    ),
+    "densenet_tiny": lambda: models.densenet_tiny(image=4, layers=2),
+    "rnn_loop": lambda: models.rnn_loop(steps=4),
+}
+HAS_RANDOM_OPS = {"gpt2_tiny", "transformer_encdec"}
+HAS_BUFFERS = {"cnn_bn", "densenet_tiny"}
+
+
+# ---- exactness ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(MODEL_FACTORIES))
+def test_training_matches_plain_pytorch(name: str) -> None:
+    """Store-all, every-third-kept and recompute-everything schedules, one after the other on
+    the same module (training continues), each equal to plain autograd."""
+    model, sample = MODEL_FACTORIES[name]()
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample)
+    assert hm.recomputed_ops == 0 and hm.plan.method == "store-all"
+    graph = hm.traced.graph
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    schedules = [None, checkpoint_schedule(graph, 3), hrockmate.recompute_all_schedule(graph)]
+    for it, sched in enumerate(schedules):
+        if sched is not None:
+            hrockmate.simulate(graph, sched)  # valid by the simulator's rules
+            hm.use_plan(sched)
+            assert hm.recomputed_ops > 0
+            if name in HAS_RANDOM_OPS:
+                assert hm._hr_program.num_rng_slots > 0  # random ops are replayed
+        _train_step_both(hm, ref, sample, opt, ref_opt, seed=100 + it, what=f"{name} step {it}")
+    if name in HAS_BUFFERS:
+        bn = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
+        assert bn and all(int(b) == len(schedules) for b in bn)  # one update per iteration
+
+
+def _train_step_both(
+    hm: nn.Module, ref: nn.Module, sample: Any, opt: Any, ref_opt: Any, seed: int, what: str
+) -> None:
+    torch.manual_seed(seed)
+    out = _call(hm, sample)
+    loss = _loss(out)
+    loss.backward()
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(seed)
+    ref_out = _call(ref, sample)
+    ref_loss = _loss(ref_out)
+    ref_loss.backward()
+    assert torch.equal(rng_after, torch.get_rng_state()), f"{what}: RNG state differs"
+    for x, y in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref_out)):
+        _assert_same(x.detach(), y.detach(), f"{what}: output")
+    _assert_same(loss.detach(), ref_loss.detach(), f"{what}: loss")
+    for (name, p), (_, q) in zip(hm.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{what}: grad of {name}"
+        if q.grad is not None:
+            _assert_same(p.grad, q.grad, f"{what}: grad of {name}")
+    for (name, b), (_, c) in zip(hm.named_buffers(), ref.named_buffers()):
+        _assert_same(b, c, f"{what}: buffer {name}")
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad(set_to_none=True)
+    ref_opt.zero_grad(set_to_none=True)
+
+
+def test_dropout_replay_is_needed_and_exact() -> None:
+    """With every dropout recomputed, the replayed masks equal the forward ones, so the
+    gradients match plain PyTorch with the same seed; the masks matter (another seed gives
+    other gradients), so the equality is not trivial."""
+    model, sample = models.gpt2_tiny(n_layer=1, n_embd=16, seq=8, vocab=32, dropout=0.5)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample)
+    hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+    assert hm._hr_program.num_rng_slots >= 3
+    torch.manual_seed(7)
+    hm(*sample).backward()
+    torch.manual_seed(7)
+    ref(*sample).backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        _assert_same(p.grad, q.grad, f"grad of {name}")
+    # the masks really are random: another seed gives other gradients
+    ref.zero_grad()
+    torch.manual_seed(8)
+    ref(*sample).backward()
+    assert not torch.equal(ref.wte.weight.grad, model.wte.weight.grad)
+
+
+def test_tied_weights_and_input_gradients() -> None:
+    """The tied embedding gets the sum of both uses; an input that requires grad gets its
+    gradient, under heavy recomputation."""
+    model, _ = models.gpt2_tiny(n_layer=1, n_embd=16, seq=8, vocab=32, dropout=0.0)
+    assert model.lm_head.weight is model.wte.weight
+    emb_model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(5, 6, requires_grad=True)
+    hm = HRockmate(emb_model, x)
+    hm.use_plan(checkpoint_schedule(hm.traced.graph, 2))
+    ref = copy.deepcopy(emb_model)
+    x_ref = x.detach().clone().requires_grad_()
+    hm(x).square().sum().backward()
+    ref(x_ref).square().sum().backward()
+    _assert_same(x.grad, x_ref.grad, "input grad")
+    idx = torch.randint(0, 32, (2, 8))
+    hm2 = HRockmate(model, idx)
+    ref2 = copy.deepcopy(model)
+    hm2.use_plan(hrockmate.recompute_all_schedule(hm2.traced.graph))
+    _loss(hm2(idx)).backward()
+    _loss(ref2(idx)).backward()
+    assert [n for n, _ in hm2.named_parameters()] == [n for n, _ in ref2.named_parameters()]
+    _assert_same(model.wte.weight.grad, ref2.wte.weight.grad, "tied weight grad")
+
+
+class _InPlaceViews(nn.Module):
+    """In-place ops on views of activations, and outputs that are views (a tuple of them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.lin2 = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        h.view(-1)[::2].mul_(2.0)  # in place through a strided view
+        h = h + 0.5
+        h[:, :3] += 1.0  # in place through a slice
+        y = self.lin2(torch.tanh(h))
+        return y.t(), y[:, 1:].relu()
+
+
+def test_in_place_ops_and_view_outputs_match_eager() -> None:
+    model = _InPlaceViews()
+    x = torch.randn(5, 6)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, x)
+    for sched in [None, hrockmate.recompute_all_schedule(hm.traced.graph)]:
+        if sched is not None:
+            hm.use_plan(sched)
+        out, ref_out = hm(x), ref(x)
+        assert out[0].shape == ref_out[0].shape and out[0].stride() == ref_out[0].stride()
+        for a, b in zip(out, ref_out):
+            _assert_same(a.detach(), b.detach(), "view output")
+        _loss(out).backward()
+        _loss(ref_out).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            _assert_same(p.grad, q.grad, f"grad of {name}")
+        model.zero_grad()
+        ref.zero_grad()
+
+
+class _DictIO(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: float = 1.0) -> dict[str, Any]:
+        y = self.lin(x) * scale
+        return {"y": y, "masked": y.masked_fill(mask, 0.0), "tag": "done", "n": 2}
+
+
+def test_keyword_inputs_and_structured_outputs() -> None:
+    model = _DictIO()
+    ref = copy.deepcopy(model)
+    sample = {"x": torch.randn(2, 4), "mask": torch.rand(2, 3) > 0.5, "scale": 0.5}
+    hm = hrockmate.HRockmate(model, sample)
+    out, ref_out = hm(**sample), ref(**sample)
+    assert out["tag"] == "done" and out["n"] == 2 and set(out) == set(ref_out)
+    (out["y"].sum() + out["masked"].square().sum()).backward()
+    (ref_out["y"].sum() + ref_out["masked"].square().sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _assert_same(p.grad, q.grad, f"grad of {name}")
+    with pytest.raises(InputMismatchError, match=r"kwargs\['scale'\]"):
+        hm(**{**sample, "scale": 2.0})
+
+
+# ---- module behaviour ----------------------------------------------------------------------------
+def test_module_surface_is_the_original_models() -> None:
+    model, sample = models.cnn_bn(batch=2, image=8, width=4)
+    hm = HRockmate(model, sample)
+    assert list(hm.state_dict()) == list(model.state_dict())
+    assert [n for n, _ in hm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(a is b for a, b in zip(hm.parameters(), model.parameters()))
+    assert all(a is b for a, b in zip(hm.buffers(), model.buffers()))
+    assert hm.head is model.head and hm.stem is model.stem  # attributes fall through
+    assert hm.wrapped_model is model
+    hm.load_state_dict(copy.deepcopy(model.state_dict()))
+    hm.eval()
+    assert not model.training and not model.head.training
+    hm.train()
+    assert model.training and model.head.training
+
+
+def test_eval_and_no_grad_run_the_original_model() -> None:
+    model, sample = models.cnn_bn(batch=2, image=8, width=4)
+    hm = HRockmate(model, sample)
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    hm.eval()
+    before = copy.deepcopy(model.state_dict())
+    out = hm(sample)
+    assert calls == [1] and out.shape[0] == 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # no BN update
+    hm.train()
+    with torch.no_grad():
+        hm(sample)
+    assert calls == [1, 1]
+    hm(sample).sum().backward()  # training mode with grad: the schedule, not model.__call__
+    assert calls == [1, 1]
+    handle.remove()
+
+
+def test_gradients_accumulate_and_zero_grad_works() -> None:
+    model, sample = models.mlp(batch=4, d_in=8, hidden=16, n_layers=2, d_out=4)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample)
+    hm.use_plan(checkpoint_schedule(hm.traced.graph, 2))
+    for _ in range(2):  # gradient accumulation over two micro-batches
+        hm(sample).square().sum().backward()
+        ref(sample).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _assert_same(p.grad, q.grad, f"accumulated grad of {name}")
+    hm.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    out1 = hm(sample)  # two forwards before one backward: independent iterations
+    out2 = hm(sample * 2)
+    (out1.sum() + out2.square().sum()).backward()
+    ref.zero_grad(set_to_none=True)
+    (ref(sample).sum() + ref(sample * 2).square().sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _assert_same(p.grad, q.grad, f"two-call grad of {name}")
+
+
+def test_backward_twice_is_a_clear_error() -> None:
+    model, sample = models.mlp(batch=2, d_in=4, hidden=8, n_layers=1, d_out=2)
+    hm = HRockmate(model, sample)
+    out = hm(sample).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.backward()
+
+
+def test_iterations_release_their_memory() -> None:
+    """Nothing of an iteration survives it (no reference cycles through autograd)."""
+    model, sample = models.gpt2_tiny(n_layer=1, n_embd=16, seq=8, vocab=32, dropout=0.1)
+    hm = HRockmate(model, sample)
+    hm.use_plan(checkpoint_schedule(hm.traced.graph, 3))
+    seen: list[weakref.ref[Any]] = []
+    orig = hm._hr_program.forward.fn
+
+    def spy(*args: Any) -> list[Any]:
+        env = orig(*args)
+        seen.extend(weakref.ref(t) for t in env if isinstance(t, torch.Tensor))
+        return env
+
+    hm._hr_program.forward.fn = spy
+    try:
+        hm(*sample).backward()
+        out = hm(*sample)  # forward only, then dropped without backward
+        del out
+    finally:
+        hm._hr_program.forward.fn = orig
+    gc.collect()
+    params = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
+    alive = [r() for r in seen if r() is not None and id(r()) not in params]
+    alive = [t for t in alive if not any(t is s for s in sample)]
+    assert not alive, f"{len(alive)} tensors of finished iterations are still referenced"
+
+
+# ---- schedules and plans -------------------------------------------------------------------------
+def test_budget_at_or_above_store_all_uses_store_all() -> None:
+    model, sample = models.mlp(batch=4, d_in=8, hidden=16, n_layers=2, d_out=4)
+    hm = HRockmate(model, sample, budget=1.0)
+    assert hm.recomputed_ops == 0 and hm.plan.method == "store-all"
+    hm2 = HRockmate(model, sample, budget=10 * hm.predicted_peak_bytes)
+    assert hm2.schedule.steps == hm.schedule.steps
+
+
+def test_bad_schedules_are_rejected_with_the_step() -> None:
+    model, sample = models.mlp(batch=2, d_in=4, hidden=8, n_layers=1, d_out=2)
+    hm = HRockmate(model, sample)
+    steps = list(hm.schedule.steps)
+    first_compute = next(i for i, (k, _) in enumerate(steps) if k == "compute")
+    broken = hrockmate.Schedule(steps[first_compute + 1:], hm.schedule.forward_len - 1)
+    with pytest.raises((hrockmate.ScheduleError, RuntimeScheduleError)):
+        hm.use_plan(broken)
+    with pytest.raises(TypeError, match="Plan or Schedule"):
+        hm.use_plan([("compute", 0)])
+    other_model, other_sample = models.mlp(batch=2, d_in=4, hidden=8, n_layers=2, d_out=2)
+    other = HRockmate(other_model, other_sample)
+    with pytest.raises((hrockmate.ScheduleError, RuntimeScheduleError, hrockmate.GraphError)):
+        hm.use_plan(other.schedule)
+
+
+# ---- input checks --------------------------------------------------------------------------------
+def test_changed_inputs_raise_clear_errors() -> None:
+    class TwoArgs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return self.lin(x) * scale
+
+    model = TwoArgs()
+    x = torch.randn(3, 4)
+    hm = HRockmate(model, (x, 2.0))
+    hm(x, 2.0).sum().backward()
+    with pytest.raises(InputMismatchError, match=r"args\[0\].*shape \(3, 4\).*shape \(5, 4\)"):
+        hm(torch.randn(5, 4), 2.0)
+    with pytest.raises(InputMismatchError, match=r"args\[0\].*float32.*float64"):
+        hm(x.double(), 2.0)
+    with pytest.raises(InputMismatchError, match=r"args\[1\].*2\.0.*3\.0"):
+        hm(x, 3.0)
+    with pytest.raises(InputMismatchError, match="structure"):
+        hm(x)
+    with pytest.raises(InputMismatchError, match=r"args\[0\] requires grad"):
+        hm(x.clone().requires_grad_(), 2.0)
+
+
+# ---- memory --------------------------------------------------------------------------------------
+def _measured_step(hm: nn.Module, sample: Any, device: torch.device) -> Callable[[], Any]:
+    """One iteration whose output gradients exist before it starts (they are not part of the
+    iteration's memory, like tangents in the graph)."""
+    hm.eval()  # shapes only; eval mode leaves the BatchNorm statistics alone
+    with torch.no_grad():
+        out = _call(hm, sample)
+    hm.train()
+    grads = [torch.ones_like(x) for x in pytree.tree_leaves(out) if x.is_floating_point()]
+
+    def step() -> None:
+        res = _call(hm, sample)
+        outs = [x for x in pytree.tree_leaves(res) if x.is_floating_point()]
+        torch.autograd.backward(outs, grads)
+
+    return step
+
+
+def _check_memory(name: str, device: torch.device) -> None:
+    model, sample = MODEL_FACTORIES[name]()
+    model.to(device)
+    sample = pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, sample)
+    hm = HRockmate(model, sample)
+    graph = hm.traced.graph
+    store_all_peak = hm.predicted_peak_bytes
+    for label, sched in [
+        ("store-all", None),
+        ("every 3rd kept", checkpoint_schedule(graph, 3)),
+        ("recompute all", hrockmate.recompute_all_schedule(graph)),
+    ]:
+        if sched is not None:
+            hm.use_plan(sched)
+        step = _measured_step(hm, sample, device)
+        step()  # warm-up: lazy initialisations are not part of an iteration
+        model.zero_grad(set_to_none=True)
+        got = hrockmate.measure_peak_memory(step, params=list(model.parameters()), device=device)
+        pred = hm.predicted_peak_bytes
+        assert abs(got.peak_bytes - pred) <= 0.05 * pred, (
+            f"{name} {label}: measured {got.peak_bytes} vs predicted {pred} bytes"
+        )
+        if sched is not None:
+            assert hm.recomputed_ops > 0 and pred != store_all_peak
+
+
+@pytest.mark.parametrize("name", ["gpt2_tiny", "cnn_bn", "densenet_tiny"])
+def test_measured_peak_matches_prediction_cpu(name: str) -> None:
+    _check_memory(name, torch.device("cpu"))
+
+
+def test_measured_peak_stays_within_a_store_all_budget() -> None:
+    model, sample = MODEL_FACTORIES["cnn_bn"]()
+    hm0 = HRockmate(model, sample)
+    budget = int(hm0.predicted_peak_bytes * 1.01)  # 1% over the store-all peak
+    hm = HRockmate(model, sample, budget=budget)
+    assert hm.recomputed_ops == 0
+    step = _measured_step(hm, sample, torch.device("cpu"))
+    step()
+    got = hrockmate.measure_peak_memory(step, params=list(model.parameters()))
+    assert got.peak_bytes <= budget
+
+
+def test_budget_below_store_all_trains_exactly_within_it() -> None:
+    """A budget under the store-all peak goes through the solver; the run stays within the
+    budget and still matches plain PyTorch."""
+    model, sample = MODEL_FACTORIES["cnn_bn"]()
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample, budget=0.9, time_limit=20)
+    assert hm.plan.method not in ("store-all", "given") and hm.recomputed_ops > 0
+    budget = hm.plan.budget_bytes
+    assert hm.predicted_peak_bytes <= budget
+    step = _measured_step(hm, sample, torch.device("cpu"))
+    got = hrockmate.measure_peak_memory(step, params=list(model.parameters()))
+    assert got.peak_bytes <= budget
+    model.zero_grad(set_to_none=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref(sample)  # the measured iteration above also updated the BatchNorm statistics once
+    _train_step_both(hm, ref, sample, opt, ref_opt, seed=3, what="solved plan")
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", ["gpt2_tiny", "cnn_bn"])
+def test_cuda_training_matches_plain_pytorch(name: str) -> None:
+    model, sample = MODEL_FACTORIES[name]()
+    dev = torch.device("cuda")
+    model.to(dev)
+    sample = pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, sample)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    graph = hm.traced.graph
+    for it, sched in enumerate([None, hrockmate.recompute_all_schedule(graph)]):
+        if sched is not None:
+            hm.use_plan(sched)
+        torch.cuda.manual_seed(5 + it)
+        loss = _loss(_call(hm, sample))
+        loss.backward()
+        cuda_rng = torch.cuda.get_rng_state()
+        torch.cuda.manual_seed(5 + it)
+        ref_loss = _loss(_call(ref, sample))
+        ref_loss.backward()
+        assert torch.equal(cuda_rng, torch.cuda.get_rng_state())
+        _assert_same(loss.detach(), ref_loss.detach(), f"{name} cuda step {it}: loss")
+        for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+            _assert_same(p.grad, q.grad, f"{name} cuda step {it}: grad of {pname}")
+        for (bname, b), c in zip(model.named_buffers(), ref.buffers()):
+            _assert_same(b, c, f"{name} cuda step {it}: buffer {bname}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", ["gpt2_tiny", "cnn_bn", "unet_tiny"])
+def test_measured_peak_matches_prediction_cuda(name: str) -> None:
+    _check_memory(name, torch.device("cuda"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """The test models are tiny: intra-op threads only add overhead (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
