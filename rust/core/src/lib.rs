@@ -3,6 +3,7 @@
 pub mod arrays;
 pub mod graph;
 pub mod io;
+pub mod literature;
 pub mod schedule;
 pub mod schedules;
 pub mod simulate;
