@@ -5,12 +5,14 @@
 use pyo3::prelude::*;
 
 mod graph_api;
+mod literature_api;
 mod solver_api;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     graph_api::register(m)?;
+    literature_api::register(m)?;
     solver_api::register(m)?;
     Ok(())
 }
