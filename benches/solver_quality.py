@@ -1,0 +1,222 @@
+"""Solver quality: cost of hrockmate's plans against the exact full-graph MILP (Checkmate's).
+
+For every training graph and budget (a fraction of the store-all peak) this records the time
+of the plans of: the exact MILP (``method="checkmate"``, under a time limit), hrockmate with
+its defaults (graphs of at most ``flat_ops`` ops are solved at the op level), hrockmate forced
+through the hierarchy (``flat_ops=0``, one hierarchy per graph reused for every budget) and
+block checkpointing; the gap is ``time / exact time - 1`` where the exact MILP proved
+optimality. A second table times the hierarchical solver on larger synthetic training graphs.
+
+    python benches/solver_quality.py [--graphs DIR] [--exact-time-limit 120] [--out FILE]
+
+Writes JSON (default ``bench-results/solver_quality.json``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import hrockmate
+from hrockmate import solvers
+from hrockmate.graph import Graph, Op, Tensor
+from hrockmate.graph import write_atomic
+from hrockmate.plan import InfeasibleBudget
+
+solve_mod = importlib.import_module("hrockmate.solve")
+REPO = Path(__file__).resolve().parents[1]
+BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3)
+
+
+def _plan_row(fn: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = fn()
+    except InfeasibleBudget as exc:
+        return {"status": "infeasible", "min_bytes": exc.min_bytes,
+                "seconds": round(time.perf_counter() - t0, 2)}
+    return {
+        "status": "optimal" if plan.optimal else "feasible",
+        "time": plan.time,
+        "overhead": round(plan.overhead, 5),
+        "peak_ratio": round(plan.memory_ratio, 4),
+        "fallback": plan.stats.get("fallback"),
+        "levels": plan.stats.get("levels"),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def _exact_row(g: Graph, budget: int, time_limit: float) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        r = solvers.solve_checkmate(g, budget, time_limit=time_limit)
+    except solvers.SolverInfeasible as exc:
+        return {"status": "infeasible" if exc.proven else "no solution in time limit",
+                "seconds": round(time.perf_counter() - t0, 2)}
+    sim = hrockmate.simulate(g, hrockmate.Schedule(r.steps, r.forward_len))
+    assert sim.peak_bytes <= budget
+    return {"status": "optimal" if r.optimal else "feasible", "time": sim.time,
+            "mip_gap": r.stats.get("mip_gap"), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def quality(graphs_dir: Path, budgets: tuple[float, ...], exact_limit: float,
+            only: list[str] | None) -> list[dict[str, Any]]:
+    rows = []
+    files = sorted(graphs_dir.glob("*_train.json"))
+    for path in files:
+        if only and not any(o in path.name for o in only):
+            continue
+        g = Graph.load(path)
+        base = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
+        t0 = time.perf_counter()
+        hier = solve_mod.prepare(g, flat_ops=0, progress=False)
+        hier_seconds = time.perf_counter() - t0
+        for frac in budgets:
+            budget = int(frac * base.peak_bytes)
+            row: dict[str, Any] = {"graph": path.name, "ops": g.num_ops, "budget_fraction": frac,
+                                   "budget_bytes": budget}
+            row["exact"] = _exact_row(g, budget, exact_limit)
+            row["hrockmate"] = _plan_row(lambda: hrockmate.solve_graph(
+                g, budget, time_limit=exact_limit, progress=False))
+            row["hierarchical"] = _plan_row(lambda: hrockmate.solve_graph(
+                g, budget, hierarchy=hier, time_limit=exact_limit))
+            row["hierarchical"]["hierarchy_seconds"] = round(hier_seconds, 2)
+            row["checkpoint"] = _plan_row(lambda: hrockmate.solve_graph(
+                g, budget, method="checkpoint"))
+            if row["exact"]["status"] == "optimal":
+                for k in ("hrockmate", "hierarchical", "checkpoint"):
+                    if "time" in row[k]:
+                        row[k]["gap"] = round(row[k]["time"] / row["exact"]["time"] - 1, 5)
+            rows.append(row)
+            _print_row(row)
+    return rows
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    def cell(d: dict[str, Any]) -> str:
+        if "gap" in d:
+            return f"{100 * d['gap']:+6.2f}% ({d['seconds']:.1f}s)"
+        if "time" in d:
+            return f"ovh {100 * d['overhead']:5.1f}% ({d['seconds']:.1f}s)"
+        return d["status"][:14]
+
+    ex = row["exact"]
+    ex_s = f"{ex['status'][:9]} {ex['seconds']:.0f}s"
+    print(f"{row['graph'][:22]:22s} {row['ops']:4d} {row['budget_fraction']:4.2f} | {ex_s:16s} | "
+          f"{cell(row['hrockmate']):20s} | {cell(row['hierarchical']):20s} | "
+          f"{cell(row['checkpoint'])}", flush=True)
+
+
+def synthetic_training_graph(n_fwd: int, seed: int = 0) -> Graph:
+    """A deep network's training iteration: a chain of forward ops with residual joins every
+    few ops and parameters, plus the matching backward ops (gradient accumulation included)."""
+    rng = random.Random(seed)
+    g = Graph(name=f"synthetic{n_fwd}", time_unit="units")
+    x = g.add_tensor(Tensor("x", 1 << 20, role="input"))
+    acts = [x]
+    fwd: list[tuple[int, list[int], int]] = []  # (op, inputs, output)
+    for i in range(n_fwd):
+        ins = [acts[-1]]
+        if i % 4 == 3 and len(acts) > 4:
+            ins.append(acts[-4])  # residual join
+        w = None
+        if rng.random() < 0.6:
+            w = g.add_tensor(Tensor(f"w{i}", 1 << 16, role="parameter"))
+            ins.append(w)
+        out = g.add_tensor(Tensor(f"a{i}", rng.choice([1, 2, 4]) << 20))
+        op = g.add_op(Op(f"f{i}", "forward", rng.uniform(1, 10), ins, [out],
+                         workspace=rng.choice([0, 1 << 18])))
+        fwd.append((op, ins, out))
+        acts.append(out)
+    loss = g.add_tensor(Tensor("loss", 4, role="output"))
+    loss_op = g.add_op(Op("loss", "forward", 1.0, [acts[-1]], [loss]))
+    seed_t = g.add_tensor(Tensor("dloss", 4, role="tangent"))
+    grads: dict[int, list[int]] = {}
+    g0 = g.add_tensor(Tensor("g_last", g.tensors[acts[-1]].bytes))
+    g.add_op(Op("loss_bwd", "backward", 1.0, [seed_t, acts[-1]], [g0], differentiates=loss_op))
+    grads[acts[-1]] = [g0]
+    for i in range(n_fwd - 1, -1, -1):
+        op, ins, out = fwd[i]
+        parts = grads[out]
+        if len(parts) > 1:  # accumulate the gradient contributions first
+            acc = g.add_tensor(Tensor(f"gacc{i}", g.tensors[out].bytes))
+            g.add_op(Op(f"acc{i}", "backward", 0.5, list(parts), [acc], differentiates=op))
+            parts = [acc]
+        outs = []
+        for t in ins:
+            role = g.tensors[t].role
+            if role == "parameter":
+                outs.append(g.add_tensor(Tensor(f"dw{i}", g.tensors[t].bytes,
+                                                role="param_grad", grad_of=t)))
+            elif role == "input":
+                outs.append(g.add_tensor(Tensor("dx", g.tensors[t].bytes, role="input_grad",
+                                                grad_of=t)))
+            else:
+                gt = g.add_tensor(Tensor(f"g{i}_{t}", g.tensors[t].bytes))
+                grads.setdefault(t, []).append(gt)
+                outs.append(gt)
+        reads = parts + [t for t in ins if g.tensors[t].role != "input"] + [out]
+        g.add_op(Op(f"b{i}", "backward", 2 * g.ops[op].time, reads, outs, differentiates=op))
+    return g
+
+
+def scale(sizes: list[int], time_limit: float) -> list[dict[str, Any]]:
+    rows = []
+    for n_fwd in sizes:
+        g = synthetic_training_graph(n_fwd)
+        t0 = time.perf_counter()
+        plan = hrockmate.solve_graph(g, 0.5, time_limit=time_limit, progress=False)
+        secs = time.perf_counter() - t0
+        row = {"graph": g.name, "ops": g.num_ops, "budget_fraction": 0.5, "seconds": round(secs, 2),
+               "hierarchy_seconds": plan.stats.get("hierarchy_seconds"),
+               "levels": plan.stats.get("levels"), "blocks": plan.stats.get("blocks"),
+               "overhead": round(plan.overhead, 4), "peak_ratio": round(plan.memory_ratio, 4),
+               "optimal_top": plan.optimal, "fallback": plan.stats.get("fallback")}
+        print(f"scale {g.num_ops:6d} ops: {secs:6.1f} s, overhead {100 * plan.overhead:.1f}% at "
+              f"{100 * plan.memory_ratio:.0f}% of store-all, {row['levels']} levels", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_graphs = os.environ.get("HROCKMATE_GRAPHS_DIR",
+                                    str(REPO.parent / "shared" / "data" / "graphs"))
+    ap.add_argument("--graphs", default=default_graphs, help="folder of *_train.json graphs")
+    ap.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--exact-time-limit", type=float, default=120.0)
+    ap.add_argument("--only", nargs="*", help="substrings of graph file names to run")
+    ap.add_argument("--scale", type=int, nargs="*", default=[500, 1000, 1500],
+                    help="forward ops of the synthetic graphs timed (total ops ~2x)")
+    ap.add_argument("--out", default=str(REPO / "bench-results" / "solver_quality.json"))
+    args = ap.parse_args(argv)
+    graphs_dir = Path(args.graphs)
+    if not graphs_dir.is_dir():
+        print(f"graph folder {graphs_dir} not found; pass --graphs", file=sys.stderr)
+        return 2
+    result = {
+        "benchmark": "solver_quality",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "python": platform.python_version()},
+        "exact_time_limit_s": args.exact_time_limit,
+        "quality": quality(graphs_dir, tuple(args.budgets), args.exact_time_limit, args.only),
+        "scale": scale(args.scale, args.exact_time_limit) if args.scale else [],
+    }
+    write_atomic(Path(args.out), json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

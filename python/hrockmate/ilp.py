@@ -1,0 +1,762 @@
+"""The stage ILP solved with HiGHS, generic over "nodes with options" (see docs/solver.md).
+
+A *level* is a DAG of nodes that read and produce *values* (tensors, or interface tensors of
+clusters). Every node has one or more *options*; an option has a run time, an ``overhead`` (bytes
+used while the node runs beyond what is alive before it and its outputs: an op's workspace, or
+the memory inside a cluster's schedule fragment) and ``saved`` bytes that a forward node keeps
+for the backward node paired with it (the cluster's "phantoms"). With one option per node, no
+saved memory and op workspaces as overheads, the model is exactly Checkmate's MILP (Jain et al.,
+MLSys 2020) with its stage structure:
+
+- stage ``t`` computes node ``t`` (the frontier) and may recompute forward nodes ``i < t``;
+  backward nodes run once, in their own stage;
+- ``R[t,i,o]``: node ``i`` computed with option ``o`` in stage ``t``;
+  ``S[t,x]``: value ``x`` kept from stage ``t-1`` into stage ``t``;
+  ``P[t,f,o]``: the memory saved by forward node ``f`` under option ``o`` kept into stage ``t``;
+  ``FREE[t,x,k]``: value ``x`` released right after node ``k`` in stage ``t``;
+  ``U[t,k]``: memory after node ``k`` in stage ``t`` (continuous, by recurrence);
+- every input of a computed node is alive; kept values were alive in the previous stage;
+  ``U[t,k]`` plus the node's overhead is within the budget at every step.
+
+Only upper bounds on ``FREE`` are needed: freeing more never hurts feasibility, so the solver
+frees whatever the constraints allow. The model is assembled as coordinate triplets and passed to
+HiGHS in one ``passModel`` call (row-wise CSR, int32 indices, float64 values).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time as _time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("hrockmate")
+
+
+
+@dataclass
+class NodeOption:
+    """One way of running a node."""
+
+    time: float
+    overhead: int = 0
+    saved: int = 0
+    # the backward partner needs what this option keeps, even when that costs no bytes
+    # (e.g. views of parameters); implied by ``saved > 0``
+    keeps: bool = False
+
+    @property
+    def pairs(self) -> bool:
+        return self.saved > 0 or self.keeps
+
+
+@dataclass
+class LevelNode:
+    """A node of a level: an op, or a cluster's forward or backward part."""
+
+    name: str
+    inputs: list[int]
+    outputs: list[int]
+    options: list[NodeOption]
+    backward: bool = False
+    # for a backward node: the forward node whose option-saved memory (same option index) it uses
+    pair: int | None = None
+
+
+@dataclass
+class LevelValue:
+    """A value of a level. ``bytes`` counts only for values owning their storage."""
+
+    name: str
+    bytes: int
+    producer: int | None = None  # None: exists before the iteration (never counted or freed)
+    keep: bool = False  # never freed once produced (model outputs)
+    root: int | None = None  # the value whose storage this one shares (a view), if any
+
+
+@dataclass
+class LevelProblem:
+    """Nodes in a topological order (forward nodes first); ``n_forward`` of them are forward."""
+
+    values: list[LevelValue]
+    nodes: list[LevelNode]
+    n_forward: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        n = len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            if not node.options:
+                raise ValueError(f"level node '{node.name}' has no options")
+            if node.backward != (i >= self.n_forward):
+                raise ValueError(
+                    f"level node '{node.name}': forward nodes must come before backward nodes"
+                )
+            for x in node.inputs:
+                p = self.values[x].producer
+                if p is not None and p >= i:
+                    raise ValueError(
+                        f"level node '{node.name}' reads '{self.values[x].name}' produced by a "
+                        "later node: nodes must be in a topological order"
+                    )
+            if node.pair is not None:
+                f = self.nodes[node.pair]
+                if not node.backward or f.backward or len(f.options) != len(node.options):
+                    raise ValueError(
+                        f"level node '{node.name}' is paired with '{f.name}': a pair must be a "
+                        "backward node and a forward node with the same number of options"
+                    )
+        for x, v in enumerate(self.values):
+            if v.producer is not None and not (0 <= v.producer < n):
+                raise ValueError(f"level value '{v.name}' has producer {v.producer} out of range")
+            if v.producer is not None and x not in self.nodes[v.producer].outputs:
+                raise ValueError(f"level value '{v.name}' is not among its producer's outputs")
+
+
+@dataclass
+class StagePlan:
+    """A solved level: per stage, the (node, option) computed in order and the values freed
+    after each of them (``frees[t][j]`` after the j-th compute; ``frees_before[t]`` at the stage
+    start), plus which forward nodes' saved memory is kept into the next stage."""
+
+    computes: list[list[tuple[int, int]]]
+    frees_before: list[list[int]]
+    frees: list[list[list[int]]]
+    kept_saved: list[set[tuple[int, int]]]
+    objective: float
+    optimal: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class LevelInfeasible(Exception):
+    """The level has no schedule within the given budget (proven by the solver)."""
+
+
+class LevelNoSolution(Exception):
+    """The time limit ran out before the solver found any schedule."""
+
+
+# ---------------------------------------------------------------------------------------------
+# analysis shared by the builder and the extraction
+
+
+@dataclass
+class _Analysis:
+    users: list[list[int]]  # value -> nodes reading it directly
+    uses: list[list[int]]  # value -> nodes reading it or a view of it (sorted)
+    storage: list[int]  # value -> the value owning its storage (itself when not a view)
+    need_v: list[int]  # last stage in which the value may be needed
+    need_n: list[int]  # last stage in which the node may be (re)computed
+    stage_nodes: list[list[int]]  # stage -> computable nodes, ascending
+
+
+def analyse(p: LevelProblem) -> _Analysis:
+    n, nv = len(p.nodes), len(p.values)
+    users: list[list[int]] = [[] for _ in range(nv)]
+    for j, node in enumerate(p.nodes):
+        for x in dict.fromkeys(node.inputs):
+            users[x].append(j)
+    storage = list(range(nv))
+    for x in range(nv):
+        r, seen = x, 0
+        while p.values[r].root is not None:
+            r = p.values[r].root  # type: ignore[assignment]
+            seen += 1
+            if seen > nv:
+                raise ValueError(f"level value '{p.values[x].name}' has a cyclic view chain")
+        storage[x] = r
+    uses_set: list[set[int]] = [set(u) for u in users]
+    for x in range(nv):
+        if storage[x] != x:
+            uses_set[storage[x]].update(users[x])
+    uses = [sorted(s) for s in uses_set]
+
+    need_v = [-1] * nv
+    need_n = list(range(n))
+    last = n - 1
+    for j in range(n - 1, -1, -1):
+        node = p.nodes[j]
+        if not node.backward:
+            m = j
+            for x in node.outputs:
+                m = max(m, _value_need(p, x, users, need_n, need_v, last))
+            # a forward node whose options save memory for a backward partner may be run
+            # again (with another option) up to the partner's stage
+            need_n[j] = m
+    for j, node in enumerate(p.nodes):
+        if node.pair is not None:
+            f = node.pair
+            need_n[f] = max(need_n[f], j)
+    for x in range(nv):
+        need_v[x] = _value_need(p, x, users, need_n, need_v, last)
+    # a view keeps its storage's owner needed as long as itself
+    for x in range(nv):
+        r = storage[x]
+        if r != x:
+            need_v[r] = max(need_v[r], need_v[x])
+
+    stage_nodes: list[list[int]] = [[] for _ in range(n)]
+    for i, node in enumerate(p.nodes):
+        if node.backward:
+            stage_nodes[i].append(i)
+        else:
+            for t in range(i, need_n[i] + 1):
+                stage_nodes[t].append(i)
+    for s in stage_nodes:
+        s.sort()
+    return _Analysis(users, uses, storage, need_v, need_n, stage_nodes)
+
+
+def _value_need(
+    p: LevelProblem, x: int, users: list[list[int]], need_n: list[int], need_v: list[int], last: int
+) -> int:
+    v = p.values[x]
+    if v.keep:
+        return last
+    m = v.producer if v.producer is not None else -1
+    for j in users[x]:
+        m = max(m, j if p.nodes[j].backward else need_n[j])
+    if need_v[x] > m:
+        m = need_v[x]
+    return m
+
+
+# ---------------------------------------------------------------------------------------------
+# model building
+
+
+class _Builder:
+    """Columns and coordinate-form rows, turned into one HighsLp."""
+
+    def __init__(self) -> None:
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.cost: list[float] = []
+        self.integer: list[int] = []
+        self.r_idx: list[int] = []
+        self.c_idx: list[int] = []
+        self.vals: list[float] = []
+        self.row_lo: list[float] = []
+        self.row_hi: list[float] = []
+
+    def col(self, cost: float, lb: float, ub: float, integer: bool) -> int:
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.cost.append(cost)
+        self.integer.append(1 if integer else 0)
+        return len(self.lb) - 1
+
+    def row(self, cols: list[int], vals: list[float], lo: float, hi: float) -> None:
+        r = len(self.row_lo)
+        self.row_lo.append(lo)
+        self.row_hi.append(hi)
+        self.r_idx.extend([r] * len(cols))
+        self.c_idx.extend(cols)
+        self.vals.extend(vals)
+
+    def to_lp(self) -> Any:
+        import highspy
+
+        lp = highspy.HighsLp()
+        n_col, n_row = len(self.lb), len(self.row_lo)
+        lp.num_col_ = n_col
+        lp.num_row_ = n_row
+        lp.col_cost_ = np.asarray(self.cost, dtype=np.float64)
+        lp.col_lower_ = np.asarray(self.lb, dtype=np.float64)
+        lp.col_upper_ = np.asarray(self.ub, dtype=np.float64)
+        lp.row_lower_ = np.asarray(self.row_lo, dtype=np.float64)
+        lp.row_upper_ = np.asarray(self.row_hi, dtype=np.float64)
+        rows = np.asarray(self.r_idx, dtype=np.int64)
+        cols = np.asarray(self.c_idx, dtype=np.int32)
+        vals = np.asarray(self.vals, dtype=np.float64)
+        keep = vals != 0.0  # HiGHS wants no explicit zeros
+        rows, cols, vals = rows[keep], cols[keep], vals[keep]
+        order = np.argsort(rows, kind="stable")
+        start = np.zeros(n_row + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rows, minlength=n_row), out=start[1:])
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.num_col_ = n_col
+        lp.a_matrix_.num_row_ = n_row
+        lp.a_matrix_.start_ = start.astype(np.int32)
+        lp.a_matrix_.index_ = cols[order]
+        lp.a_matrix_.value_ = vals[order]
+        lp.integrality_ = [
+            highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+            for i in self.integer
+        ]
+        return lp
+
+
+@dataclass
+class _Model:
+    builder: _Builder
+    R: list[dict[int, int]]  # stage -> node -> first column (options follow)
+    S: dict[tuple[int, int], int]
+    P: dict[tuple[int, int, int], int]
+    peak_col: int | None
+    scale: float
+
+
+def build_model(
+    p: LevelProblem,
+    a: _Analysis,
+    budget: float | None,
+    minimize_peak: bool = False,
+    boundary_limit: float | None = None,
+) -> _Model:
+    """Assemble the stage MILP. With ``minimize_peak`` the budget becomes a variable M that is
+    minimised (times are a small tie-break); otherwise the objective is the total time and
+    ``budget=None`` leaves memory unconstrained. ``boundary_limit`` bounds the bytes kept from
+    the forward stages into the first backward stage (what a cluster saves for its backward)."""
+    n = len(p.nodes)
+    b = _Builder()
+    nv = len(p.values)
+    max_bytes = max([v.bytes for v in p.values] + [o.overhead + o.saved for nd in p.nodes
+                                                  for o in nd.options] + [1])
+    scale = float(budget) if (budget is not None and not minimize_peak) else float(max_bytes)
+    unconstrained = budget is None and not minimize_peak
+    scale = max(scale, 1.0)
+    total_time = sum(max(o.time for o in nd.options) for nd in p.nodes) * n + 1.0
+    time_w = 1e-3 / total_time if minimize_peak else 1.0
+
+    counted = [
+        x
+        for x in range(nv)
+        if p.values[x].producer is not None and a.storage[x] == x and p.values[x].bytes > 0
+    ]
+    mem = [p.values[x].bytes / scale for x in range(nv)]
+    counted_mask = np.zeros(nv, dtype=bool)
+    counted_mask[counted] = True
+    out_mem = [sum(mem[x] for x in dict.fromkeys(nd.outputs) if counted_mask[x]) for nd in p.nodes]
+
+    # R columns
+    R: list[dict[int, int]] = []
+    for t in range(n):
+        cols: dict[int, int] = {}
+        for i in a.stage_nodes[t]:
+            first = -1
+            for o in p.nodes[i].options:
+                c = b.col(o.time * time_w, 0.0, 1.0, True)
+                if first < 0:
+                    first = c
+            cols[i] = first
+            k = len(p.nodes[i].options)
+            if i == t:
+                b.row(list(range(first, first + k)), [1.0] * k, 1.0, 1.0)
+            elif k > 1:
+                b.row(list(range(first, first + k)), [1.0] * k, 0.0, 1.0)
+        R.append(cols)
+
+    def rsum(t: int, i: int) -> list[int]:
+        first = R[t].get(i)
+        if first is None:
+            return []
+        return list(range(first, first + len(p.nodes[i].options)))
+
+    # S columns: value kept into stage t, for producer < t <= need
+    S: dict[tuple[int, int], int] = {}
+    for x in range(nv):
+        v = p.values[x]
+        if v.producer is None:
+            continue
+        for t in range(v.producer + 1, a.need_v[x] + 1):
+            lb = 1.0 if v.keep else 0.0
+            S[(t, x)] = b.col(0.0, lb, 1.0, True)
+
+    # P columns: saved memory of (forward node f, option o) kept into stage t, f < t <= partner
+    P: dict[tuple[int, int, int], int] = {}
+    partner: dict[int, int] = {}
+    for j, nd in enumerate(p.nodes):
+        if nd.pair is not None:
+            partner[nd.pair] = j
+    for f, j in partner.items():
+        for o, opt in enumerate(p.nodes[f].options):
+            if opt.pairs:
+                for t in range(f + 1, j + 1):
+                    P[(t, f, o)] = b.col(0.0, 0.0, 1.0, True)
+
+    # tie-break: among equally fast schedules prefer keeping fewer bytes (the total penalty
+    # stays below half of the smallest op time, so it never trades time for memory)
+    times = [o.time for nd in p.nodes for o in nd.options if o.time > 0]
+    kept_mem = sum(mem[x] for (_, x) in S if counted_mask[x])
+    if times and kept_mem > 0 and not minimize_peak:
+        eps = 0.5 * min(times) / kept_mem
+        for (t, x), c in S.items():
+            if counted_mask[x]:
+                b.cost[c] = eps * mem[x]
+
+    # keeping requires having had the value in the previous stage
+    for (t, x), c in S.items():
+        prev = [S[(t - 1, x)]] if (t - 1, x) in S else []
+        prod = rsum(t - 1, p.values[x].producer)  # type: ignore[arg-type]
+        b.row([c] + prev + prod, [1.0] + [-1.0] * (len(prev) + len(prod)), -math.inf, 0.0)
+        r = a.storage[x]
+        if r != x and (t, r) in S:  # a view kept implies its storage kept
+            b.row([c, S[(t, r)]], [1.0, -1.0], -math.inf, 0.0)
+    for (t, f, o), c in P.items():
+        prev = [P[(t - 1, f, o)]] if (t - 1, f, o) in P else []
+        made = [R[t - 1][f] + o] if f in R[t - 1] else []
+        b.row([c] + prev + made, [1.0] + [-1.0] * (len(prev) + len(made)), -math.inf, 0.0)
+
+    # dependencies: inputs alive when a node runs; paired saved memory alive for a backward node
+    for t in range(n):
+        for j in a.stage_nodes[t]:
+            rj = rsum(t, j)
+            for x in dict.fromkeys(p.nodes[j].inputs):
+                v = p.values[x]
+                if v.producer is None:
+                    continue
+                alive = rsum(t, v.producer) + ([S[(t, x)]] if (t, x) in S else [])
+                b.row(rj + alive, [1.0] * len(rj) + [-1.0] * len(alive), -math.inf, 0.0)
+            f = p.nodes[j].pair
+            if f is not None:
+                for o, opt in enumerate(p.nodes[f].options):
+                    if opt.pairs:
+                        have = [P[(t, f, o)]] if (t, f, o) in P else []
+                        have += [R[t][f] + o] if f in R[t] else []
+                        b.row([R[t][j] + o] + have, [1.0] + [-1.0] * len(have), -math.inf, 0.0)
+
+    if boundary_limit is not None and p.n_forward < n:
+        t = p.n_forward
+        bc: list[int] = []
+        bv: list[float] = []
+        for x in range(nv):
+            if (t, x) in S and counted_mask[x] and not p.values[x].keep:
+                bc.append(S[(t, x)])
+                bv.append(mem[x])
+        for (tt, f, o), c in P.items():
+            if tt == t:
+                bc.append(c)
+                bv.append(p.nodes[f].options[o].saved / scale)
+        if bc:
+            b.row(bc, bv, -math.inf, max(boundary_limit, 0.0) / scale + 1e-9)
+    if unconstrained:
+        return _Model(b, R, S, P, None, scale)
+
+    # peak variable for the min-peak variant
+    peak_col = b.col(1.0, 0.0, math.inf, False) if minimize_peak else None
+    # memory sums whole bytes: half a byte of slack accepts a peak equal to the budget; the
+    # caller re-solves slightly lower if solver tolerances ever put a schedule over it
+    limit = (float(budget) + 0.5) / scale if not minimize_peak else 0.0  # type: ignore[arg-type]
+
+    # memory: U[t,k] by recurrence over the computable nodes of the stage
+    counted_by_stage_user: dict[int, list[int]] = {}
+    for x in counted:
+        for k in [p.values[x].producer] + a.uses[x]:
+            counted_by_stage_user.setdefault(k, []).append(x)  # type: ignore[arg-type]
+    for t in range(n):
+        order = a.stage_nodes[t]
+        prev_u: int | None = None
+        prev_frees: list[tuple[int, float]] = []
+        for k in order:
+            u = b.col(0.0, -math.inf, math.inf, False)
+            rk = rsum(t, k)
+            vals_out = [-(out_mem[k] + p.nodes[k].options[o].saved / scale) for o in range(len(rk))]
+            if prev_u is None:
+                base_c: list[int] = []
+                base_v: list[float] = []
+                for x in counted:
+                    if (t, x) in S:
+                        base_c.append(S[(t, x)])
+                        base_v.append(-mem[x])
+                for (tt, f, o), c in P.items():
+                    if tt == t:
+                        base_c.append(c)
+                        base_v.append(-p.nodes[f].options[o].saved / scale)
+                b.row([u] + rk + base_c, [1.0] + vals_out + base_v, 0.0, 0.0)
+            else:
+                fc = [c for c, _ in prev_frees]
+                fv = [m for _, m in prev_frees]
+                b.row([u, prev_u] + rk + fc, [1.0, -1.0] + vals_out + fv, 0.0, 0.0)
+            ov = [p.nodes[k].options[o].overhead / scale for o in range(len(rk))]
+            if peak_col is None:
+                b.row([u] + rk, [1.0] + ov, -math.inf, limit)
+            else:
+                b.row([u, peak_col] + rk, [1.0, -1.0] + ov, -math.inf, 0.0)
+            # FREE[t,x,k] for counted values x touched by k
+            prev_frees = []
+            for x in counted_by_stage_user.get(k, []):
+                c = b.col(0.0, 0.0, 1.0, True)
+                b.row([c] + rk, [1.0] + [-1.0] * len(rk), -math.inf, 0.0)
+                if (t + 1, x) in S:
+                    b.row([c, S[(t + 1, x)]], [1.0, 1.0], -math.inf, 1.0)
+                elif p.values[x].keep:
+                    b.ub[c] = 0.0  # kept values are never freed
+                for j in a.uses[x]:
+                    if j > k and j in R[t]:
+                        rj = rsum(t, j)
+                        b.row([c] + rj, [1.0] * (1 + len(rj)), -math.inf, 1.0)
+                prev_frees.append((c, mem[x]))
+            prev_u = u
+    return _Model(b, R, S, P, peak_col, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# solving
+
+
+_THREADS_SET = False
+
+
+def _new_highs(time_limit: float | None, mip_rel_gap: float) -> Any:
+    import highspy
+
+    global _THREADS_SET
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    if not _THREADS_SET:
+        # HiGHS fixes its thread pool size once per process
+        h.setOptionValue("threads", 1)
+        _THREADS_SET = True
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
+    h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+    return h
+
+
+def solve_level(
+    p: LevelProblem,
+    budget: float | None,
+    *,
+    time_limit: float | None = None,
+    mip_rel_gap: float = 1e-4,
+    minimize_peak: bool = False,
+    boundary_limit: float | None = None,
+) -> StagePlan:
+    """Solve one level at ``budget`` bytes (or for its smallest peak with ``minimize_peak``).
+
+    Raises ``LevelInfeasible`` when proven infeasible and ``LevelNoSolution`` when the time limit
+    passed without any feasible schedule.
+    """
+    import highspy
+
+    t0 = _time.perf_counter()
+    a = analyse(p)
+    model = build_model(p, a, budget, minimize_peak, boundary_limit)
+    lp = model.builder.to_lp()
+    t_build = _time.perf_counter() - t0
+    h = _new_highs(time_limit, mip_rel_gap)
+    h.passModel(lp)
+    h.run()
+    status = h.getModelStatus()
+    t_solve = _time.perf_counter() - t0 - t_build
+    MS = highspy.HighsModelStatus
+    info = h.getInfo()
+    stats: dict[str, Any] = {
+        "columns": int(lp.num_col_),
+        "rows": int(lp.num_row_),
+        "nonzeros": int(len(lp.a_matrix_.value_)),
+        "build_seconds": round(t_build, 4),
+        "solve_seconds": round(t_solve, 4),
+        "status": h.modelStatusToString(status),
+    }
+    if status == MS.kInfeasible:
+        raise LevelInfeasible(f"level '{p.name}' has no schedule within {budget} bytes")
+    has_solution = info.primal_solution_status == 2  # feasible point available
+    if not has_solution:
+        if status in (MS.kTimeLimit, MS.kInterrupt, MS.kIterationLimit, MS.kSolutionLimit):
+            raise LevelNoSolution(
+                f"level '{p.name}': no schedule found within the time limit ({time_limit} s)"
+            )
+        raise LevelInfeasible(
+            f"level '{p.name}': the solver found no schedule ({stats['status']})"
+        )
+    optimal = status == MS.kOptimal
+    x = np.asarray(h.getSolution().col_value)
+    stats["mip_gap"] = float(info.mip_gap) if math.isfinite(info.mip_gap) else None
+    stats["optimal"] = optimal
+    plan = extract(p, a, model, x)
+    plan.optimal = optimal
+    plan.stats = stats
+    if model.peak_col is not None:
+        plan.stats["peak_bound_bytes"] = float(x[model.peak_col]) * model.scale
+    return plan
+
+
+def extract(p: LevelProblem, a: _Analysis, model: _Model, x: np.ndarray) -> StagePlan:
+    """Turn a MILP solution into per-stage computes and frees.
+
+    Frees are recomputed from liveness rather than read from ``FREE``: a value is released right
+    after its last use in the stage unless the solution keeps it, which never uses more memory
+    than the model accounted for.
+    """
+    n = len(p.nodes)
+    on = x > 0.5
+    computes: list[list[tuple[int, int]]] = []
+    frees_before: list[list[int]] = []
+    frees: list[list[list[int]]] = []
+    kept_saved: list[set[tuple[int, int]]] = []
+    objective = 0.0
+    alive: set[int] = set()
+    for t in range(n):
+        stage: list[tuple[int, int]] = []
+        for i in a.stage_nodes[t]:
+            first = model.R[t][i]
+            for o in range(len(p.nodes[i].options)):
+                if on[first + o]:
+                    stage.append((i, o))
+                    objective += p.nodes[i].options[o].time
+                    break
+        keep_next = {
+            xv for xv in alive | {y for i, _ in stage for y in p.nodes[i].outputs}
+            if (t + 1, xv) in model.S and on[model.S[(t + 1, xv)]]
+        }
+        kept_saved.append(
+            {(f, o) for (tt, f, o), c in model.P.items() if tt == t + 1 and on[c]}
+        )
+        # last position in the stage at which each value is used (directly or via a view)
+        last_use: dict[int, int] = {}
+        for pos, (i, _) in enumerate(stage):
+            for y in p.nodes[i].inputs:
+                last_use[y] = pos
+                last_use[a.storage[y]] = max(last_use.get(a.storage[y], -1), pos)
+            for y in p.nodes[i].outputs:
+                last_use[y] = max(last_use.get(y, -1), pos)
+        # a storage owner stays while a view of it stays
+        for y in list(keep_next):
+            keep_next.add(a.storage[y])
+        fb = sorted(
+            y for y in alive if y not in last_use and y not in keep_next and not p.values[y].keep
+        )
+        alive.difference_update(fb)
+        stage_frees: list[list[int]] = []
+        for pos, (i, _) in enumerate(stage):
+            alive.update(p.nodes[i].outputs)
+            done = sorted(
+                y
+                for y in alive
+                if last_use.get(y, -1) <= pos
+                and y not in keep_next
+                and not p.values[y].keep
+                and not _view_alive_later(y, alive, last_use, pos, keep_next, a)
+            )
+            alive.difference_update(done)
+            stage_frees.append(done)
+        computes.append(stage)
+        frees_before.append(fb)
+        frees.append(stage_frees)
+    return StagePlan(computes, frees_before, frees, kept_saved, objective, False)
+
+
+def _view_alive_later(
+    y: int,
+    alive: set[int],
+    last_use: dict[int, int],
+    pos: int,
+    keep_next: set[int],
+    a: _Analysis,
+) -> bool:
+    """True when ``y`` owns a storage that a still-needed view refers to."""
+    for z in alive:
+        if z != y and a.storage[z] == y and (last_use.get(z, -1) > pos or z in keep_next):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# the op level: one node per op, one value per tensor (Checkmate's model on the IR)
+
+
+@dataclass
+class OpLevel:
+    """The op-level problem of a graph and the maps back to IR ids."""
+
+    problem: LevelProblem
+    node_op: list[int]  # level node -> op id
+
+
+def topological_ops(graph: Any) -> list[int]:
+    """Op ids in a topological order, forward ops first, else keeping the graph's order."""
+    import heapq
+
+    n = graph.num_ops
+    prod = graph.producers()
+    deps: list[set[int]] = [set() for _ in range(n)]
+    for j, op in enumerate(graph.ops):
+        for x in op.inputs:
+            pj = prod[x]
+            if pj is not None and pj != j:
+                deps[j].add(pj)
+    users: list[list[int]] = [[] for _ in range(n)]
+    indeg = [len(d) for d in deps]
+    for j, d in enumerate(deps):
+        for i in d:
+            users[i].append(j)
+    key = [(0 if op.phase == "forward" else 1, j) for j, op in enumerate(graph.ops)]
+    heap = [key[j] for j in range(n) if indeg[j] == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        _, j = heapq.heappop(heap)
+        order.append(j)
+        for u in users[j]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, key[u])
+    if len(order) != n:
+        raise ValueError(f"graph '{graph.name}' has a cycle among its ops")
+    seen_backward = False
+    for j in order:
+        if graph.ops[j].phase == "backward":
+            seen_backward = True
+        elif seen_backward:
+            raise ValueError(
+                f"graph '{graph.name}': forward op '{graph.ops[j].name}' depends on a backward op"
+            )
+    return order
+
+
+def op_level(graph: Any, ops: list[int] | None = None) -> OpLevel:
+    """Checkmate's problem for a graph: every op a node with one option (time, workspace)."""
+    order = topological_ops(graph) if ops is None else ops
+    pos = {op: k for k, op in enumerate(order)}
+    prod = graph.producers()
+    values = []
+    for x, t in enumerate(graph.tensors):
+        p = prod[x]
+        values.append(
+            LevelValue(
+                name=t.name,
+                bytes=int(t.bytes) if t.alias_of is None else 0,
+                producer=None if p is None or t.role in PREEXISTING else pos[p],
+                keep=t.role == "output",
+                root=t.alias_of,
+            )
+        )
+    nodes = []
+    for j in order:
+        op = graph.ops[j]
+        nodes.append(
+            LevelNode(
+                name=op.name,
+                inputs=list(op.inputs),
+                outputs=list(op.outputs),
+                options=[NodeOption(time=float(op.time), overhead=int(op.workspace))],
+                backward=op.phase == "backward",
+            )
+        )
+    n_forward = sum(1 for j in order if graph.ops[j].phase == "forward")
+    return OpLevel(LevelProblem(values, nodes, n_forward, name=graph.name), list(order))
+
+
+PREEXISTING = frozenset({"input", "parameter", "buffer", "tangent"})
+
+
+def op_steps(level: OpLevel, plan: StagePlan) -> tuple[list[tuple[str, int]], int]:
+    """IR schedule steps of a solved op level, and the forward segment's length."""
+    steps: list[tuple[str, int]] = []
+    forward_len = 0
+    for t, stage in enumerate(plan.computes):
+        steps.extend(("free", x) for x in plan.frees_before[t])
+        for (i, _), freed in zip(stage, plan.frees[t]):
+            steps.append(("compute", level.node_op[i]))
+            steps.extend(("free", x) for x in freed)
+        if t == level.problem.n_forward - 1:
+            forward_len = len(steps)
+    return steps, forward_len

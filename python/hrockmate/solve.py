@@ -1,0 +1,1250 @@
+"""Solving: ``solve`` (model), ``solve_graph`` (graph or graph file) and ``pareto``.
+
+The hierarchical solver (method ``"hrockmate"``) follows H-Rockmate:
+
+1. the forward ops, in a topological order, are cut into contiguous blocks of a few ops, with
+   cuts where few bytes cross; blocks are grouped again into larger blocks, level by level,
+   until the top has at most ``top_size`` blocks; every backward op joins the block of the
+   forward op it differentiates, but never a later block than a backward op it reads from
+   (so the blocks' backward parts form a DAG);
+2. bottom-up, each block is a level problem (``hrockmate.ilp``) over its children (ops at the
+   bottom, blocks above), whose *options* come from solving that level at several limits on its
+   peak and on what it saves between forward and backward; each solution gives a forward and a
+   backward schedule fragment, the saved tensors, times and memory overheads;
+3. the top level is solved at the user's budget and its stages expanded into IR steps.
+
+Graphs with at most ``flat_ops`` ops skip the hierarchy: the top level is then the op level,
+which is Checkmate's exact model. Every plan is checked by ``hrockmate.simulate`` before it is
+returned. docs/solver.md describes the models and options.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time as _time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from hrockmate import ilp, solvers
+from hrockmate.budget import BudgetLike, parse_budget
+from hrockmate.graph import PREEXISTING_ROLES, Graph
+from hrockmate.plan import InfeasibleBudget, Plan
+
+logger = logging.getLogger("hrockmate")
+
+Step = tuple[str, int]
+
+METHODS = ("hrockmate", "checkmate", "checkpoint", "recompute-all", "store-all")
+
+
+class SolveError(RuntimeError):
+    """The solver produced a schedule the simulator rejects (a bug); the message says which."""
+
+
+# ---------------------------------------------------------------------------------------------
+# simulation (the simulator is the judge of every schedule)
+
+
+def _simulate(graph: Graph, steps: list[Step], forward_len: int) -> tuple[int, float]:
+    from hrockmate.schedule import Schedule, simulate
+
+    res = simulate(graph, Schedule(steps=list(steps), forward_len=forward_len))
+    return int(res.peak_bytes), float(res.time)
+
+
+def _baseline(graph: Graph) -> tuple[list[Step], int, int, float]:
+    from hrockmate.schedule import store_all_schedule
+
+    sched = store_all_schedule(graph)
+    steps = [(str(k), int(i)) for k, i in sched.steps]
+    peak, t = _simulate(graph, steps, int(sched.forward_len))
+    return steps, int(sched.forward_len), peak, t
+
+
+# ---------------------------------------------------------------------------------------------
+# hierarchy
+
+
+@dataclass
+class BlockOption:
+    """One way of running a block: forward and backward fragments and what they cost."""
+
+    fwd: list[Step]
+    bwd: list[Step]
+    saved: frozenset[int]  # tensors kept from the forward fragment for the backward one
+    saved_state: Storages  # their storages as the forward fragment left them
+    fwd_time: float
+    bwd_time: float
+    saved_bytes: int
+    # peak bytes of the block's own tensors (internal and interface outputs) above what was
+    # alive before the fragment; the backward one starts with the saved tensors
+    fwd_peak: int
+    bwd_peak: int
+
+    def key(self) -> tuple[float, float, int, int, int]:
+        return (self.fwd_time, self.bwd_time, self.saved_bytes, self.fwd_peak, self.bwd_peak)
+
+
+@dataclass
+class Block:
+    """A contiguous range of forward ops with the backward ops that belong to them."""
+
+    fwd_ops: list[int]
+    bwd_ops: list[int]
+    children: list["Block"] = field(default_factory=list)
+    loose_bwd: list[int] = field(default_factory=list)  # backward ops no child takes
+    fwd_in: list[int] = field(default_factory=list)
+    fwd_out: list[int] = field(default_factory=list)
+    bwd_in: list[int] = field(default_factory=list)
+    bwd_out: list[int] = field(default_factory=list)
+    options: list[BlockOption] = field(default_factory=list)
+    is_root: bool = False
+
+    @property
+    def all_ops(self) -> list[int]:
+        return self.fwd_ops + self.bwd_ops
+
+    def depth(self) -> int:
+        return 1 + max((c.depth() for c in self.children), default=0)
+
+
+class _Ctx:
+    """Per-graph facts shared by the hierarchy code."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.order = ilp.topological_ops(graph)
+        self.pos = {j: k for k, j in enumerate(self.order)}
+        self.prod = graph.producers()
+        self.readers = graph.consumers()
+        self.fixed = [t.role in PREEXISTING_ROLES for t in graph.tensors]
+        self.fwd = [j for j in self.order if graph.ops[j].phase == "forward"]
+        self.bwd = [j for j in self.order if graph.ops[j].phase == "backward"]
+        roots = []
+        for x, t in enumerate(graph.tensors):
+            r = x
+            while graph.tensors[r].alias_of is not None:
+                r = graph.tensors[r].alias_of  # type: ignore[assignment]
+            roots.append(r)
+        self.root = roots
+
+
+def _interfaces(ctx: _Ctx, block: Block) -> None:
+    """Fill a block's interface tensor lists from its op sets."""
+    g = ctx.graph
+    ops = set(block.all_ops)
+    produced = {x for j in ops for x in g.ops[j].outputs}
+    out: set[int] = set()
+    for x in produced:
+        if g.tensors[x].role == "output" or any(r not in ops for r in ctx.readers[x]):
+            out.add(x)
+    # a view leaving the block takes its storage owner with it
+    for x in list(out):
+        r = g.tensors[x].alias_of
+        while r is not None:
+            if r in produced:
+                out.add(r)
+            r = g.tensors[r].alias_of
+    fwd_prod = {x for j in block.fwd_ops for x in g.ops[j].outputs}
+    block.fwd_out = sorted(x for x in out if x in fwd_prod)
+    block.bwd_out = sorted(x for x in out if x not in fwd_prod)
+    fwd_in: set[int] = set()
+    for j in block.fwd_ops:
+        fwd_in.update(x for x in g.ops[j].inputs if x not in fwd_prod)
+    bwd_in = set(fwd_in)
+    read_inside: set[int] = set()
+    for j in ops:
+        read_inside.update(g.ops[j].inputs)
+    for j in block.bwd_ops:
+        bwd_in.update(x for x in g.ops[j].inputs if x not in produced)
+    bwd_in.update(x for x in block.fwd_out if x in read_inside)
+    block.fwd_in = sorted(fwd_in)
+    block.bwd_in = sorted(bwd_in) if block.bwd_ops else []
+
+
+def _cut_groups(sizes: Sequence[int], cross: Sequence[float], target: int) -> list[int]:
+    """Split a sequence into contiguous groups of about ``target`` items (by ``sizes``), cutting
+    where ``cross[k]`` (bytes crossing a cut before item k) is small. Returns group starts."""
+    n = len(sizes)
+    starts = [0]
+    k = 0
+    while True:
+        acc, lo, hi = 0, None, None
+        j = k
+        while j < n:
+            acc += sizes[j]
+            j += 1
+            if acc >= 0.6 * target and lo is None:
+                lo = j
+            if acc >= 1.4 * target:
+                hi = j
+                break
+        if j >= n and (lo is None or acc < 1.4 * target):
+            break  # the rest fits in one group
+        lo = lo if lo is not None else j
+        hi = hi if hi is not None else j
+        best = min(range(lo, hi + 1), key=lambda c: (cross[c] if c < n else 0.0,
+                                                     abs(c - k - target)))
+        if best >= n:
+            break
+        starts.append(best)
+        k = best
+    return starts
+
+
+def _crossing(ctx: _Ctx) -> list[float]:
+    """cross[k]: bytes produced by forward ops before position k and read at or after it."""
+    g = ctx.graph
+    fpos = {j: k for k, j in enumerate(ctx.fwd)}
+    n = len(ctx.fwd)
+    delta = [0.0] * (n + 2)
+    for k, j in enumerate(ctx.fwd):
+        for x in g.ops[j].outputs:
+            last = max((fpos[r] for r in ctx.readers[x] if r in fpos), default=k)
+            if last > k:
+                delta[k + 1] += g.tensors[x].bytes
+                delta[last + 1] -= g.tensors[x].bytes
+    cross, acc = [], 0.0
+    for k in range(n + 1):
+        acc += delta[k]
+        cross.append(acc)
+    return cross
+
+
+def build_hierarchy(graph: Graph, leaf_size: int = 6, group_size: int = 8,
+                    top_size: int = 16) -> Block:
+    """Partition a graph into a tree of blocks; the root holds the whole graph."""
+    ctx = _Ctx(graph)
+    g = graph
+    cross = _crossing(ctx)
+    # leaves
+    starts = _cut_groups([1] * len(ctx.fwd), cross, leaf_size) if ctx.fwd else []
+    leaves: list[Block] = []
+    for a, b in zip(starts, starts[1:] + [len(ctx.fwd)]):
+        leaves.append(Block(fwd_ops=ctx.fwd[a:b], bwd_ops=[]))
+    block_of_fwd: dict[int, int] = {}
+    for i, leaf in enumerate(leaves):
+        for j in leaf.fwd_ops:
+            block_of_fwd[j] = i
+    # backward ops: the block of the forward op they differentiate (the last block when they
+    # differentiate none), but never a later block than a backward op they read from. Block
+    # indices then never increase along backward data flow, so the blocks' backward parts form
+    # a DAG at every level.
+    owner: dict[int, int] = {}
+    last = len(leaves) - 1
+    for j in ctx.bwd:  # topological order
+        d = g.ops[j].differentiates
+        want = block_of_fwd.get(d, last) if d is not None else last
+        for x in g.ops[j].inputs:
+            p = ctx.prod[x]
+            if p is not None and p in owner:
+                want = min(want, owner[p])
+        owner[j] = want
+    loose: list[int] = []
+    for j in ctx.bwd:
+        if owner[j] >= 0:
+            leaves[owner[j]].bwd_ops.append(j)
+        else:
+            loose.append(j)  # no forward op at all: the backward ops stay at the top
+    for leaf in leaves:
+        _interfaces(ctx, leaf)
+    level = leaves
+    while len(level) > top_size:
+        sizes = [len(b.fwd_ops) for b in level]
+        ccross = [0.0] + [cross[sum(sizes[:k])] for k in range(1, len(level))] + [0.0]
+        n_groups = max(2, math.ceil(len(level) / group_size))
+        gstarts = _cut_groups([1] * len(level), ccross, max(1, round(len(level) / n_groups)))
+        if len(gstarts) >= len(level):
+            break
+        nxt = []
+        for a, b in zip(gstarts, gstarts[1:] + [len(level)]):
+            kids = level[a:b]
+            blk = Block(
+                fwd_ops=[j for c in kids for j in c.fwd_ops],
+                bwd_ops=sorted((j for c in kids for j in c.bwd_ops), key=ctx.pos.__getitem__),
+                children=kids,
+            )
+            _interfaces(ctx, blk)
+            nxt.append(blk)
+        level = nxt
+    root = Block(fwd_ops=list(ctx.fwd), bwd_ops=list(ctx.bwd), children=level, loose_bwd=loose,
+                 is_root=True)
+    return root
+
+
+def flat_root(graph: Graph) -> Block:
+    """The hierarchy of one level: every op is a unit of the root (Checkmate's model)."""
+    ctx = _Ctx(graph)
+    return Block(fwd_ops=list(ctx.fwd), bwd_ops=list(ctx.bwd), is_root=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# a block's level problem
+
+
+@dataclass
+class _Unit:
+    op: int | None = None
+    child: Block | None = None
+    backward: bool = False
+
+
+@dataclass
+class _Level:
+    problem: ilp.LevelProblem
+    units: list[_Unit]
+    value_tensor: list[int]
+    partner_stage: dict[int, int]  # forward child node -> stage of its backward node
+    # backward child node -> inputs that nothing after it needs: its fragment frees them
+    dying: dict[int, frozenset[int]] = field(default_factory=dict)
+
+
+def _block_level(ctx: _Ctx, block: Block) -> _Level:
+    g = ctx.graph
+    units: list[_Unit] = []
+    if block.children:
+        units += [_Unit(child=c) for c in block.children]
+        fwd_units = len(units)
+        bwd_units = [_Unit(child=c, backward=True) for c in block.children if c.bwd_ops]
+        bwd_units += [_Unit(op=j, backward=True) for j in block.loose_bwd]
+    else:
+        units += [_Unit(op=j) for j in block.fwd_ops]
+        fwd_units = len(units)
+        bwd_units = [_Unit(op=j, backward=True) for j in block.bwd_ops]
+
+    def io(u: _Unit) -> tuple[list[int], list[int]]:
+        if u.op is not None:
+            return list(g.ops[u.op].inputs), list(g.ops[u.op].outputs)
+        c = u.child
+        assert c is not None
+        return (c.bwd_in, c.bwd_out) if u.backward else (c.fwd_in, c.fwd_out)
+
+    bwd_units = _order_units(ctx, bwd_units, io)
+    units += bwd_units
+    # values: every tensor at a unit boundary, plus the storage owners of views
+    tensor_ids: dict[int, int] = {}
+    value_tensor: list[int] = []
+
+    def vid(x: int) -> int:
+        if x not in tensor_ids:
+            tensor_ids[x] = len(value_tensor)
+            value_tensor.append(x)
+            r = g.tensors[x].alias_of
+            if r is not None:
+                vid(r)
+        return tensor_ids[x]
+
+    unit_io = [io(u) for u in units]
+    for ins, outs in unit_io:
+        for x in ins + outs:
+            vid(x)
+    producer: dict[int, int] = {}
+    for k, (_, outs) in enumerate(unit_io):
+        for x in outs:
+            producer.setdefault(x, k)
+    interface = set(block.fwd_out) | set(block.bwd_out)
+    values = []
+    for x in value_tensor:
+        t = g.tensors[x]
+        p = producer.get(x)
+        if ctx.fixed[x]:
+            p = None
+        counted = p is not None and x not in interface and t.alias_of is None
+        values.append(
+            ilp.LevelValue(
+                name=t.name,
+                bytes=int(t.bytes) if counted else 0,
+                producer=p,
+                keep=(x in interface or t.role == "output") and p is not None,
+                root=tensor_ids[t.alias_of] if t.alias_of is not None else None,
+            )
+        )
+    nodes = []
+    fwd_node_of_child: dict[int, int] = {}
+    for k, u in enumerate(units):
+        ins, outs = unit_io[k]
+        # the model adds the outputs counted at this level when the node runs; a child's
+        # overhead is the rest of its peak (negative when its backward frees what it saved)
+        out_counted = sum(values[tensor_ids[x]].bytes for x in dict.fromkeys(outs))
+        if u.op is not None:
+            op = g.ops[u.op]
+            options = [ilp.NodeOption(time=float(op.time), overhead=int(op.workspace))]
+            pair = None
+        else:
+            c = u.child
+            assert c is not None
+            if u.backward:
+                options = [ilp.NodeOption(time=o.bwd_time,
+                                          overhead=o.bwd_peak - o.saved_bytes - out_counted)
+                           for o in c.options]
+                pair = fwd_node_of_child[id(c)]
+            else:
+                options = [ilp.NodeOption(time=o.fwd_time,
+                                          overhead=max(0, o.fwd_peak - o.saved_bytes - out_counted),
+                                          saved=o.saved_bytes, keeps=bool(o.saved))
+                           for o in c.options]
+                fwd_node_of_child[id(c)] = k
+                pair = None
+        nodes.append(
+            ilp.LevelNode(
+                name=g.ops[u.op].name if u.op is not None else f"block@{k}",
+                inputs=[tensor_ids[x] for x in ins],
+                outputs=[tensor_ids[x] for x in outs],
+                options=options,
+                backward=u.backward,
+                pair=pair,
+            )
+        )
+    partner_stage = {n.pair: k for k, n in enumerate(nodes) if n.pair is not None}
+    problem = ilp.LevelProblem(values, nodes, fwd_units, name=ctx.graph.name)
+    lvl = _Level(problem, units, value_tensor, partner_stage)
+    _dying_inputs(ctx, lvl, tensor_ids)
+    return lvl
+
+
+def _dying_inputs(ctx: _Ctx, lvl: _Level, tensor_ids: dict[int, int]) -> None:
+    """Let a backward child free the inputs that no later node of the level needs as soon as
+    its fragment is done with them, and charge its options' overheads accordingly.
+
+    A backward node runs last in its stage, so an input whose last possible use is that node
+    is dead afterwards; inside the fragment it can go after its last read."""
+    g = ctx.graph
+    p = lvl.problem
+    a = ilp.analyse(p)
+    views: dict[int, list[int]] = {}
+    for v in range(len(p.values)):
+        if a.storage[v] != v:
+            views.setdefault(a.storage[v], []).append(v)
+    for k, u in enumerate(lvl.units):
+        if not (u.backward and u.child is not None):
+            continue
+        c = u.child
+        node = p.nodes[k]
+        dead = {v for v in node.inputs
+                if p.values[v].producer is not None and not p.values[v].keep
+                and a.need_v[v] <= k}
+        dead = {v for v in dead if all(w in dead for w in views.get(v, []))}
+        if not dead:
+            continue
+        dying = frozenset(lvl.value_tensor[v] for v in dead)
+        mem = {lvl.value_tensor[v] for v in dead if p.values[v].bytes > 0}
+        mem_bytes = sum(p.values[v].bytes for v in dead)
+        out_counted = sum(p.values[v].bytes for v in dict.fromkeys(node.outputs))
+        own = _own_storages(ctx, c)
+        for o, opt in zip(node.options, c.options):
+            start = {**_outside(ctx, dying, mem), **opt.saved_state}
+            peak, _ = _fragment_peak(ctx, opt.bwd, own | mem, start, dying)
+            opt_ov = peak - opt.saved_bytes - out_counted - mem_bytes
+            o.overhead = min(o.overhead, opt_ov)
+        lvl.dying[k] = dying
+    del tensor_ids
+
+
+def _own_storages(ctx: _Ctx, block: Block) -> set[int]:
+    g = ctx.graph
+    return {x for j in block.all_ops for x in g.ops[j].outputs if g.tensors[x].alias_of is None}
+
+
+def _order_units(ctx: _Ctx, units: list[_Unit], io: Any) -> list[_Unit]:
+    """Backward units in a topological order of their data flow (earliest ops first)."""
+    import heapq
+
+    made: dict[int, int] = {}
+    for k, u in enumerate(units):
+        for x in io(u)[1]:
+            made[x] = k
+    deps: list[set[int]] = [set() for _ in units]
+    for k, u in enumerate(units):
+        for x in io(u)[0]:
+            p = made.get(x)
+            if p is not None and p != k:
+                deps[k].add(p)
+    first = []
+    for u in units:
+        ops = [u.op] if u.op is not None else u.child.bwd_ops  # type: ignore[union-attr]
+        first.append(min(ctx.pos[j] for j in ops))
+    users: list[list[int]] = [[] for _ in units]
+    indeg = [len(d) for d in deps]
+    for k, d in enumerate(deps):
+        for p in d:
+            users[p].append(k)
+    heap = [(first[k], k) for k in range(len(units)) if indeg[k] == 0]
+    heapq.heapify(heap)
+    out: list[int] = []
+    while heap:
+        _, k = heapq.heappop(heap)
+        out.append(k)
+        for v in users[k]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (first[v], v))
+    if len(out) != len(units):
+        # cannot happen: block indices never increase along backward data flow
+        raise SolveError("internal error: backward blocks depend on each other in a cycle")
+    return [units[k] for k in out]
+
+
+# ---------------------------------------------------------------------------------------------
+# expanding a solved level into IR steps
+
+
+def _expand(ctx: _Ctx, block: Block, lvl: _Level, sp: ilp.StagePlan
+            ) -> tuple[list[Step], list[Step], frozenset[int]]:
+    """Forward steps, backward steps and saved tensors of one solution of a block's level."""
+    g = ctx.graph
+    p = lvl.problem
+    alive: set[int] = set()
+    out: list[Step] = []
+    fwd_steps: list[Step] = []
+    phantoms: dict[tuple[int, int], frozenset[int]] = {}  # (forward node, option) -> tensors
+
+    def free(x: int) -> None:
+        if x in alive:
+            alive.discard(x)
+            out.append(("free", x))
+
+    def free_phantoms(keys: Iterable[tuple[int, int]]) -> None:
+        keys = [k for k in keys if k in phantoms]
+        doomed: set[int] = set()
+        for k in keys:
+            doomed |= phantoms.pop(k)
+        still = set().union(*phantoms.values()) if phantoms else set()
+        for x in sorted(doomed - still):
+            free(x)
+
+    def replay(steps: list[Step], consumable: frozenset[int],
+               dying: frozenset[int] = frozenset()) -> set[int]:
+        protect = alive - consumable
+        before = set(alive)
+        last = _last_reads(g, steps, dying)
+        by_step: dict[int, list[int]] = {}
+        for x, s in last.items():
+            by_step.setdefault(s, []).append(x)
+        for x in sorted(by_step.get(-1, ())):
+            free(x)
+        for s, (kind, i) in enumerate(steps):
+            if kind == "compute":
+                out.append(("compute", i))
+                alive.update(g.ops[i].outputs)
+                for x in sorted(by_step.get(s, ())):
+                    free(x)
+            elif i not in protect:
+                free(i)
+        return alive - before
+
+    for t, stage in enumerate(sp.computes):
+        # saved memory that is neither kept nor used in this stage goes first
+        used_here = {i for i, _ in stage}
+        drop = [k for k in phantoms if k not in sp.kept_saved[t]
+                and lvl.partner_stage.get(k[0]) not in used_here]
+        free_phantoms(drop)
+        for x in sp.frees_before[t]:
+            free(lvl.value_tensor[x])
+        for (i, o), freed in zip(stage, sp.frees[t]):
+            u = lvl.units[i]
+            if u.op is not None:
+                out.append(("compute", u.op))
+                alive.update(g.ops[u.op].outputs)
+            elif not u.backward:
+                c = u.child
+                assert c is not None
+                opt = c.options[o]
+                made = replay(opt.fwd, frozenset())
+                for x in sorted(made - set(c.fwd_out) - opt.saved):
+                    free(x)
+                if opt.saved:
+                    phantoms[(i, o)] = frozenset(opt.saved & alive) | phantoms.get((i, o),
+                                                                                   frozenset())
+                    keep = (i, o) in sp.kept_saved[t] or lvl.partner_stage.get(i) == t
+                    if not keep:
+                        free_phantoms([(i, o)])
+            else:
+                c = u.child
+                assert c is not None
+                opt = c.options[o]
+                f = p.nodes[i].pair
+                assert f is not None
+                mine = phantoms.get((f, o), frozenset())
+                made = replay(opt.bwd, mine, lvl.dying.get(i, frozenset()))
+                for x in sorted(made - set(c.bwd_out)):
+                    free(x)
+                # every saved tensor of this block dies with its backward
+                free_phantoms([k for k in phantoms if k[0] == f])
+                for x in sorted(mine):
+                    free(x)
+            for x in freed:
+                free(lvl.value_tensor[x])
+        if t == p.n_forward - 1:
+            fwd_steps = out
+            out = []
+    interface = set(block.fwd_out) | set(block.bwd_out)
+    saved = frozenset(x for x in _alive_after(g, fwd_steps) if x not in interface)
+    bwd_steps = out
+    if block.bwd_ops and not block.is_root:
+        # a backward fragment leaves nothing of its own behind
+        left = _alive_after(g, fwd_steps + bwd_steps)
+        bwd_steps = bwd_steps + [("free", x) for x in sorted(left) if x not in interface]
+    return fwd_steps, bwd_steps, saved
+
+
+def _alive_after(g: Graph, steps: list[Step]) -> set[int]:
+    alive: set[int] = set()
+    for kind, i in steps:
+        if kind == "compute":
+            alive.update(g.ops[i].outputs)
+        else:
+            alive.discard(i)
+    return alive
+
+
+def _last_reads(g: Graph, steps: list[Step], tensors: frozenset[int]) -> dict[int, int]:
+    """Step index after which each of ``tensors`` is no longer read (-1: never read)."""
+    last = {x: -1 for x in tensors}
+    for s, (kind, i) in enumerate(steps):
+        if kind == "compute":
+            for x in g.ops[i].inputs:
+                if x in last:
+                    last[x] = s
+    return last
+
+
+Storages = dict[int, tuple[int, int]]  # alive tensor -> (storage instance, its bytes)
+
+
+def _fragment_peak(ctx: _Ctx, steps: list[Step], counted: set[int], start: Storages,
+                   dying: frozenset[int] = frozenset()) -> tuple[int, Storages]:
+    """Peak bytes of the ``counted`` storages over a fragment and the storages alive at its end.
+
+    Storages are followed as the simulator does: an op producing a tensor that is not alive
+    allocates a new storage even when a view still holds the old one; a view shares its base's.
+    ``start`` is what is alive before; ``dying`` tensors are dropped after their last read."""
+    g = ctx.graph
+    alive: Storages = dict(start)
+    last = _last_reads(g, steps, dying)
+    for x, s in last.items():
+        if s < 0:
+            alive.pop(x, None)
+    by_step: dict[int, list[int]] = {}
+    for x, s in last.items():
+        by_step.setdefault(s, []).append(x)
+    fresh = max((k for k, _ in alive.values()), default=0) + 1
+
+    def live_bytes() -> int:
+        return sum(dict(alive.values()).values())
+
+    cur = peak = live_bytes()
+    for s, (kind, i) in enumerate(steps):
+        if kind == "compute":
+            op = g.ops[i]
+            new = sum(g.tensors[x].bytes for x in op.outputs
+                      if g.tensors[x].alias_of is None and x in counted)
+            peak = max(peak, cur + new + int(op.workspace))
+            for x in op.outputs:
+                if x in alive:
+                    continue  # recomputed while alive: a temporary, dropped again
+                base = g.tensors[x].alias_of
+                if base is None:
+                    alive[x] = (fresh, g.tensors[x].bytes if x in counted else 0)
+                    fresh += 1
+                elif base in alive:
+                    alive[x] = alive[base]
+                else:  # a view of something this fragment does not count
+                    alive[x] = (fresh, 0)
+                    fresh += 1
+            for x in by_step.get(s, ()):
+                alive.pop(x, None)
+        else:
+            alive.pop(i, None)
+        cur = live_bytes()
+        peak = max(peak, cur)
+    return peak, alive
+
+
+def _outside(ctx: _Ctx, tensors: Iterable[int], counted: set[int]) -> Storages:
+    """Storages of tensors alive before a fragment: one per storage owner."""
+    g = ctx.graph
+    out: Storages = {}
+    for x in tensors:
+        r = ctx.root[x]
+        out[x] = (-1 - r, g.tensors[r].bytes if r in counted else 0)
+    return out
+
+
+def _make_option(ctx: _Ctx, block: Block, lvl: _Level, sp: ilp.StagePlan) -> BlockOption:
+    g = ctx.graph
+    fwd, bwd, saved = _expand(ctx, block, lvl, sp)
+    own = _own_storages(ctx, block)
+    peak_f, after_f = _fragment_peak(ctx, fwd, own, {})
+    # A saved view of a storage made outside this block keeps that storage too: if the parent
+    # frees and recomputes the owner, both copies exist. Count it, once per storage owner.
+    saved_state: Storages = {}
+    for x in saved:
+        r = ctx.root[x]
+        if r in own:
+            saved_state[x] = after_f[x]
+        else:
+            saved_state[x] = (-1 - r, 0 if ctx.fixed[r] else g.tensors[r].bytes)
+    saved_bytes = sum(b for _, b in set(saved_state.values()))
+    # forward outputs recomputed by the backward fragment are counted as if they stayed
+    peak_b, _ = _fragment_peak(ctx, bwd, own, saved_state)
+    t_f = sum(g.ops[i].time for k, i in fwd if k == "compute")
+    t_b = sum(g.ops[i].time for k, i in bwd if k == "compute")
+    return BlockOption(fwd, bwd, saved, saved_state, t_f, t_b, saved_bytes, peak_f, peak_b)
+
+
+def _pareto_filter(options: list[BlockOption]) -> list[BlockOption]:
+    uniq: dict[tuple[float, float, int, int, int], BlockOption] = {}
+    for o in options:
+        uniq.setdefault(o.key(), o)
+    opts = list(uniq.values())
+    keep = []
+    for o in opts:
+        dominated = any(
+            q is not o and all(a <= b for a, b in zip(q.key(), o.key())) and q.key() != o.key()
+            for q in opts
+        )
+        if not dominated:
+            keep.append(o)
+    return sorted(keep, key=lambda o: o.saved_bytes)
+
+
+@dataclass
+class _Settings:
+    time_limit: float | None
+    sub_time_limit: float
+    mip_rel_gap: float
+    saved_fractions: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
+    peak_fractions: tuple[float, ...] = (0.5,)
+
+
+def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
+    """Solve a block's level at several limits and keep the Pareto-optimal results.
+
+    The limits: none (the fastest schedule); caps on what the forward keeps for the backward
+    (fractions of what the fastest keeps, 0 = keep nothing); the lowest peak; and peaks in
+    between the lowest and the fastest one."""
+    lvl = _block_level(ctx, block)
+    boundary0 = 0.0 if block.bwd_ops else None
+
+    # solves without a memory limit are easy and always have a solution: give them time
+    easy = max(10.0 * st.sub_time_limit, 30.0)
+
+    def attempt(limit: float = st.sub_time_limit, **a: Any) -> BlockOption | None:
+        try:
+            sp = ilp.solve_level(lvl.problem, **a, time_limit=limit,  # type: ignore[arg-type]
+                                 mip_rel_gap=max(st.mip_rel_gap, 1e-3))
+        except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+            return None
+        return _make_option(ctx, block, lvl, sp)
+
+    first = attempt(easy, budget=None)
+    if first is None:
+        raise SolveError(f"internal error: a block of '{ctx.graph.name}' has no schedule even "
+                         "without a memory limit")
+    options = [first]
+    if block.bwd_ops and first.saved_bytes > 0:
+        for frac in st.saved_fractions:
+            o = attempt(easy, budget=None, boundary_limit=frac * first.saved_bytes)
+            if o is not None:
+                options.append(o)
+    low = attempt(budget=None, minimize_peak=True, boundary_limit=boundary0)
+    if low is not None:
+        options.append(low)
+        internal = _internal_storages(ctx, block)
+        hi_peak, lo_peak = _internal_peak(ctx, first, internal), _internal_peak(ctx, low, internal)
+        for frac in st.peak_fractions:
+            if hi_peak <= lo_peak:
+                break
+            o = attempt(budget=lo_peak + frac * (hi_peak - lo_peak), boundary_limit=None)
+            if o is not None:
+                options.append(o)
+    return _pareto_filter(options)
+
+
+def _internal_storages(ctx: _Ctx, block: Block) -> set[int]:
+    interface = set(block.fwd_out) | set(block.bwd_out)
+    return {x for x in _own_storages(ctx, block) if x not in interface}
+
+
+def _internal_peak(ctx: _Ctx, o: BlockOption, internal: set[int]) -> int:
+    """An option's peak as its own level counts it (internal tensors only)."""
+    start = {x: (iid, b if ctx.root[x] in internal else 0) for x, (iid, b) in o.saved_state.items()}
+    return max(_fragment_peak(ctx, o.fwd, internal, {})[0],
+               _fragment_peak(ctx, o.bwd, internal, start)[0])
+
+
+@dataclass
+class Hierarchy:
+    """A graph's block tree with every non-root block's options computed."""
+
+    graph: Graph
+    root: Block
+    ctx: _Ctx
+    seconds: float
+    blocks: int
+
+
+def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size: int = 8,
+            top_size: int = 16, time_limit: float | None = None, sub_time_limit: float = 1.0,
+            mip_rel_gap: float = 1e-4, progress: bool = True,
+            workers: int | None = None) -> Hierarchy:
+    """Build the hierarchy and compute the options of every block below the root.
+
+    Blocks of the same height are independent; with ``workers`` > 1 (default: the CPU count, up
+    to 8, once there are at least ``PARALLEL_MIN_BLOCKS`` blocks) they are solved in worker
+    processes."""
+    t0 = _time.perf_counter()
+    ctx = _Ctx(graph)
+    if graph.num_ops <= flat_ops:
+        root = flat_root(graph)
+    else:
+        root = build_hierarchy(graph, leaf_size, group_size, top_size)
+    st = _Settings(time_limit, sub_time_limit, mip_rel_gap)
+    by_height: dict[int, list[Block]] = {}
+
+    def post(b: Block) -> int:
+        height = 1 + max((post(c) for c in b.children), default=0)
+        if not b.is_root:
+            by_height.setdefault(height, []).append(b)
+        return height
+
+    post(root)
+    total = sum(len(v) for v in by_height.values())
+    if workers is None:
+        workers = min(os.cpu_count() or 1, 8) if total >= PARALLEL_MIN_BLOCKS else 1
+    bar = _Progress(total, f"solving {total} blocks of '{graph.name}'", progress)
+    pool = _pool(graph, workers) if workers > 1 else None
+    try:
+        for height in sorted(by_height):
+            blocks = by_height[height]
+            if pool is not None and len(blocks) > 1:
+                results = pool.map(_options_task, [(b, st) for b in blocks])
+            else:
+                results = (_block_options(ctx, b, st) for b in blocks)
+            for b, options in zip(blocks, results):
+                b.options = options
+                bar.update()
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        bar.close()
+    return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total)
+
+
+PARALLEL_MIN_BLOCKS = 24
+_WORKER_CTX: _Ctx | None = None
+
+
+def _pool(graph: Graph, workers: int) -> Any:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: safe whatever the parent holds (threads, CUDA); each worker parses the graph once
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(graph.to_json(),))
+
+
+def _init_worker(graph_json: str) -> None:
+    global _WORKER_CTX
+    _WORKER_CTX = _Ctx(Graph.from_dict(__import__("json").loads(graph_json)))
+
+
+def _options_task(args: tuple[Block, _Settings]) -> list[BlockOption]:
+    block, st = args
+    assert _WORKER_CTX is not None
+    return _block_options(_WORKER_CTX, block, st)
+
+
+def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip_rel_gap: float,
+              minimize_peak: bool = False) -> tuple[list[Step], int, ilp.StagePlan]:
+    lvl = _block_level(h.ctx, h.root)
+    sp = ilp.solve_level(lvl.problem, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
+                         minimize_peak=minimize_peak)
+    fwd, bwd, _ = _expand(h.ctx, h.root, lvl, sp)
+    return fwd + bwd, len(fwd), sp
+
+
+class _Progress:
+    """tqdm when it is installed, else log lines at most every few seconds."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total, self.desc, self.n = total, desc, 0
+        self.t0 = self.last = _time.perf_counter()
+        self.bar = None
+        if enabled and total > 1:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, leave=False)
+            except ImportError:
+                self.bar = None
+        self.enabled = enabled
+
+    def update(self) -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        now = _time.perf_counter()
+        if self.enabled and now - self.last > 3.0:
+            self.last = now
+            logger.info("%s: %d/%d (%.0f s)", self.desc, self.n, self.total, now - self.t0)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def _as_graph(graph_or_path: Graph | str | os.PathLike[str]) -> Graph:
+    if isinstance(graph_or_path, Graph):
+        return graph_or_path
+    if isinstance(graph_or_path, (str, os.PathLike)):
+        return Graph.load(Path(graph_or_path))
+    raise TypeError(
+        f"expected a hrockmate.Graph or the path of a graph file, got "
+        f"{type(graph_or_path).__name__}; for a torch model use hrockmate.solve(model, sample, "
+        "budget)"
+    )
+
+
+@dataclass
+class _Candidate:
+    steps: list[Step]
+    forward_len: int
+    optimal: bool
+    stats: dict[str, Any]
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def solve_graph(
+    graph_or_path: Graph | str | os.PathLike[str],
+    budget: BudgetLike,
+    *,
+    method: str = "hrockmate",
+    time_limit: float | None = 300.0,
+    mip_rel_gap: float = 1e-4,
+    flat_ops: int = 60,
+    leaf_size: int = 6,
+    group_size: int = 8,
+    top_size: int = 16,
+    sub_time_limit: float = 1.0,
+    progress: bool = True,
+    hierarchy: Hierarchy | None = None,
+) -> Plan:
+    """Plan one training iteration given as a graph (IR JSON or a node-link file).
+
+    ``budget``: bytes (int), a string with a unit (``"6GiB"``) or a fraction of the store-all
+    peak (float in (0, 1]); see ``hrockmate.parse_budget``. ``method``: ``"hrockmate"``
+    (hierarchical H-ILP; graphs of at most ``flat_ops`` ops are solved at the op level, i.e.
+    exactly), ``"checkmate"`` (exact MILP over all ops), ``"checkpoint"``, ``"recompute-all"``
+    or ``"store-all"``. ``time_limit`` (seconds) bounds the top-level MILP: when it runs out
+    the best plan found is returned with a warning and ``plan.stats["optimal"] = False``.
+
+    Raises ``hrockmate.InfeasibleBudget`` (stating the smallest peak reached) when no schedule
+    fits. A budget at or above the store-all peak returns the store-all schedule.
+    """
+    _check_method(method)
+    graph = _as_graph(graph_or_path)
+    t0 = _time.perf_counter()
+    base_steps, base_fl, base_peak, base_time = _baseline(graph)
+    budget_bytes = parse_budget(budget, base_peak)
+
+    def plan_of(c: _Candidate, peak: int, t: float) -> Plan:
+        stats = dict(c.stats)
+        stats["optimal"] = bool(c.optimal)
+        stats["solve_seconds"] = round(_time.perf_counter() - t0, 4)
+        return Plan(
+            graph_hash=graph.structure_hash(),
+            graph_name=graph.name,
+            budget_bytes=budget_bytes,
+            peak_bytes=peak,
+            time=t,
+            baseline_peak_bytes=base_peak,
+            baseline_time=base_time,
+            steps=list(c.steps),
+            forward_len=c.forward_len,
+            time_unit=graph.time_unit,
+            stats=stats,
+        )
+
+    if budget_bytes >= base_peak:
+        c = _Candidate(base_steps, base_fl, True,
+                       {"method": "store-all", "note": "the budget is at or above the store-all peak"})
+        return plan_of(c, base_peak, base_time)
+    if method == "store-all":
+        raise InfeasibleBudget(budget_bytes, base_peak, graph.name)
+
+    kw = dict(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
+              leaf_size=leaf_size, group_size=group_size, top_size=top_size,
+              sub_time_limit=sub_time_limit, progress=progress)
+    cand, lowest = _run_method(graph, method, budget_bytes, hierarchy, kw)
+    if cand is None:
+        raise InfeasibleBudget(budget_bytes, lowest, graph.name)
+    peak, t = _validate(graph, cand, budget_bytes)
+    plan = plan_of(cand, peak, t)
+    if not plan.optimal and method in ("hrockmate", "checkmate"):
+        import warnings
+
+        warnings.warn(
+            f"solving '{graph.name}' stopped at the time limit ({time_limit} s) or fell back to a "
+            "heuristic: the plan is valid but may be suboptimal (raise time_limit for a better one)",
+            stacklevel=2,
+        )
+    logger.info("%s", plan.summary())
+    return plan
+
+
+def _validate(graph: Graph, c: _Candidate, budget_bytes: int) -> tuple[int, float]:
+    """Simulate a candidate; a rejected or over-budget schedule is a solver bug."""
+    from hrockmate.schedule import ScheduleError
+
+    try:
+        peak, t = _simulate(graph, c.steps, c.forward_len)
+    except ScheduleError as exc:
+        raise SolveError(
+            f"internal error: method {c.stats.get('method')} produced a schedule the simulator "
+            f"rejects for '{graph.name}': {exc}"
+        ) from None
+    if peak > budget_bytes:
+        raise SolveError(
+            f"internal error: method {c.stats.get('method')} produced a schedule with peak "
+            f"{peak} bytes over the budget of {budget_bytes} bytes for '{graph.name}'"
+        )
+    return peak, t
+
+
+def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | None,
+                kw: dict[str, Any]) -> tuple[_Candidate | None, int]:
+    """The method's candidate within the budget, or (None, the lowest peak that was reached).
+
+    When a MILP gives nothing within the budget, the low-memory schedules met on the way
+    (recompute-all, the MILP's own lowest-peak schedule, block checkpointing) are tried; the
+    fastest that fits is returned, marked not optimal."""
+    from hrockmate.schedule import recompute_all_schedule
+
+    spares: list[tuple[_Candidate, int, float]] = []  # (candidate, peak, time)
+
+    def spare(label: str, steps: list[Step], fl: int, **stats: Any) -> None:
+        peak, t = _simulate(graph, steps, fl)
+        spares.append((_Candidate(steps, fl, False, {"method": method, "fallback": label,
+                                                       **stats}), peak, t))
+
+    rc = recompute_all_schedule(graph)
+    spare("recompute-all", [(str(k), int(i)) for k, i in rc.steps], int(rc.forward_len))
+    if method == "recompute-all":
+        spares[0][0].stats.pop("fallback")
+        return _pick(spares, budget, method, graph)
+    if method == "checkpoint":
+        try:
+            r = solvers.solve_checkpoint(graph, budget, _simulate)
+        except solvers.SolverInfeasible:
+            # keeping no block at all is recompute-all, the checkpointing with least memory
+            cand, lowest = _pick(spares, budget, method, graph)
+            return cand, int(min(lowest, _checkpoint_lowest(graph)))
+        return _Candidate(r.steps, r.forward_len, False, {"method": "checkpoint", **r.stats}), 0
+
+    if method == "checkmate":
+        def again(b: int) -> solvers.SolverResult:
+            return solvers.solve_checkmate(graph, b, time_limit=kw["time_limit"],
+                                           mip_rel_gap=kw["mip_rel_gap"])
+
+        try:
+            r = again(budget)
+            cand = _Candidate(r.steps, r.forward_len, r.optimal, {"method": "checkmate",
+                                                                  **r.stats})
+            return _retighten(graph, budget, cand, again), 0
+        except solvers.SolverInfeasible:
+            pass
+        try:
+            steps, fl, _, _ = solvers.min_peak_checkmate(graph, kw["time_limit"])
+            spare("lowest-peak MILP", steps, fl)
+        except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+            pass
+    else:
+        h = hierarchy if hierarchy is not None else prepare(
+            graph, flat_ops=kw["flat_ops"], leaf_size=kw["leaf_size"],
+            group_size=kw["group_size"], top_size=kw["top_size"], time_limit=kw["time_limit"],
+            sub_time_limit=kw["sub_time_limit"], mip_rel_gap=kw["mip_rel_gap"],
+            progress=kw["progress"])
+        stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks,
+                   "hierarchy_seconds": round(h.seconds, 4)}
+
+        def top(b: int) -> solvers.SolverResult:
+            steps, fl, sp = solve_top(h, b, time_limit=kw["time_limit"],
+                                      mip_rel_gap=kw["mip_rel_gap"])
+            return solvers.SolverResult(steps, fl, sp.optimal, dict(sp.stats))
+
+        # an op-level MILP cut short by the time limit may lose to the hierarchy
+        flat = not h.root.children and kw["flat_ops"] > 0
+        try:
+            r = top(budget)
+            cand = _retighten(graph, budget, _Candidate(
+                r.steps, r.forward_len, r.optimal, {**stats_h, **r.stats}), top)
+            if flat and not cand.optimal:
+                alt, _ = _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
+                if alt is not None and (_simulate(graph, alt.steps, alt.forward_len)[1]
+                                        < _simulate(graph, cand.steps, cand.forward_len)[1]):
+                    return alt, 0
+            if h.root.children:
+                # the hierarchy's memory model is conservative; near its lowest budgets block
+                # checkpointing can be faster, and it costs little to check
+                try:
+                    ck = solvers.solve_checkpoint(graph, budget, _simulate)
+                except solvers.SolverInfeasible:
+                    return cand, 0
+                if (_simulate(graph, ck.steps, ck.forward_len)[1]
+                        < _simulate(graph, cand.steps, cand.forward_len)[1]):
+                    return _Candidate(ck.steps, ck.forward_len, False, {
+                        **stats_h, "fallback": "checkpoint", **ck.stats}), 0
+            return cand, 0
+        except ilp.LevelInfeasible:
+            pass
+        except ilp.LevelNoSolution:
+            if flat:
+                logger.info("no op-level schedule for '%s' in %s s; solving hierarchically",
+                            graph.name, kw["time_limit"])
+                return _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
+        try:
+            steps, fl, _ = solve_top(h, None, time_limit=kw["time_limit"], mip_rel_gap=1e-3,
+                                     minimize_peak=True)
+            spare("lowest-peak H-ILP", steps, fl, **stats_h)
+        except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+            pass
+    try:
+        r = solvers.solve_checkpoint(graph, budget, _simulate)
+        spare("checkpoint", r.steps, r.forward_len, **r.stats)
+    except solvers.SolverInfeasible:
+        pass
+    cand, lowest = _pick(spares, budget, method, graph)
+    if cand is None:
+        lowest = min(lowest, _checkpoint_lowest(graph))
+    else:
+        logger.warning("%s found no schedule for '%s' within %d bytes; using %s", method,
+                       graph.name, budget, cand.stats["fallback"])
+    return cand, lowest
+
+
+def _pick(spares: list[tuple[_Candidate, int, float]], budget: int, method: str, graph: Graph
+          ) -> tuple[_Candidate | None, int]:
+    fits = [(t, c) for c, peak, t in spares if peak <= budget]
+    if fits:
+        return min(fits, key=lambda tc: tc[0])[1], 0
+    return None, int(min(peak for _, peak, _ in spares))
+
+
+def _retighten(graph: Graph, budget: int, cand: _Candidate,
+               again: Any) -> _Candidate:
+    """If rounding put a MILP schedule over the budget, solve again slightly below it."""
+    target = budget
+    for _ in range(3):
+        peak, _t = _simulate(graph, cand.steps, cand.forward_len)
+        if peak <= budget:
+            return cand
+        target = int(target - (peak - budget) - max(1, budget * 1e-6))
+        logger.debug("schedule %d bytes over the budget; solving again at %d", peak - budget,
+                     target)
+        try:
+            r = again(target)
+        except (solvers.SolverInfeasible, ilp.LevelInfeasible, ilp.LevelNoSolution):
+            break
+        cand = _Candidate(r.steps, r.forward_len, r.optimal, {**cand.stats, **r.stats})
+    return cand
+
+
+def _checkpoint_lowest(graph: Graph) -> int:
+    lowest = math.inf
+    n_forward = sum(1 for o in graph.ops if o.phase == "forward")
+    for blocks in solvers.checkpoint_candidates(n_forward):
+        steps, fl = solvers.keep_set_schedule(graph, solvers._block_keep(graph, blocks))
+        lowest = min(lowest, _simulate(graph, steps, fl)[0])
+    return int(lowest)
+
+
+def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
+          **options: Any) -> Plan:
+    """Trace one training iteration of ``model`` on ``sample`` and plan it within ``budget``.
+
+    ``options`` are those of ``solve_graph`` (``method``, ``time_limit``, ...). The budget bounds
+    activation memory: the peak, during forward and backward, of memory allocated by the
+    iteration beyond what existed before it, not counting the parameters' ``.grad`` tensors.
+    """
+    from hrockmate.trace import trace
+
+    graph = trace(model, sample) if loss_fn is None else trace(model, sample, loss_fn=loss_fn)
+    return solve_graph(graph, budget, **options)
+
+
+class _CallableModule(types.ModuleType):
+    """``hrockmate.solve`` names both this module and the function ``solve``; importing the
+    module rebinds the package attribute to the module, so the module calls ``solve`` too."""
+
+    def __call__(self, model: Any, sample: Any, budget: BudgetLike, **options: Any) -> Plan:
+        return solve(model, sample, budget, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+
+@dataclass
+class ParetoPoint:
+    budget_bytes: int
+    plan: Plan | None  # None when the budget is infeasible
+
+    @property
+    def feasible(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return None if self.plan is None else self.plan.peak_bytes
+
+    @property
+    def time(self) -> float | None:
+        return None if self.plan is None else self.plan.time
+
+
+def pareto(
+    graph_or_model: Any,
+    budgets: Sequence[BudgetLike],
+    sample: Any = None,
+    *,
+    loss_fn: Any = None,
+    **options: Any,
+) -> list[ParetoPoint]:
+    """Time against memory over many budgets, from one hierarchy (block options are computed
+    once and reused; only the top level is solved per budget). ``graph_or_model`` is a Graph, a
+    graph file, or a torch model together with ``sample``."""
+    if sample is not None:
+        from hrockmate.trace import trace
+
+        graph = trace(graph_or_model, sample) if loss_fn is None else trace(
+            graph_or_model, sample, loss_fn=loss_fn)
+    else:
+        graph = _as_graph(graph_or_model)
+    method = options.get("method", "hrockmate")
+    _check_method(method)
+    if method == "hrockmate" and options.get("hierarchy") is None:
+        keys = ("flat_ops", "leaf_size", "group_size", "top_size", "time_limit",
+                "sub_time_limit", "mip_rel_gap", "progress")
+        options["hierarchy"] = prepare(graph, **{k: options[k] for k in keys if k in options})
+    points = []
+    for b in budgets:
+        try:
+            points.append(ParetoPoint(0, solve_graph(graph, b, **options)))
+            points[-1].budget_bytes = points[-1].plan.budget_bytes  # type: ignore[union-attr]
+        except InfeasibleBudget as exc:
+            points.append(ParetoPoint(exc.budget_bytes, None))
+    return points

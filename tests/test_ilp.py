@@ -1,0 +1,263 @@
+"""The stage MILP (hrockmate.ilp): exactness on tiny graphs against brute force, options and
+pairs, model building and input checks."""
+
+from __future__ import annotations
+
+import heapq
+import random
+
+import pytest
+
+import hrockmate
+from hrockmate import ilp, solvers
+from hrockmate.graph import PREEXISTING_ROLES, Graph, Op, Tensor
+
+
+def training_graph(
+    n_fwd: int,
+    seed: int = 0,
+    *,
+    skips: bool = True,
+    views: bool = True,
+    params: bool = True,
+    workspace: bool = True,
+) -> Graph:
+    """A small random training iteration in the shape autograd gives: a forward DAG ending in a
+    loss, and per forward op a backward op reading its inputs, its output and the incoming
+    gradients, producing the gradient of its input (and of its parameter)."""
+    rng = random.Random(seed)
+    g = Graph(name=f"train{n_fwd}_{seed}", time_unit="units")
+    x = g.add_tensor(Tensor("x", 64, role="input"))
+    acts = [x]
+    fwd_ops: list[int] = []
+    reads: list[list[int]] = []
+    param_of: dict[int, int] = {}
+    for i in range(n_fwd):
+        last = acts[-1]
+        ins = [last]
+        if skips and len(acts) > 2 and rng.random() < 0.4:
+            ins.append(rng.choice(acts[1:-1]))
+        is_view = views and i > 0 and rng.random() < 0.2 and len(ins) == 1
+        if is_view:
+            out = g.add_tensor(Tensor(f"v{i}", 0, alias_of=last))
+        else:
+            out = g.add_tensor(Tensor(f"a{i}", rng.choice([16, 32, 64, 128, 256])))
+        if params and not is_view and rng.random() < 0.5:
+            w = g.add_tensor(Tensor(f"w{i}", 32, role="parameter"))
+            param_of[i] = w
+            ins = ins + [w]
+        op = g.add_op(Op(f"f{i}", "forward", float(rng.randint(1, 9)), ins, [out],
+                         workspace=rng.choice([0, 0, 8, 24]) if workspace else 0))
+        fwd_ops.append(op)
+        reads.append(ins)
+        acts.append(out)
+    loss = g.add_tensor(Tensor("loss", 4, role="output"))
+    loss_op = g.add_op(Op("loss", "forward", 1.0, [acts[-1]], [loss]))
+    tangent = g.add_tensor(Tensor("dloss", 4, role="tangent"))
+    # gradients flowing back: grad_parts[t] = gradient tensors for activation t
+    grad_parts: dict[int, list[int]] = {acts[-1]: []}
+    gl = g.add_tensor(Tensor("g_out", g.tensors[acts[-1]].bytes or 16))
+    g.add_op(Op("loss_bwd", "backward", 1.0, [tangent, acts[-1]], [gl], differentiates=loss_op))
+    grad_parts[acts[-1]] = [gl]
+    for i in range(n_fwd - 1, -1, -1):
+        out = acts[i + 1]
+        parts = grad_parts.get(out, [])
+        if not parts:
+            continue
+        ins = list(parts) + [t for t in reads[i] if g.tensors[t].role not in PREEXISTING_ROLES]
+        if g.tensors[out].alias_of is None:
+            ins.append(out)
+        outs = []
+        for t in reads[i]:
+            if g.tensors[t].role == "parameter":
+                outs.append(g.add_tensor(Tensor(f"dw{i}", 32, role="param_grad", grad_of=t)))
+            elif g.tensors[t].role == "input":
+                outs.append(g.add_tensor(Tensor("dx", 64, role="input_grad", grad_of=t)))
+            else:
+                gt = g.add_tensor(Tensor(f"g{i}_{g.tensors[t].name}",
+                                         max(16, g.tensors[t].bytes)))
+                outs.append(gt)
+                grad_parts.setdefault(t, []).append(gt)
+        g.add_op(Op(f"b{i}", "backward", float(rng.randint(1, 9)), ins, outs,
+                    differentiates=fwd_ops[i], workspace=rng.choice([0, 16]) if workspace else 0))
+    # unused gradient pieces (of views' bases handled above) must not dangle: every tensor is
+    # produced by exactly one op, which holds by construction
+    g.validate()
+    return g
+
+
+def brute_force_time(graph: Graph, budget: int) -> float | None:
+    """Least total time over *all* valid schedules with peak <= budget (Dijkstra over
+    (alive tensors, finished backward ops)); None when no schedule fits."""
+    T = graph.tensors
+    root = []
+    for x in range(len(T)):
+        r = x
+        while T[r].alias_of is not None:
+            r = T[r].alias_of  # type: ignore[assignment]
+        root.append(r)
+    fixed = frozenset(x for x, t in enumerate(T) if t.role in PREEXISTING_ROLES)
+    outputs = frozenset(x for x, t in enumerate(T) if t.role == "output")
+    bwd = [j for j, o in enumerate(graph.ops) if o.phase == "backward"]
+    all_bwd = frozenset(bwd)
+
+    def mem(alive: frozenset[int]) -> int:
+        return sum(T[r].bytes for r in {root[x] for x in alive} if r not in fixed)
+
+    start = (frozenset(), frozenset())
+    dist = {start: 0.0}
+    heap = [(0.0, 0, start)]
+    tick = 0
+    while heap:
+        d, _, state = heapq.heappop(heap)
+        if dist.get(state, float("inf")) < d:
+            continue
+        alive, done = state
+        if done == all_bwd:
+            return d
+        have = alive | fixed
+        moves = []
+        for j, op in enumerate(graph.ops):
+            if op.phase == "backward" and (j in done or not outputs <= alive):
+                continue
+            if not all(x in have for x in op.inputs):
+                continue
+            if op.phase == "forward" and all(x in alive for x in op.outputs):
+                continue
+            new_bytes = sum(T[x].bytes for x in op.outputs if T[x].alias_of is None)
+            if mem(alive) + new_bytes + op.workspace > budget:
+                continue
+            nd = done | {j} if op.phase == "backward" else done
+            moves.append((d + op.time, (alive | frozenset(op.outputs), nd)))
+        for x in alive:
+            if x not in outputs:
+                moves.append((d, (alive - {x}, done)))
+        for nd_, ns in moves:
+            if nd_ < dist.get(ns, float("inf")):
+                dist[ns] = nd_
+                tick += 1
+                heapq.heappush(heap, (nd_, tick, ns))
+    return None
+
+
+def _sim(graph: Graph, steps: list[tuple[str, int]], fl: int) -> tuple[int, float]:
+    r = hrockmate.simulate(graph, hrockmate.Schedule(steps, fl))
+    return r.peak_bytes, r.time
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_ilp_matches_brute_force(seed: int) -> None:
+    g = training_graph(3 + seed % 2, seed, skips=seed % 3 == 0)
+    base = _sim(g, *_store_all(g))
+    low_steps, low_fl, proven, _ = solvers.min_peak_checkmate(g)
+    low = _sim(g, low_steps, low_fl)[0]
+    assert proven
+    for budget in sorted({low, (low + base[0]) // 2, base[0]}):
+        expected = brute_force_time(g, budget)
+        assert expected is not None, "the min-peak schedule must be feasible for brute force"
+        r = solvers.solve_checkmate(g, budget)
+        peak, t = _sim(g, r.steps, r.forward_len)
+        assert r.optimal
+        assert peak <= budget
+        assert t == pytest.approx(expected), (seed, budget)
+
+
+def test_min_peak_is_the_least_feasible_budget() -> None:
+    g = training_graph(4, 11)
+    steps, fl, proven, bound = solvers.min_peak_checkmate(g)
+    low = _sim(g, steps, fl)[0]
+    assert proven and bound <= low + 1
+    assert brute_force_time(g, low) is not None
+    assert brute_force_time(g, low - 1) is None or low - 1 >= bound - 1
+    with pytest.raises(solvers.SolverInfeasible) as info:
+        solvers.solve_checkmate(g, low - 1)
+    assert info.value.proven or brute_force_time(g, low - 1) is None
+
+
+def _store_all(g: Graph) -> tuple[list[tuple[str, int]], int]:
+    s = hrockmate.store_all_schedule(g)
+    return list(s.steps), s.forward_len
+
+
+def _two_node_level(saved: int, fast_bwd: float, slow_bwd: float) -> ilp.LevelProblem:
+    values = [
+        ilp.LevelValue("in", 0, producer=None),
+        ilp.LevelValue("y", 10, producer=0),
+        ilp.LevelValue("dy", 10, producer=1),
+    ]
+    nodes = [
+        ilp.LevelNode("F", [0], [1], [ilp.NodeOption(5.0, 0, saved), ilp.NodeOption(5.0, 0, 0)]),
+        ilp.LevelNode("B", [0, 1], [2], [ilp.NodeOption(fast_bwd, 0), ilp.NodeOption(slow_bwd, 40)],
+                      backward=True, pair=0),
+    ]
+    return ilp.LevelProblem(values, nodes, n_forward=1, name="pair")
+
+
+def test_options_trade_saved_memory_for_time() -> None:
+    p = _two_node_level(saved=100, fast_bwd=1.0, slow_bwd=7.0)
+    roomy = ilp.solve_level(p, 1000)
+    assert roomy.computes[1] == [(1, 0)] and roomy.objective == pytest.approx(6.0)
+    assert (0, 0) in roomy.kept_saved[0]
+    # 100 saved bytes + y + dy do not fit in 80: the option without saved memory must be used
+    tight = ilp.solve_level(p, 80)
+    assert tight.computes[1] == [(1, 1)] and tight.objective == pytest.approx(12.0)
+    assert not tight.kept_saved[0]
+    with pytest.raises(ilp.LevelInfeasible):
+        ilp.solve_level(p, 50)
+
+
+def test_minimize_peak_reports_the_bound() -> None:
+    p = _two_node_level(saved=100, fast_bwd=1.0, slow_bwd=7.0)
+    sp = ilp.solve_level(p, None, minimize_peak=True)
+    # B with its low-memory option: y (10) + dy (10) + overhead 40
+    assert sp.stats["peak_bound_bytes"] == pytest.approx(60, rel=1e-6)
+    assert sp.computes[1] == [(1, 1)]
+
+
+def test_boundary_limit_bounds_saved_bytes() -> None:
+    g = training_graph(6, 3)
+    lvl = ilp.op_level(g)
+    free_run = ilp.solve_level(lvl.problem, None)
+    limited = ilp.solve_level(lvl.problem, None, boundary_limit=0)
+    # keeping nothing across the boundary forces recomputation in backward
+    assert limited.objective > free_run.objective
+    steps, fl = ilp.op_steps(lvl, limited)
+    kept = hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).bytes_after_forward
+    outputs = sum(t.bytes for t in g.tensors if t.role == "output")
+    assert kept == outputs
+
+
+def test_model_is_built_in_bulk_with_stats() -> None:
+    g = training_graph(8, 5)
+    sp = ilp.solve_level(ilp.op_level(g).problem, 10**6)
+    st = sp.stats
+    assert st["columns"] > 0 and st["rows"] > 0 and st["nonzeros"] >= st["rows"]
+    assert st["status"] == "Optimal" and st["optimal"] is True
+
+
+def test_level_problem_checks_its_input() -> None:
+    values = [ilp.LevelValue("a", 1, producer=1), ilp.LevelValue("b", 1, producer=0)]
+    nodes = [
+        ilp.LevelNode("n0", [0], [1], [ilp.NodeOption(1.0)]),
+        ilp.LevelNode("n1", [], [0], [ilp.NodeOption(1.0)]),
+    ]
+    with pytest.raises(ValueError, match="topological"):
+        ilp.LevelProblem(values, nodes, n_forward=2)
+    with pytest.raises(ValueError, match="no options"):
+        ilp.LevelProblem([], [ilp.LevelNode("n", [], [], [])], n_forward=1)
+    with pytest.raises(ValueError, match="forward nodes must come before"):
+        ilp.LevelProblem([], [ilp.LevelNode("n", [], [], [ilp.NodeOption(1.0)], backward=True),
+                              ilp.LevelNode("m", [], [], [ilp.NodeOption(1.0)])], n_forward=1)
+
+
+def test_topological_order_puts_forward_first() -> None:
+    g = training_graph(5, 2)
+    order = ilp.topological_ops(g)
+    phases = [g.ops[j].phase for j in order]
+    assert phases == sorted(phases, key=lambda p: p == "backward")
+    pos = {j: k for k, j in enumerate(order)}
+    prod = g.producers()
+    for j, op in enumerate(g.ops):
+        for x in op.inputs:
+            if prod[x] is not None:
+                assert pos[prod[x]] < pos[j]

@@ -1,0 +1,266 @@
+"""solve_graph / pareto / reference solvers: every plan is simulator-valid and within budget."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_ilp import training_graph
+
+import hrockmate
+from hrockmate import solvers
+from hrockmate.graph import Graph, Op, Tensor
+from hrockmate.plan import InfeasibleBudget, Plan
+
+solve_mod = importlib.import_module("hrockmate.solve")
+METHODS = ("hrockmate", "checkmate", "checkpoint", "recompute-all", "store-all")
+
+
+def _check(plan: Plan, graph: Graph) -> None:
+    """A returned plan must be what the simulator says and fit its budget."""
+    sim = hrockmate.simulate(graph, plan.schedule)
+    assert sim.peak_bytes == plan.peak_bytes <= plan.budget_bytes
+    assert sim.time == pytest.approx(plan.time)
+    assert plan.graph_hash == graph.structure_hash()
+    base = hrockmate.simulate(graph, hrockmate.store_all_schedule(graph))
+    assert (plan.baseline_peak_bytes, plan.baseline_time) == (base.peak_bytes,
+                                                              pytest.approx(base.time))
+
+
+def _min_peak(graph: Graph) -> int:
+    steps, fl, proven, _ = solvers.min_peak_checkmate(graph)
+    assert proven
+    return hrockmate.simulate(graph, hrockmate.Schedule(steps, fl)).peak_bytes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(2, 9),
+    seed=st.integers(0, 10_000),
+    frac=st.floats(0.0, 1.0),
+    method=st.sampled_from(METHODS),
+    hierarchical=st.booleans(),
+)
+def test_every_plan_is_valid_and_within_budget(n: int, seed: int, frac: float, method: str,
+                                               hierarchical: bool) -> None:
+    g = training_graph(n, seed)
+    base = hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes
+    low = _min_peak(g)
+    budget = int(low + frac * (base - low))
+    # flat_ops=0 and tiny leaves force a multi-level hierarchy even on these small graphs
+    opts = dict(flat_ops=0, leaf_size=2, group_size=2, top_size=2) if hierarchical else {}
+    try:
+        plan = hrockmate.solve_graph(g, budget, method=method, progress=False, **opts)
+    except InfeasibleBudget as exc:
+        # only heuristics may fail above the true minimum, and they must say what they reach
+        assert method in ("checkpoint", "recompute-all", "store-all") or (
+            method == "hrockmate" and hierarchical)
+        assert exc.min_bytes > budget >= low
+        return
+    _check(plan, g)
+    if method == "checkmate" or (method == "hrockmate" and not hierarchical):
+        assert plan.optimal
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hierarchy_is_close_to_exact_on_small_graphs(seed: int) -> None:
+    g = training_graph(9, seed)
+    base = hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes
+    h = solve_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False)
+    steps, fl, _ = solve_mod.solve_top(h, None, time_limit=30, mip_rel_gap=1e-4,
+                                       minimize_peak=True)
+    h_low = hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).peak_bytes
+    assert _min_peak(g) <= h_low <= base
+    budget = (h_low + base) // 2
+    exact = hrockmate.solve_graph(g, budget, method="checkmate")
+    hier = hrockmate.solve_graph(g, budget, hierarchy=h)
+    _check(hier, g)
+    assert hier.stats["levels"] >= 2 and "fallback" not in hier.stats
+    assert exact.time <= hier.time + 1e-9
+    assert hier.time <= 1.25 * exact.time
+
+
+def test_budget_above_store_all_returns_store_all() -> None:
+    g = training_graph(6, 4)
+    base = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
+    for budget in (base.peak_bytes, base.peak_bytes * 10, 1.0, "100%"):
+        plan = hrockmate.solve_graph(g, budget)
+        assert plan.steps == list(hrockmate.store_all_schedule(g).steps)
+        assert plan.method == "store-all" and plan.optimal
+        assert plan.peak_bytes == base.peak_bytes and plan.time == base.time
+
+
+@pytest.mark.parametrize("method", ["hrockmate", "checkmate"])
+def test_infeasible_budget_states_the_minimum(method: str) -> None:
+    g = training_graph(6, 8)
+    low = _min_peak(g)
+    with pytest.raises(InfeasibleBudget) as info:
+        hrockmate.solve_graph(g, low - 1, method=method)
+    assert info.value.min_bytes == low
+    assert f"{low} bytes" in str(info.value)
+    # and the stated minimum is indeed feasible
+    _check(hrockmate.solve_graph(g, info.value.min_bytes, method=method), g)
+
+
+def test_infeasible_budget_of_reference_methods() -> None:
+    g = training_graph(6, 8)
+    base = hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes
+    with pytest.raises(InfeasibleBudget) as info:
+        hrockmate.solve_graph(g, base - 1, method="store-all")
+    assert info.value.min_bytes == base
+    with pytest.raises(InfeasibleBudget) as info:
+        hrockmate.solve_graph(g, 1, method="checkpoint")
+    assert 1 < info.value.min_bytes < base
+
+
+def test_time_limit_returns_best_plan_with_warning(graphs_dir: Path) -> None:
+    g = Graph.load(graphs_dir / "fcn_8_vgg_train.json")
+    with pytest.warns(UserWarning, match="may be suboptimal"):
+        plan = hrockmate.solve_graph(g, 0.9, method="checkmate", time_limit=0.5)
+    assert plan.stats["optimal"] is False
+    _check(plan, g)
+
+
+def test_shared_graph_exact_and_hierarchical(graphs_dir: Path) -> None:
+    g = Graph.load(graphs_dir / "vgg16_train.json")
+    exact = hrockmate.solve_graph(g, 0.9, method="checkmate")
+    flat = hrockmate.solve_graph(g, 0.9)
+    hier = hrockmate.solve_graph(g, 0.9, flat_ops=0, leaf_size=6, progress=False)
+    for p in (exact, flat, hier):
+        _check(p, g)
+    assert exact.optimal and flat.optimal
+    assert flat.time == pytest.approx(exact.time)
+    assert hier.time <= 1.02 * exact.time
+    assert exact.time > exact.baseline_time  # 90% is below store-all: recomputation needed
+
+
+def test_reference_methods_on_a_shared_graph(graphs_dir: Path) -> None:
+    g = Graph.load(graphs_dir / "vgg19_train.json")
+    times = {}
+    for m in ("checkpoint", "recompute-all", "checkmate"):
+        p = hrockmate.solve_graph(g, 0.9, method=m)
+        _check(p, g)
+        times[m] = p.time
+    assert times["checkmate"] <= times["checkpoint"] <= times["recompute-all"]
+
+
+def test_forward_only_graph_from_a_path(graphs_dir: Path) -> None:
+    path = graphs_dir / "random_layered_n100.json"
+    g = Graph.load(path)
+    plan = hrockmate.solve_graph(path, 0.99, time_limit=60, flat_ops=100)
+    _check(plan, g)
+    assert plan.peak_bytes < plan.baseline_peak_bytes
+    # a forward-only graph has no backward segment: everything runs in the forward call
+    assert plan.forward_len == len(plan.steps)
+
+
+def test_pareto_reuses_one_hierarchy(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = training_graph(14, 6)
+    base = hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes
+    calls = []
+    real_prepare = solve_mod.prepare
+
+    def counting_prepare(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real_prepare(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(solve_mod, "prepare", counting_prepare)
+    fracs = (0.4, 0.6, 0.8, 0.95)
+    points = hrockmate.pareto(g, [int(base * f) for f in fracs] + [1.0], flat_ops=0,
+                              leaf_size=4, progress=False)
+    assert len(calls) == 1
+    assert [p.budget_bytes for p in points] == [int(base * f) for f in fracs] + [base]
+    feasible = [p for p in points if p.feasible]
+    assert points[-1].plan is not None and points[-1].time == points[-1].plan.baseline_time
+    for p in feasible:
+        _check(p.plan, g)  # type: ignore[arg-type]
+    for p in points:
+        if not p.feasible:
+            assert p.peak_bytes is None and p.time is None
+    times = [p.time for p in feasible if "fallback" not in p.plan.stats]  # type: ignore[union-attr]
+    assert all(a >= b - 1e-9 for a, b in zip(times, times[1:])), times
+
+
+def test_bad_arguments() -> None:
+    g = training_graph(4, 0)
+    with pytest.raises(ValueError, match="unknown method 'magic'"):
+        hrockmate.solve_graph(g, 0.5, method="magic")
+    with pytest.raises(TypeError, match="hrockmate.Graph or the path"):
+        hrockmate.solve_graph(42, 0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="budget"):
+        hrockmate.solve_graph(g, "a lot")
+
+
+def test_views_and_workspace_graph() -> None:
+    g = Graph(name="views", time_unit="units")
+    x = g.add_tensor(Tensor("x", 8, role="input"))
+    a = g.add_tensor(Tensor("a", 100))
+    v = g.add_tensor(Tensor("v", 0, alias_of=a))
+    b = g.add_tensor(Tensor("b", 50))
+    loss = g.add_tensor(Tensor("loss", 4, role="output"))
+    f0 = g.add_op(Op("f0", "forward", 3.0, [x], [a], workspace=20))
+    f1 = g.add_op(Op("view", "forward", 0.0, [a], [v]))
+    f2 = g.add_op(Op("f2", "forward", 2.0, [v], [b]))
+    f3 = g.add_op(Op("loss", "forward", 1.0, [b], [loss]))
+    dl = g.add_tensor(Tensor("dl", 4, role="tangent"))
+    gb = g.add_tensor(Tensor("gb", 50))
+    gv = g.add_tensor(Tensor("gv", 100))
+    dx = g.add_tensor(Tensor("dx", 8, role="input_grad", grad_of=x))
+    g.add_op(Op("b3", "backward", 1.0, [dl, b], [gb], differentiates=f3))
+    g.add_op(Op("b2", "backward", 2.0, [gb, v], [gv], differentiates=f2, workspace=10))
+    g.add_op(Op("b0", "backward", 3.0, [gv, x], [dx], differentiates=f0))
+    del f1
+    g.validate()
+    base = hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes
+    low = _min_peak(g)
+    for budget in range(low, base + 1, max(1, (base - low) // 4)):
+        for method in ("hrockmate", "checkmate"):
+            _check(hrockmate.solve_graph(g, budget, method=method), g)
+
+
+def test_progress_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    g = training_graph(12, 3)
+    with caplog.at_level(logging.INFO, logger="hrockmate"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hrockmate.solve_graph(g, 0.9, flat_ops=0, leaf_size=3)
+    assert any("plan for" in r.getMessage() for r in caplog.records)
+
+
+def test_worker_processes_give_the_same_options() -> None:
+    g = training_graph(16, 9)
+    one = solve_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=1)
+    two = solve_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=2)
+
+    def keys(h: object) -> list[list[tuple[float, float, int, int, int]]]:
+        out = []
+        stack = [h.root]  # type: ignore[attr-defined]
+        while stack:
+            b = stack.pop()
+            out.append([o.key() for o in b.options])
+            stack.extend(b.children)
+        return out
+
+    assert one.blocks == two.blocks > 4
+    assert keys(one) == keys(two)
+    base = hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes
+    _check(hrockmate.solve_graph(g, int(0.8 * base), hierarchy=two), g)
+
+
+def test_solve_a_model() -> None:
+    from hrockmate import models
+
+    model, sample = models.build("mlp")
+    graph = hrockmate.trace(model, sample)
+    plan = hrockmate.solve(model, sample, budget=0.9, progress=False)
+    assert plan.graph_hash == graph.structure_hash()
+    # op times are measured by each trace; memory is exact and must agree
+    sim = hrockmate.simulate(graph, plan.schedule)
+    assert sim.peak_bytes == plan.peak_bytes <= plan.budget_bytes
+    assert plan.budget_bytes == int(0.9 * plan.baseline_peak_bytes)
+    assert plan.baseline_peak_bytes == hrockmate.simulate(
+        graph, hrockmate.store_all_schedule(graph)).peak_bytes
