@@ -1,10 +1,17 @@
 //! hrockmate-core: the pure-Rust half of hrockmate (no Python inside).
+//!
+//! Pipeline stages owned here: graph IR and its JSON forms (`graph`, `io`), the schedule
+//! simulator (`simulate`), reference schedules (`schedules`), graph simplification
+//! (`simplify`), hierarchical partitioning (`partition`) and leaf option enumeration (`options`).
 
 pub mod arrays;
 pub mod graph;
 pub mod io;
+pub mod options;
 pub mod literature;
+pub mod partition;
 pub mod schedule;
 pub mod schedules;
+pub mod simplify;
 pub mod simulate;
 pub mod testgen;
