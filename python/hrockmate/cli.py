@@ -1,4 +1,4 @@
-"""The ``hrockmate`` command line: ``demo``, ``solve``, ``simulate``.
+"""The ``hrockmate`` command line: ``demo``, ``solve``, ``simulate``, ``bench``.
 
 Errors are printed as one line (``hrockmate: error: ...``) with exit status 2, not a traceback;
 set ``HROCKMATE_DEBUG=1`` to see the traceback.
@@ -13,13 +13,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hrockmate.budget import format_bytes
 
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+
+def budget_from_text(text: str) -> int | float | str:
+    """A budget typed on the command line: ``123`` is bytes, ``0.5`` a fraction of the
+    store-all peak, anything else (``6GiB``, ``50%``) is parsed by ``hrockmate.parse_budget``."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -30,7 +37,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         n_embd=args.embd,
         seq=args.seq,
         batch=args.batch,
-        budget=args.budget,
+        budget=budget_from_text(args.budget),
         iterations=args.iterations,
     )
     return 0
@@ -39,13 +46,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_solve(args: argparse.Namespace) -> int:
     import hrockmate
 
-    plan = hrockmate.solve_graph(args.graph, args.budget, time_limit=args.time_limit)
+    plan = hrockmate.solve_graph(
+        args.graph, budget_from_text(args.budget), time_limit=args.time_limit
+    )
     unit = plan.stats.get("time_unit", "s")
     print(f"graph            {args.graph} ({plan.stats.get('num_ops', '?')} ops)")
-    print(f"budget           {_format_bytes(plan.budget_bytes)}")
+    print(f"budget           {format_bytes(plan.budget_bytes)}")
     print(
-        f"predicted peak   {_format_bytes(plan.peak_bytes)}"
-        f"   (store-all {_format_bytes(plan.baseline_peak_bytes)})"
+        f"predicted peak   {format_bytes(plan.peak_bytes)}"
+        f"   (store-all {format_bytes(plan.baseline_peak_bytes)})"
     )
     print(
         f"predicted time   {plan.time:.6g} {unit}   (store-all {plan.baseline_time:.6g} {unit}, "
@@ -71,8 +80,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     result = hrockmate.simulate(graph, schedule)
     print(f"graph        {graph.name or args.graph}: {graph.num_ops} ops, {graph.num_tensors} tensors")
     print(f"steps        {len(schedule.steps)} (forward segment {schedule.forward_len})")
-    print(f"peak         {_format_bytes(result.peak_bytes)}")
+    print(f"peak         {format_bytes(result.peak_bytes)}")
     print(f"time         {result.time:.6g} {graph.time_unit}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from hrockmate.bench import run_from_args
+
+    run_from_args(args)
     return 0
 
 
@@ -129,6 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="reference schedule when --schedule is not given",
     )
     sim.set_defaults(func=_cmd_simulate)
+
+    from hrockmate.bench import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark hrockmate against plain autograd, checkpointing, torch.compile and "
+        "the exact MILP",
+        description="Run zoo models side by side with every method at budgets given as "
+        "fractions of the store-all peak; write bench.json, a Pareto plot per model and print "
+        "tables. Models come from benches/zoo.py of a source checkout (or --zoo).",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -795,9 +795,10 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
             workers: int | None = None) -> Hierarchy:
     """Build the hierarchy and compute the options of every block below the root.
 
-    Blocks of the same height are independent; with ``workers`` > 1 (default: the CPU count, up
-    to 8, once there are at least ``PARALLEL_MIN_BLOCKS`` blocks) they are solved in worker
-    processes."""
+    Blocks of the same height are independent; with ``workers`` > 1 they are solved in that many
+    worker processes (started with "spawn", so the calling program must be importable: not a
+    script read from standard input). The default is 1: on small machines the workers' start-up
+    cost was larger than the gain."""
     t0 = _time.perf_counter()
     ctx = _Ctx(graph)
     if graph.num_ops <= flat_ops:
@@ -816,7 +817,7 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
     post(root)
     total = sum(len(v) for v in by_height.values())
     if workers is None:
-        workers = min(os.cpu_count() or 1, 8) if total >= PARALLEL_MIN_BLOCKS else 1
+        workers = 1
     bar = _Progress(total, f"solving {total} blocks of '{graph.name}'", progress)
     pool = _pool(graph, workers) if workers > 1 else None
     try:
@@ -836,7 +837,6 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
     return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total)
 
 
-PARALLEL_MIN_BLOCKS = 24
 _WORKER_CTX: _Ctx | None = None
 
 

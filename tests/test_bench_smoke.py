@@ -1,0 +1,126 @@
+"""Smoke run of the side-by-side benchmark: tiny model, two budgets, one iteration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hrockmate.bench import (  # noqa: E402
+    METHODS,
+    BenchConfig,
+    ModelSpec,
+    ModelUnavailable,
+    format_table,
+    load_zoo,
+    run,
+)
+
+def _tiny_mlp(size: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """Three residual-free MLP blocks and a head; the blocks are what checkpointing wraps."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU())
+              for _ in range(3)]
+    model = nn.Sequential(nn.Linear(16, 64), *blocks, nn.Linear(64, 4))
+    return model, torch.randn(64, 16)
+
+
+TINY = ModelSpec(
+    name="mlp",
+    description="tiny MLP",
+    build=_tiny_mlp,
+    blocks=lambda model: list(model)[1:-1],
+)
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    cfg = BenchConfig(budgets=(1.0, 0.6), iterations=1, size="tiny", threads=1,
+                      checkmate_time_limit=15.0, solve_time_limit=15.0, plot=True, echo=False)
+    run([TINY], cfg, out, command="test")
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(out_dir: Path) -> dict:
+    return json.loads((out_dir / "bench.json").read_text())
+
+
+def test_json_has_every_method_with_measurements(report: dict) -> None:
+    (res,) = report["models"]
+    assert res["name"] == "mlp" and res["store_all_peak_bytes"] > 0
+    points = res["points"]
+    for method in METHODS:
+        mine = [p for p in points if p["method"] == method]
+        assert mine, f"no entry for {method}"
+        ok = [p for p in mine if p["status"] == "ok"]
+        assert ok, f"{method} produced no measurement: {mine}"
+        for p in ok:
+            assert p["peak_bytes"] > 0 and p["time_s"] > 0
+            assert p["grad_match"] in ("exact", "close", "differ")
+            assert isinstance(p["overhead"], float)
+
+
+def test_hrockmate_within_budget_with_exact_gradients(report: dict) -> None:
+    (res,) = report["models"]
+    hr = [p for p in res["points"] if p["method"] == "hrockmate"]
+    assert sorted(p["budget_fraction"] for p in hr) == [0.6, 1.0]
+    for p in hr:
+        assert p["status"] == "ok", p
+        assert p["peak_bytes"] <= p["budget_bytes"], p
+        assert p["grad_match"] == "exact"
+    # the 60% plan really recomputes and saves memory against plain autograd
+    low = next(p for p in hr if p["budget_fraction"] == 0.6)
+    assert low["recomputed_ops"] > 0
+    assert low["peak_bytes"] <= 0.6 * res["store_all_peak_bytes"]
+
+
+def test_selection_per_budget(report: dict) -> None:
+    (res,) = report["models"]
+    rows = {r["fraction"]: r for r in res["by_budget"]}
+    assert set(rows) == {1.0, 0.6}
+    for frac, row in rows.items():
+        assert set(row["methods"]) == set(METHODS)
+        for method, i in row["methods"].items():
+            if i is not None:
+                p = res["points"][i]
+                assert p["method"] == method and p["peak_bytes"] <= row["budget_bytes"]
+    # plain autograd fits its own peak and nothing below it
+    assert rows[1.0]["methods"]["plain"] is not None
+    assert rows[0.6]["methods"]["plain"] is None
+
+
+def test_checkpoint_keeps_gradients_and_saves_memory(report: dict) -> None:
+    (res,) = report["models"]
+    ckpt = [p for p in res["points"] if p["method"] == "checkpoint"]
+    assert len(ckpt) >= 2  # several subsets of the blocks
+    assert all(p["grad_match"] == "exact" for p in ckpt)
+    assert min(p["peak_bytes"] for p in ckpt) < res["store_all_peak_bytes"]
+
+
+def test_plot_and_table(out_dir: Path, report: dict) -> None:
+    png = out_dir / "mlp.png"
+    assert png.is_file() and 0 < png.stat().st_size < 200_000
+    table = format_table(report)
+    assert "| 60% | hrockmate |" in table and "| 100% | plain | store-all |" in table
+
+
+def test_zoo_entries_build_or_explain() -> None:
+    zoo = load_zoo()
+    for name in ("gpt2", "unet", "encdec", "resnet_bn", "densenet", "mlp_mixer"):
+        model, sample = zoo[name].build("tiny")
+        assert len(zoo[name].blocks(model)) >= 2, name
+    for name in ("hf_gpt2", "hf_t5"):
+        try:
+            model, sample = zoo[name].build("tiny")
+        except ModelUnavailable as exc:
+            assert "transformers" in str(exc)
+        else:
+            assert len(zoo[name].blocks(model)) >= 1
+    with pytest.raises(ValueError, match="unknown size"):
+        zoo["gpt2"].build("huge")
