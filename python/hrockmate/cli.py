@@ -46,11 +46,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_solve(args: argparse.Namespace) -> int:
     import hrockmate
 
-    plan = hrockmate.solve_graph(
-        args.graph, budget_from_text(args.budget), time_limit=args.time_limit
-    )
-    unit = plan.stats.get("time_unit", "s")
-    print(f"graph            {args.graph} ({plan.stats.get('num_ops', '?')} ops)")
+    graph = hrockmate.Graph.load(args.graph)
+    plan = hrockmate.solve_graph(graph, budget_from_text(args.budget), time_limit=args.time_limit)
+    unit = plan.time_unit
+    print(f"graph            {args.graph} ({graph.num_ops} ops, {graph.num_tensors} tensors)")
     print(f"budget           {format_bytes(plan.budget_bytes)}")
     print(
         f"predicted peak   {format_bytes(plan.peak_bytes)}"
