@@ -46,16 +46,7 @@ class TwRematPoint:
 
 
 def _sim(d: dict[str, Any]) -> SimulationResult:
-    return SimulationResult(
-        peak_bytes=int(d["peak_bytes"]),
-        time=float(d["time"]),
-        forward_peak=int(d["forward_peak"]),
-        backward_peak=int(d["backward_peak"]),
-        bytes_after_forward=int(d["bytes_after_forward"]),
-        peak_step=int(d["peak_step"]),
-        timeline=d["timeline"],
-        compute_count=d["compute_count"],
-    )
+    return SimulationResult.from_native(d)
 
 
 def _native_call(fn: Callable[..., Any], graph: Graph, requested_bytes: int = 0, **extra: Any) -> Any:

@@ -193,6 +193,20 @@ class SimulationResult:
     timeline: np.ndarray  # memory during each step (int64)
     compute_count: np.ndarray  # times each op is computed (int64)
 
+    @classmethod
+    def from_native(cls, d: dict[str, Any]) -> "SimulationResult":
+        """From the dict the native simulator returns."""
+        return cls(
+            peak_bytes=int(d["peak_bytes"]),
+            time=float(d["time"]),
+            forward_peak=int(d["forward_peak"]),
+            backward_peak=int(d["backward_peak"]),
+            bytes_after_forward=int(d["bytes_after_forward"]),
+            peak_step=int(d["peak_step"]),
+            timeline=d["timeline"],
+            compute_count=d["compute_count"],
+        )
+
 
 _STEP_PREFIX = re.compile(r"^step (\d+): ")
 
@@ -230,16 +244,7 @@ def simulate(graph: Graph, schedule: Schedule) -> SimulationResult:
     from hrockmate import _native
 
     d = _call(_native.simulate, graph, graph.to_arrays(), **schedule.to_arrays())
-    return SimulationResult(
-        peak_bytes=int(d["peak_bytes"]),
-        time=float(d["time"]),
-        forward_peak=int(d["forward_peak"]),
-        backward_peak=int(d["backward_peak"]),
-        bytes_after_forward=int(d["bytes_after_forward"]),
-        peak_step=int(d["peak_step"]),
-        timeline=d["timeline"],
-        compute_count=d["compute_count"],
-    )
+    return SimulationResult.from_native(d)
 
 
 def store_all_schedule(graph: Graph) -> Schedule:

@@ -26,6 +26,11 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// Uniform in `lo..hi` (hi exclusive, hi > lo).
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo)
+    }
+
     /// Uniform in `0..n` (n > 0).
     pub fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n as u64) as usize

@@ -8,29 +8,7 @@
 
 use crate::graph::{Graph, Op, Phase, Role, Tensor};
 
-/// SplitMix64: small deterministic generator (no dependency needed).
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `lo..hi` (hi exclusive, hi > lo).
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next_u64() % (hi - lo)
-    }
-    pub fn chance(&mut self, p: f64) -> bool {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 <= p
-    }
-}
+pub use crate::testgen::Rng;
 
 /// Build a training graph from forward predecessor lists (`preds[i]` < i; empty = reads the
 /// input). `sizes[i]` are activation bytes, `times[i]` forward times; backward times are twice
