@@ -208,8 +208,24 @@ impl Leaf {
             };
             kind.push(k);
             bytes.push(counted[t]);
-            if x.alias_of.is_some() {
-                view_root[l] = local.get(&roots[t]).copied().unwrap_or(NONE);
+        }
+        // A view's storage is that of its nearest alias ancestor that is not an internal forward
+        // tensor of this leaf (an interface tensor: kept alive by the parent, so keeping the view
+        // costs nothing), else that of its storage root.
+        for (l, &t) in tensors.iter().enumerate() {
+            if g.tensors[t].alias_of.is_none() {
+                continue;
+            }
+            let mut cur = t;
+            view_root[l] = local.get(&roots[t]).copied().unwrap_or(NONE);
+            while let Some(a) = g.tensors[cur].alias_of {
+                if let Some(&la) = local.get(&a) {
+                    if kind[la] != Kind::IntFwd {
+                        view_root[l] = la;
+                        break;
+                    }
+                }
+                cur = a;
             }
         }
         let nb = ops.len() - nf;
@@ -719,10 +735,16 @@ fn leaf_options(g: &Graph, leaf: &Leaf, cluster: usize, cfg: &OptionsConfig, can
     for (k, p) in thin(front, cfg.max_options).into_iter().enumerate() {
         let mut rec = Recorder { fwd: Vec::new(), bwd: Vec::new(), saved: Vec::new(), needs: Vec::new() };
         let ev = evaluate(leaf, &p.keep, Some(&mut rec));
-        let mut needs_in: Vec<TensorId> = rec.needs.iter().filter(|&&x| leaf.kind[x] == Kind::In).map(|&x| leaf.tensors[x]).collect();
+        // A view read in backward also needs the interface tensor whose storage it shares.
+        let needed: Vec<usize> = rec
+            .needs
+            .iter()
+            .flat_map(|&x| std::iter::once(x).chain((leaf.view_root[x] != NONE).then_some(leaf.view_root[x])))
+            .collect();
+        let mut needs_in: Vec<TensorId> = needed.iter().filter(|&&x| leaf.kind[x] == Kind::In).map(|&x| leaf.tensors[x]).collect();
         needs_in.sort_unstable();
         needs_in.dedup();
-        let mut needs_out: Vec<TensorId> = rec.needs.iter().filter(|&&x| leaf.kind[x] == Kind::OutFwd).map(|&x| leaf.tensors[x]).collect();
+        let mut needs_out: Vec<TensorId> = needed.iter().filter(|&&x| leaf.kind[x] == Kind::OutFwd).map(|&x| leaf.tensors[x]).collect();
         needs_out.sort_unstable();
         needs_out.dedup();
         let mut opt = ClusterOption {
