@@ -6,6 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# "ci": derandomised (the same examples every run); default: Hypothesis' usual exploration.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.load_profile(os.environ.get("HROCKMATE_HYPOTHESIS_PROFILE", "default"))
 
 REPO = Path(__file__).resolve().parents[1]
 
