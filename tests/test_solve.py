@@ -264,3 +264,24 @@ def test_solve_a_model() -> None:
     assert plan.budget_bytes == int(0.9 * plan.baseline_peak_bytes)
     assert plan.baseline_peak_bytes == hrockmate.simulate(
         graph, hrockmate.store_all_schedule(graph)).peak_bytes
+
+
+@pytest.mark.parametrize("method", ["twremat", "rotor"])
+def test_literature_methods_plan_within_budget(graphs_dir, method: str) -> None:
+    graph = hrockmate.Graph.load(graphs_dir / "resnet50_train.json")
+    plan = hrockmate.solve_graph(graph, 0.5, method=method, progress=False)
+    assert plan.stats["method"] == method
+    assert plan.peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    sim = hrockmate.simulate(graph, plan.schedule)
+    assert sim.peak_bytes == plan.peak_bytes and sim.time == pytest.approx(plan.time)
+    assert plan.time >= plan.baseline_time
+
+
+def test_rotor_method_reports_its_minimum_when_infeasible(graphs_dir) -> None:
+    graph = hrockmate.Graph.load(graphs_dir / "vgg16_train.json")
+    with pytest.raises(hrockmate.InfeasibleBudget) as info:
+        hrockmate.solve_graph(graph, 0.5, method="rotor", progress=False)
+    assert 0.5 * info.value.min_bytes < info.value.budget_bytes < info.value.min_bytes
+    # the stated minimum is reachable
+    plan = hrockmate.solve_graph(graph, info.value.min_bytes, method="rotor", progress=False)
+    assert plan.peak_bytes <= info.value.min_bytes

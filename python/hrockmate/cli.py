@@ -47,7 +47,9 @@ def _cmd_solve(args: argparse.Namespace) -> int:
     import hrockmate
 
     graph = hrockmate.Graph.load(args.graph)
-    plan = hrockmate.solve_graph(graph, budget_from_text(args.budget), time_limit=args.time_limit)
+    plan = hrockmate.solve_graph(
+        graph, budget_from_text(args.budget), method=args.method, time_limit=args.time_limit
+    )
     unit = plan.time_unit
     print(f"graph            {args.graph} ({graph.num_ops} ops, {graph.num_tensors} tensors)")
     print(f"budget           {format_bytes(plan.budget_bytes)}")
@@ -126,7 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     solve.add_argument("graph", type=Path, help="graph file")
     solve.add_argument("--budget", required=True, help="bytes, a size like 6GiB, or a fraction")
-    solve.add_argument("--time-limit", type=float, default=None, help="seconds for the solver")
+    solve.add_argument(
+        "--method",
+        default="hrockmate",
+        choices=["hrockmate", "checkmate", "checkpoint", "twremat", "rotor", "recompute-all",
+                 "store-all"],
+        help="solver (default hrockmate; checkmate: exact ILP, for small graphs)",
+    )
+    solve.add_argument(
+        "--time-limit", type=float, default=300.0, help="seconds for the solver (default 300)"
+    )
     solve.add_argument("-o", "--output", type=Path, help="write the plan (JSON) here")
     solve.set_defaults(func=_cmd_solve)
 

@@ -39,7 +39,7 @@ logger = logging.getLogger("hrockmate")
 
 Step = tuple[str, int]
 
-METHODS = ("hrockmate", "checkmate", "checkpoint", "recompute-all", "store-all")
+METHODS = ("hrockmate", "checkmate", "checkpoint", "twremat", "rotor", "recompute-all", "store-all")
 
 
 class SolveError(RuntimeError):
@@ -949,8 +949,9 @@ def solve_graph(
     ``budget``: bytes (int), a string with a unit (``"6GiB"``) or a fraction of the store-all
     peak (float in (0, 1]); see ``hrockmate.parse_budget``. ``method``: ``"hrockmate"``
     (hierarchical H-ILP; graphs of at most ``flat_ops`` ops are solved at the op level, i.e.
-    exactly), ``"checkmate"`` (exact MILP over all ops), ``"checkpoint"``, ``"recompute-all"``
-    or ``"store-all"``. ``time_limit`` (seconds) bounds the top-level MILP: when it runs out
+    exactly), ``"checkmate"`` (exact MILP over all ops), ``"checkpoint"``, ``"twremat"`` (the
+    fastest of TW-Remat's recursion depths that fits), ``"rotor"`` (Rotor's dynamic program;
+    the graph must split into a chain of stages), ``"recompute-all"`` or ``"store-all"``. ``time_limit`` (seconds) bounds the top-level MILP: when it runs out
     the best plan found is returned with a warning and ``plan.stats["optimal"] = False``.
 
     Raises ``hrockmate.InfeasibleBudget`` (stating the smallest peak reached) when no schedule
@@ -1007,6 +1008,42 @@ def solve_graph(
     return plan
 
 
+def _run_literature(graph: Graph, method: str, budget: int) -> tuple[_Candidate | None, int]:
+    """TW-Remat or Rotor on the whole graph (hrockmate.literature): the candidate, or (None,
+    the lowest peak the method reaches)."""
+    from hrockmate import literature
+
+    if method == "twremat":
+        points = literature.twremat(graph)
+        fits = [p for p in points if p.sim.peak_bytes <= budget]
+        if not fits:
+            return None, min(p.sim.peak_bytes for p in points)
+        best = min(fits, key=lambda p: p.sim.time)
+        sched, stats = best.schedule, {"depth_limit": best.depth_limit}
+    else:
+        try:
+            sched, _ = literature.rotor(graph, budget)
+        except InfeasibleBudget as exc:
+            return None, _rotor_lowest(graph, exc.min_bytes)
+        stats = {}
+    steps = [(str(k), int(i)) for k, i in sched.steps]
+    return _Candidate(steps, int(sched.forward_len), False, {"method": method, **stats}), 0
+
+
+def _rotor_lowest(graph: Graph, model_min: int) -> int:
+    """The smallest budget Rotor is seen to solve. Its dynamic program rounds sizes up to memory
+    slots, so the chain model's minimum itself may be out of reach: probe just above it."""
+    from hrockmate import literature
+
+    for factor in (1.0, 1.0001, 1.001, 1.01, 1.05, 1.2):
+        try:
+            literature.rotor(graph, int(model_min * factor))
+            return int(model_min * factor)
+        except InfeasibleBudget:
+            continue
+    return model_min
+
+
 def _validate(graph: Graph, c: _Candidate, budget_bytes: int) -> tuple[int, float]:
     """Simulate a candidate; a rejected or over-budget schedule is a solver bug."""
     from hrockmate.schedule import ScheduleError
@@ -1055,6 +1092,9 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
             cand, lowest = _pick(spares, budget, method, graph)
             return cand, int(min(lowest, _checkpoint_lowest(graph)))
         return _Candidate(r.steps, r.forward_len, False, {"method": "checkpoint", **r.stats}), 0
+
+    if method in ("twremat", "rotor"):
+        return _run_literature(graph, method, budget)
 
     if method == "checkmate":
         def again(b: int) -> solvers.SolverResult:
