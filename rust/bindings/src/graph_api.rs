@@ -13,7 +13,7 @@ use hrockmate_core::graph::Graph;
 use hrockmate_core::io::{graph_to_json, parse_graph_json, parse_schedule_json};
 use hrockmate_core::schedule::Schedule;
 use hrockmate_core::schedules::{recompute_all, store_all};
-use hrockmate_core::simulate::simulate as simulate_core;
+use hrockmate_core::simulate::{simulate as simulate_core, SimResult};
 use numpy::{Element, IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -182,6 +182,12 @@ fn simulate<'py>(
         simulate_core(&g, &s).map_err(|e| e.to_string())
     });
     let r = result.map_err(PyValueError::new_err)?;
+    sim_result_dict(py, &r)
+}
+
+/// A simulation result as Python receives it (python/hrockmate/schedule.py
+/// `SimulationResult.from_native`).
+pub(crate) fn sim_result_dict<'py>(py: Python<'py>, r: &SimResult) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("peak_bytes", r.peak_bytes)?;
     d.set_item("time", r.time)?;

@@ -39,17 +39,7 @@ type Point<'py> = (Bound<'py, PyArray1<i8>>, Bound<'py, PyArray1<i64>>, usize, B
 
 fn point<'py>(py: Python<'py>, s: &Schedule, r: &SimResult) -> PyResult<Point<'py>> {
     let (kind, id, forward_len) = schedule_to_arrays(s);
-    let d = PyDict::new(py);
-    d.set_item("peak_bytes", r.peak_bytes)?;
-    d.set_item("time", r.time)?;
-    d.set_item("forward_peak", r.forward_peak)?;
-    d.set_item("backward_peak", r.backward_peak)?;
-    d.set_item("bytes_after_forward", r.bytes_after_forward)?;
-    d.set_item("peak_step", r.peak_step)?;
-    let timeline: Vec<i64> = r.timeline.iter().map(|&b| b as i64).collect();
-    d.set_item("timeline", timeline.into_pyarray(py))?;
-    let counts: Vec<i64> = r.compute_count.iter().map(|&c| i64::from(c)).collect();
-    d.set_item("compute_count", counts.into_pyarray(py))?;
+    let d = crate::graph_api::sim_result_dict(py, r)?;
     Ok((kind.into_pyarray(py), id.into_pyarray(py), forward_len, d))
 }
 
