@@ -29,6 +29,7 @@ import logging
 import math
 import time as _time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -671,10 +672,34 @@ class OpLevel:
     node_op: list[int]  # level node -> op id
 
 
-def topological_ops(graph: Any) -> list[int]:
-    """Op ids in a topological order, forward ops first, else keeping the graph's order."""
+def prioritized_topological_order(
+    deps: Sequence[set[int]], priority: Sequence[Any]
+) -> list[int] | None:
+    """Kahn's algorithm over nodes ``0..n-1`` (``deps[k]``: the nodes ``k`` needs first); among
+    the ready nodes the smallest ``(priority[k], k)`` goes next. None when there is a cycle."""
     import heapq
 
+    n = len(deps)
+    users: list[list[int]] = [[] for _ in range(n)]
+    indeg = [len(d) for d in deps]
+    for k, d in enumerate(deps):
+        for p in d:
+            users[p].append(k)
+    heap = [(priority[k], k) for k in range(n) if indeg[k] == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        _, k = heapq.heappop(heap)
+        order.append(k)
+        for v in users[k]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (priority[v], v))
+    return order if len(order) == n else None
+
+
+def topological_ops(graph: Any) -> list[int]:
+    """Op ids in a topological order, forward ops first, else keeping the graph's order."""
     n = graph.num_ops
     prod = graph.producers()
     deps: list[set[int]] = [set() for _ in range(n)]
@@ -683,23 +708,10 @@ def topological_ops(graph: Any) -> list[int]:
             pj = prod[x]
             if pj is not None and pj != j:
                 deps[j].add(pj)
-    users: list[list[int]] = [[] for _ in range(n)]
-    indeg = [len(d) for d in deps]
-    for j, d in enumerate(deps):
-        for i in d:
-            users[i].append(j)
-    key = [(0 if op.phase == "forward" else 1, j) for j, op in enumerate(graph.ops)]
-    heap = [key[j] for j in range(n) if indeg[j] == 0]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        _, j = heapq.heappop(heap)
-        order.append(j)
-        for u in users[j]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(heap, key[u])
-    if len(order) != n:
+    order = prioritized_topological_order(
+        deps, [0 if op.phase == "forward" else 1 for op in graph.ops]
+    )
+    if order is None:
         raise ValueError(f"graph '{graph.name}' has a cycle among its ops")
     seen_backward = False
     for j in order:

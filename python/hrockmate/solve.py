@@ -452,8 +452,6 @@ def _own_storages(ctx: _Ctx, block: Block) -> set[int]:
 
 def _order_units(ctx: _Ctx, units: list[_Unit], io: Any) -> list[_Unit]:
     """Backward units in a topological order of their data flow (earliest ops first)."""
-    import heapq
-
     made: dict[int, int] = {}
     for k, u in enumerate(units):
         for x in io(u)[1]:
@@ -468,22 +466,8 @@ def _order_units(ctx: _Ctx, units: list[_Unit], io: Any) -> list[_Unit]:
     for u in units:
         ops = [u.op] if u.op is not None else u.child.bwd_ops  # type: ignore[union-attr]
         first.append(min(ctx.pos[j] for j in ops))
-    users: list[list[int]] = [[] for _ in units]
-    indeg = [len(d) for d in deps]
-    for k, d in enumerate(deps):
-        for p in d:
-            users[p].append(k)
-    heap = [(first[k], k) for k in range(len(units)) if indeg[k] == 0]
-    heapq.heapify(heap)
-    out: list[int] = []
-    while heap:
-        _, k = heapq.heappop(heap)
-        out.append(k)
-        for v in users[k]:
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                heapq.heappush(heap, (first[v], v))
-    if len(out) != len(units):
+    out = ilp.prioritized_topological_order(deps, first)
+    if out is None:
         # cannot happen: block indices never increase along backward data flow
         raise SolveError("internal error: backward blocks depend on each other in a cycle")
     return [units[k] for k in out]
