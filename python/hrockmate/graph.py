@@ -13,7 +13,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,8 @@ ROLES: tuple[str, ...] = (
 ROLE_CODE: dict[str, int] = {r: i for i, r in enumerate(ROLES)}
 PREEXISTING_ROLES = frozenset({"input", "parameter", "buffer", "tangent"})
 PHASES: tuple[str, ...] = ("forward", "backward")
+
+T = TypeVar("T")
 
 
 class GraphError(ValueError):
@@ -178,15 +180,7 @@ class Graph:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Graph":
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise GraphError(f"cannot read graph file {p}: {exc.strerror or exc}") from None
-        try:
-            return cls.from_json(text)
-        except GraphError as exc:
-            raise GraphError(f"{p}: {exc}") from None
+        return load_json_file(path, "graph", cls.from_json, GraphError)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON atomically (temporary file + rename), so a crash never leaves half a file."""
@@ -250,6 +244,24 @@ class Graph:
             "op_out_ptr": out_ptr,
             "op_out_idx": np.array([i for o in self.ops for i in o.outputs], dtype=np.int64),
         }
+
+
+def load_json_file(
+    path: str | os.PathLike[str],
+    what: str,
+    parse: Callable[[str], T],
+    error: type[ValueError],
+) -> T:
+    """Read a file and ``parse`` its text; errors (``error``) name the file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise error(f"cannot read {what} file {p}: {exc.strerror or exc}") from None
+    try:
+        return parse(text)
+    except error as exc:
+        raise error(f"{p}: {exc}") from None
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hrockmate.graph import Graph, GraphError, write_atomic
+from hrockmate.graph import Graph, GraphError, load_json_file, write_atomic
 
 SCHEDULE_FORMAT = "hrockmate-schedule"
 SCHEDULE_VERSION = 1
@@ -157,15 +157,7 @@ class Schedule:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Schedule":
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ValueError(f"cannot read schedule file {p}: {exc.strerror or exc}") from None
-        try:
-            return cls.from_json(text)
-        except ValueError as exc:
-            raise ValueError(f"{p}: {exc}") from None
+        return load_json_file(path, "schedule", cls.from_json, ValueError)
 
     # ---- readable form ---------------------------------------------------------------------
     def describe(self, graph: Graph) -> list[str]:
