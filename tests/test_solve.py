@@ -285,3 +285,31 @@ def test_rotor_method_reports_its_minimum_when_infeasible(graphs_dir) -> None:
     # the stated minimum is reachable
     plan = hrockmate.solve_graph(graph, info.value.min_bytes, method="rotor", progress=False)
     assert plan.peak_bytes <= info.value.min_bytes
+
+
+def test_blocks_of_repeated_layers_are_solved_once() -> None:
+    from hrockmate import models
+
+    model, sample = models.gpt2_tiny(n_layer=4)
+    g = hrockmate.trace(model, sample)
+    h = solve_mod.prepare(g, flat_ops=0, progress=False)
+    assert h.solved_blocks < h.blocks / 2
+    # a copy's renamed options cost exactly what solving the copy itself gives
+    st = solve_mod._Settings(None, 1.0, 1e-4)
+    firsts: dict[object, object] = {}
+    compared = 0
+    stack = list(h.root.children)
+    while stack:
+        b = stack.pop()
+        stack.extend(b.children)
+        key = solve_mod._block_shape(h.ctx, b).key
+        if key in firsts and compared < 3:
+            direct = solve_mod._block_options(h.ctx, b, st)
+            assert [o.key() for o in b.options] == [o.key() for o in direct]
+            assert [o.key() for o in b.options] == [o.key() for o in firsts[key].options]
+            compared += 1
+        firsts.setdefault(key, b)
+    assert compared == 3
+    plan = hrockmate.solve_graph(g, 0.5, hierarchy=h, progress=False)
+    _check(plan, g)
+    assert plan.stats["solved_blocks"] == h.solved_blocks

@@ -167,10 +167,21 @@ def _interfaces(ctx: _Ctx, block: Block) -> None:
     block.bwd_in = sorted(bwd_in) if block.bwd_ops else []
 
 
-def _cut_groups(sizes: Sequence[int], cross: Sequence[float], target: int) -> list[int]:
+def _cut_groups(sizes: Sequence[int], cross: Sequence[float], target: int,
+                kinds: Sequence[Any] | None = None) -> list[int]:
     """Split a sequence into contiguous groups of about ``target`` items (by ``sizes``), cutting
-    where ``cross[k]`` (bytes crossing a cut before item k) is small. Returns group starts."""
+    where ``cross[k]`` (bytes crossing a cut before item k) is small. Returns group starts.
+
+    ``kinds`` (one hashable per item, equal for items of the same shape) makes cuts repeat with
+    the structure: among equally small crossings, a cut whose surroundings look like those of
+    an earlier cut wins, then the farthest. In a run of repeated layers every group then spans
+    the same stretch of layers, and equal groups are solved once."""
     n = len(sizes)
+    context: list[int] = []
+    if kinds is not None:
+        w = max(1, target)
+        context = [hash(tuple(kinds[max(0, c - w):c + w])) for c in range(n + 1)]
+    seen: set[int] = set()
     starts = [0]
     k = 0
     while True:
@@ -188,10 +199,14 @@ def _cut_groups(sizes: Sequence[int], cross: Sequence[float], target: int) -> li
             break  # the rest fits in one group
         lo = lo if lo is not None else j
         hi = hi if hi is not None else j
-        best = min(range(lo, hi + 1), key=lambda c: (cross[c] if c < n else 0.0,
-                                                     abs(c - k - target)))
+        # among equally good cuts take the farthest: in a run of repeated layers every group
+        # then spans the same whole number of layers, so the groups repeat too
+        best = min(range(lo, hi + 1), key=lambda c: (
+            cross[c] if c < n else 0.0, bool(context) and context[c] not in seen, -c))
         if best >= n:
             break
+        if context:
+            seen.add(context[best])
         starts.append(best)
         k = best
     return starts
@@ -223,7 +238,9 @@ def build_hierarchy(graph: Graph, leaf_size: int = 6, group_size: int = 8,
     g = graph
     cross = _crossing(ctx)
     # leaves
-    starts = _cut_groups([1] * len(ctx.fwd), cross, leaf_size) if ctx.fwd else []
+    op_kinds = [(g.ops[j].target, g.ops[j].time,
+                 tuple(g.tensors[x].bytes for x in g.ops[j].outputs)) for j in ctx.fwd]
+    starts = _cut_groups([1] * len(ctx.fwd), cross, leaf_size, op_kinds) if ctx.fwd else []
     leaves: list[Block] = []
     for a, b in zip(starts, starts[1:] + [len(ctx.fwd)]):
         leaves.append(Block(fwd_ops=ctx.fwd[a:b], bwd_ops=[]))
@@ -258,7 +275,10 @@ def build_hierarchy(graph: Graph, leaf_size: int = 6, group_size: int = 8,
         sizes = [len(b.fwd_ops) for b in level]
         ccross = [0.0] + [cross[sum(sizes[:k])] for k in range(1, len(level))] + [0.0]
         n_groups = max(2, math.ceil(len(level) / group_size))
-        gstarts = _cut_groups([1] * len(level), ccross, max(1, round(len(level) / n_groups)))
+        shape_ids: dict[Any, int] = {}
+        kinds = [shape_ids.setdefault(_block_shape(ctx, b).key, len(shape_ids)) for b in level]
+        gstarts = _cut_groups([1] * len(level), ccross, max(1, round(len(level) / n_groups)),
+                              kinds)
         if len(gstarts) >= len(level):
             break
         nxt = []
@@ -660,8 +680,14 @@ def _outside(ctx: _Ctx, tensors: Iterable[int], counted: set[int]) -> Storages:
 
 
 def _make_option(ctx: _Ctx, block: Block, lvl: _Level, sp: ilp.StagePlan) -> BlockOption:
-    g = ctx.graph
     fwd, bwd, saved = _expand(ctx, block, lvl, sp)
+    return _option_from_steps(ctx, block, fwd, bwd, saved)
+
+
+def _option_from_steps(ctx: _Ctx, block: Block, fwd: list[Step], bwd: list[Step],
+                       saved: frozenset[int]) -> BlockOption:
+    """A block option's costs, measured on its forward and backward fragments."""
+    g = ctx.graph
     own = _own_storages(ctx, block)
     peak_f, after_f = _fragment_peak(ctx, fwd, own, {})
     # A saved view of a storage made outside this block keeps that storage too: if the parent
@@ -763,6 +789,64 @@ def _internal_peak(ctx: _Ctx, o: BlockOption, internal: set[int]) -> int:
 
 
 @dataclass
+class _Shape:
+    """A block's structure up to renaming. Blocks with equal keys (repeated layers) have the same
+    level problem up to op and tensor ids, so one's options, renamed, are the other's."""
+
+    key: tuple[Any, ...]
+    ops: list[int]  # the block's ops in canonical order
+    tensors: list[int]  # the tensors they touch (and their storage owners), in canonical order
+
+
+def _block_shape(ctx: _Ctx, block: Block) -> _Shape:
+    g = ctx.graph
+    child_of = {j: i for i, c in enumerate(block.children) for j in c.all_ops}
+    local: dict[int, int] = {}
+    tensors: list[int] = []
+
+    def ref(x: int) -> int:
+        if x not in local:
+            local[x] = len(tensors)
+            tensors.append(x)
+        return local[x]
+
+    ops = block.all_ops + block.loose_bwd
+    op_items = []
+    for j in ops:
+        o = g.ops[j]
+        op_items.append((o.phase, o.target, o.time, o.workspace, child_of.get(j, -1),
+                         tuple(ref(x) for x in o.inputs), tuple(ref(x) for x in o.outputs)))
+    flags = [set(block.fwd_in), set(block.bwd_in), set(block.fwd_out), set(block.bwd_out)]
+    tensor_items = []
+    k = 0
+    while k < len(tensors):  # storage owners join the list as they are met
+        x = tensors[k]
+        t = g.tensors[x]
+        alias = ref(t.alias_of) if t.alias_of is not None else -1
+        tensor_items.append((t.bytes, t.role, alias, ctx.fixed[x], *(x in f for f in flags)))
+        k += 1
+    return _Shape((tuple(op_items), tuple(tensor_items)), ops, tensors)
+
+
+def _renamed_options(ctx: _Ctx, src: Block, src_shape: _Shape, dst: Block,
+                     dst_shape: _Shape) -> list[BlockOption] | None:
+    """``src``'s options for the equally shaped ``dst`` (None if a step falls outside the
+    mapping, which would be a bug in ``_block_shape``; the caller then solves ``dst``)."""
+    op_map = dict(zip(src_shape.ops, dst_shape.ops))
+    t_map = dict(zip(src_shape.tensors, dst_shape.tensors))
+
+    def steps(fragment: list[Step]) -> list[Step]:
+        return [(k, op_map[i] if k == "compute" else t_map[i]) for k, i in fragment]
+
+    try:
+        return [_option_from_steps(ctx, dst, steps(o.fwd), steps(o.bwd),
+                                   frozenset(t_map[x] for x in o.saved)) for o in src.options]
+    except KeyError:
+        logger.debug("block shape mapping missed a tensor; solving the block itself")
+        return None
+
+
+@dataclass
 class Hierarchy:
     """A graph's block tree with every non-root block's options computed."""
 
@@ -771,6 +855,7 @@ class Hierarchy:
     ctx: _Ctx
     seconds: float
     blocks: int
+    solved_blocks: int  # blocks whose level was solved; the others reuse an equal block's options
 
 
 def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size: int = 8,
@@ -804,21 +889,39 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
         workers = 1
     bar = _Progress(total, f"solving {total} blocks of '{graph.name}'", progress)
     pool = _pool(graph, workers) if workers > 1 else None
+    solved = 0
     try:
         for height in sorted(by_height):
-            blocks = by_height[height]
+            # repeated layers give blocks of equal shape: solve one of each, rename for the rest
+            firsts: dict[tuple[Any, ...], tuple[Block, _Shape]] = {}
+            copies: list[tuple[Block, _Shape, Block, _Shape]] = []
+            for b in by_height[height]:
+                shape = _block_shape(ctx, b)
+                if shape.key in firsts:
+                    copies.append((b, shape, *firsts[shape.key]))
+                else:
+                    firsts[shape.key] = (b, shape)
+            blocks = [b for b, _ in firsts.values()]
             if pool is not None and len(blocks) > 1:
                 results = pool.map(_options_task, [(b, st) for b in blocks])
             else:
                 results = (_block_options(ctx, b, st) for b in blocks)
             for b, options in zip(blocks, results):
                 b.options = options
+                solved += 1
+                bar.update()
+            for b, shape, src, src_shape in copies:
+                renamed = _renamed_options(ctx, src, src_shape, b, shape)
+                if renamed is None:
+                    renamed = _block_options(ctx, b, st)
+                    solved += 1
+                b.options = renamed
                 bar.update()
     finally:
         if pool is not None:
             pool.shutdown()
         bar.close()
-    return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total)
+    return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total, solved)
 
 
 _WORKER_CTX: _Ctx | None = None
@@ -1103,7 +1206,7 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
             group_size=kw["group_size"], top_size=kw["top_size"], time_limit=kw["time_limit"],
             sub_time_limit=kw["sub_time_limit"], mip_rel_gap=kw["mip_rel_gap"],
             progress=kw["progress"])
-        stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks,
+        stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks, "solved_blocks": h.solved_blocks,
                    "hierarchy_seconds": round(h.seconds, 4)}
 
         def top(b: int) -> solvers.SolverResult:
