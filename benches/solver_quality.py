@@ -1,13 +1,16 @@
-"""Solver quality: cost of hrockmate's plans against the exact full-graph MILP (Checkmate's).
+"""Solver quality: cost of hrockmate's plans against the exact MILP and the literature.
 
 For every training graph and budget (a fraction of the store-all peak) this records the time
-of the plans of: the exact MILP (``method="checkmate"``, under a time limit), hrockmate with
-its defaults (graphs of at most ``flat_ops`` ops are solved at the op level), hrockmate forced
-through the hierarchy (``flat_ops=0``, one hierarchy per graph reused for every budget) and
-block checkpointing; the gap is ``time / exact time - 1`` where the exact MILP proved
-optimality. A second table times the hierarchical solver on larger synthetic training graphs.
+and solve time of the plans of (``COLUMNS``): the exact MILP (``method="checkmate"``, under a
+time limit), hrockmate with its defaults (graphs of at most ``flat_ops`` ops are solved at the
+op level), hrockmate forced through the hierarchy (``flat_ops=0``, one hierarchy per graph and
+solver choice, reused for every budget), the hierarchy with Rotor on chain levels and at the
+top, the hierarchy with TW-Remat at the leaves, TW-Remat and Rotor on the whole graph, and
+block checkpointing. The gap is ``time / exact time - 1`` where the exact MILP proved
+optimality, else the overhead over store-all is given. A second table times the hierarchical
+solver on larger synthetic training graphs.
 
-    python benches/solver_quality.py [--graphs DIR] [--exact-time-limit 120] [--out FILE]
+    python benches/solver_quality.py [--graphs DIR] [--zoo mlp gpt2_tiny] [--exact-time-limit 120]
 
 Writes JSON (default ``bench-results/solver_quality.json``) and prints a table.
 """
@@ -70,52 +73,107 @@ def _exact_row(g: Graph, budget: int, time_limit: float) -> dict[str, Any]:
             "mip_gap": r.stats.get("mip_gap"), "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def quality(graphs_dir: Path, budgets: tuple[float, ...], exact_limit: float,
-            only: list[str] | None) -> list[dict[str, Any]]:
+#: the columns of the comparison: label -> solve_graph keyword arguments (None: the exact MILP)
+COLUMNS: dict[str, dict[str, Any] | None] = {
+    "exact": None,
+    "hrockmate": {},
+    "hierarchical": {"flat_ops": 0},
+    "hier+rotor": {"flat_ops": 0, "solvers": {"chains": "rotor", "top": "rotor"}},
+    "hier+twremat": {"flat_ops": 0, "solvers": {"leaves": "twremat"}},
+    "twremat": {"method": "twremat"},
+    "rotor": {"method": "rotor"},
+    "checkpoint": {"method": "checkpoint"},
+}
+
+
+def load_graphs(graphs_dir: Path, only: list[str] | None, zoo: list[str]) -> list[tuple[str, Graph]]:
+    """The shared training graphs, then the built-in models traced (``zoo``)."""
+    out = []
+    for path in sorted(graphs_dir.glob("*_train.json")):
+        if not only or any(o in path.name for o in only):
+            out.append((path.name.removesuffix("_train.json"), Graph.load(path)))
+    if zoo:
+        from hrockmate import models
+
+        for name in zoo:
+            model, sample = models.build(name)
+            out.append((f"{name} (traced)", hrockmate.trace(model, sample)))
+    return out
+
+
+def quality(graphs: list[tuple[str, Graph]], budgets: tuple[float, ...], exact_limit: float,
+            columns: list[str]) -> list[dict[str, Any]]:
     rows = []
-    files = sorted(graphs_dir.glob("*_train.json"))
-    for path in files:
-        if only and not any(o in path.name for o in only):
-            continue
-        g = Graph.load(path)
+    for name, g in graphs:
         base = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
-        t0 = time.perf_counter()
-        hier = solve_mod.prepare(g, flat_ops=0, progress=False)
-        hier_seconds = time.perf_counter() - t0
+        hierarchies: dict[str, Any] = {}  # one hierarchy per solver choice, reused per budget
         for frac in budgets:
             budget = int(frac * base.peak_bytes)
-            row: dict[str, Any] = {"graph": path.name, "ops": g.num_ops, "budget_fraction": frac,
+            row: dict[str, Any] = {"graph": name, "ops": g.num_ops, "budget_fraction": frac,
                                    "budget_bytes": budget}
-            row["exact"] = _exact_row(g, budget, exact_limit)
-            row["hrockmate"] = _plan_row(lambda: hrockmate.solve_graph(
-                g, budget, time_limit=exact_limit, progress=False))
-            row["hierarchical"] = _plan_row(lambda: hrockmate.solve_graph(
-                g, budget, hierarchy=hier, time_limit=exact_limit))
-            row["hierarchical"]["hierarchy_seconds"] = round(hier_seconds, 2)
-            row["checkpoint"] = _plan_row(lambda: hrockmate.solve_graph(
-                g, budget, method="checkpoint"))
-            if row["exact"]["status"] == "optimal":
-                for k in ("hrockmate", "hierarchical", "checkpoint"):
-                    if "time" in row[k]:
-                        row[k]["gap"] = round(row[k]["time"] / row["exact"]["time"] - 1, 5)
+            for col in columns:
+                kw = COLUMNS[col]
+                if kw is None:
+                    row[col] = _exact_row(g, budget, exact_limit)
+                    continue
+                kw = dict(kw)
+                if kw.get("flat_ops") == 0:
+                    key = repr(kw.get("solvers"))
+                    if key not in hierarchies:
+                        t0 = time.perf_counter()
+                        hierarchies[key] = (solve_mod.prepare(
+                            g, flat_ops=0, progress=False, solvers=kw.get("solvers")),
+                            time.perf_counter() - t0)
+                    kw["hierarchy"] = hierarchies[key][0]
+                row[col] = _plan_row(lambda: hrockmate.solve_graph(
+                    g, budget, time_limit=exact_limit, progress=False, **kw))
+                if "hierarchy" in kw:
+                    row[col]["hierarchy_seconds"] = round(hierarchies[key][1], 2)
+            if row.get("exact", {}).get("status") == "optimal":
+                for col in columns:
+                    if "time" in row[col] and col != "exact":
+                        row[col]["gap"] = round(row[col]["time"] / row["exact"]["time"] - 1, 5)
             rows.append(row)
-            _print_row(row)
+            _print_row(row, columns)
     return rows
 
 
-def _print_row(row: dict[str, Any]) -> None:
-    def cell(d: dict[str, Any]) -> str:
-        if "gap" in d:
-            return f"{100 * d['gap']:+6.2f}% ({d['seconds']:.1f}s)"
-        if "time" in d:
-            return f"ovh {100 * d['overhead']:5.1f}% ({d['seconds']:.1f}s)"
-        return d["status"][:14]
+def _cell(d: dict[str, Any]) -> str:
+    if "gap" in d:
+        return f"{100 * d['gap']:+.2f}%"
+    if "time" in d:
+        return f"ovh {100 * d['overhead']:.1f}%"
+    return {"infeasible": "infeasible", "optimal": "optimal"}.get(d["status"], d["status"][:12])
 
-    ex = row["exact"]
-    ex_s = f"{ex['status'][:9]} {ex['seconds']:.0f}s"
-    print(f"{row['graph'][:22]:22s} {row['ops']:4d} {row['budget_fraction']:4.2f} | {ex_s:16s} | "
-          f"{cell(row['hrockmate']):20s} | {cell(row['hierarchical']):20s} | "
-          f"{cell(row['checkpoint'])}", flush=True)
+
+def _print_row(row: dict[str, Any], columns: list[str]) -> None:
+    cells = []
+    for col in columns:
+        d = row[col]
+        if col == "exact":
+            cells.append(f"{d['status'][:9]} {d['seconds']:.0f}s")
+        else:
+            cells.append(f"{_cell(d)} ({d['seconds']:.1f}s)")
+    print(f"{row['graph'][:18]:18s} {row['ops']:4d} {row['budget_fraction']:4.2f} | "
+          + " | ".join(f"{c:18s}" for c in cells), flush=True)
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """One line per graph and budget: gap to the exact optimum (or overhead over store-all)."""
+    head = "| graph (ops) | budget | " + " | ".join(columns) + " |"
+    lines = [head, "|" + "---|" * (len(columns) + 2)]
+    for row in rows:
+        cells = []
+        for col in columns:
+            d = row[col]
+            if col == "exact":
+                cells.append(d["status"] if "time" not in d else
+                             f"{d['status']} ({d['seconds']:.0f} s)")
+            else:
+                cells.append(f"{_cell(d)}, {d['seconds']:.1f} s" if "time" in d else _cell(d))
+        lines.append(f"| {row['graph']} ({row['ops']}) | {row['budget_fraction']:.1f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def synthetic_training_graph(n_fwd: int, seed: int = 0) -> Graph:
@@ -197,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
     ap.add_argument("--exact-time-limit", type=float, default=120.0)
     ap.add_argument("--only", nargs="*", help="substrings of graph file names to run")
+    ap.add_argument("--zoo", nargs="*", default=[],
+                    help="built-in models to trace and compare too (e.g. mlp gpt2_tiny)")
+    ap.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS),
+                    help="solvers to compare")
     ap.add_argument("--scale", type=int, nargs="*", default=[500, 1000, 1500],
                     help="forward ops of the synthetic graphs timed (total ops ~2x)")
     ap.add_argument("--out", default=str(REPO / "bench-results" / "solver_quality.json"))
@@ -210,10 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version()},
         "exact_time_limit_s": args.exact_time_limit,
-        "quality": quality(graphs_dir, tuple(args.budgets), args.exact_time_limit, args.only),
+        "columns": {c: COLUMNS[c] for c in args.columns},
+        "quality": quality(load_graphs(graphs_dir, args.only, args.zoo), tuple(args.budgets),
+                           args.exact_time_limit, args.columns),
         "scale": scale(args.scale, args.exact_time_limit) if args.scale else [],
     }
     write_atomic(Path(args.out), json.dumps(result, indent=1))
+    print(markdown_table(result["quality"], args.columns))
     print(f"wrote {args.out}")
     return 0
 

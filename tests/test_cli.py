@@ -107,3 +107,20 @@ def test_parser_is_built_without_importing_torch() -> None:
     code = ("import sys; from hrockmate.cli import build_parser; build_parser(); "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_solve_with_solvers_per_level(graphs_dir: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    rc = main(["solve", str(graphs_dir / "resnet50_train.json"), "--budget", "0.5",
+               "--solvers", "top=rotor", "-o", str(out)])
+    assert rc == 0
+    plan = json.loads(out.read_text())
+    assert plan["stats"]["solvers"]["top"] == "rotor"
+    assert plan["peak_bytes"] <= plan["budget_bytes"]
+    line = _one_line_error(capsys, ["solve", str(graphs_dir / "vgg16_train.json"),
+                                    "--budget", "0.9", "--solvers", "chains"])
+    assert "LEVEL=SOLVER" in line
+    line = _one_line_error(capsys, ["solve", str(graphs_dir / "vgg16_train.json"),
+                                    "--budget", "0.9", "--solvers", "chains=magic"])
+    assert "magic" in line and "rotor" in line

@@ -9,10 +9,13 @@ import pytest
 
 from hrockmate.graph import Graph, Op, Tensor
 from hrockmate.literature import (
+    ChainStage,
     NotAChainError,
+    StateOption,
     chain_stages,
     is_chain,
     rotor,
+    rotor_chain,
     twremat,
 )
 from hrockmate.plan import InfeasibleBudget
@@ -136,3 +139,176 @@ def test_rotor_rejects_bad_arguments(loaded: dict[str, Graph]) -> None:
         rotor(g, -5)
     with pytest.raises(ValueError, match="slots"):
         rotor(g, 10**12, slots=0)
+
+
+# --- Rotor on a chain with several state options per stage ---------------------------------
+
+
+def _replay(
+    stages: list[ChainStage],
+    ops: list[tuple[str, int, int]],
+    input_bytes: int,
+    final_grad_bytes: int,
+) -> tuple[int, float]:
+    """Peak and time of ``ops`` in the chain model, checking each operation's requirements."""
+    n = len(stages)
+    out = {0: input_bytes}
+    out.update({k: stages[k - 1].out_bytes for k in range(1, n + 1)})
+    a = {0}  # stored outputs
+    full: dict[int, int] = {}  # stored full states: stage -> option
+    delta = n
+    cur = input_bytes + final_grad_bytes
+    peak, time = cur, 0.0
+    for kind, k, o in ops:
+        st = stages[k - 1]
+        if kind in ("forward", "forward_all"):
+            assert (k - 1 in a or k - 1 in full) and k not in a and k not in full, (kind, k)
+            if kind == "forward":
+                assert o == -1
+                peak = max(peak, cur + st.out_bytes + st.fwd_overhead)
+                cur += st.out_bytes
+                a.add(k)
+                time += st.fwd_time
+            else:
+                opt = st.options[o]
+                size = max(opt.state_bytes, st.out_bytes)
+                peak = max(peak, cur + size + opt.fwd_overhead)
+                cur += size
+                full[k] = o
+                time += opt.fwd_time
+        elif kind == "backward":
+            assert delta == k and k in full and (k - 1 in a or k - 1 in full), (kind, k)
+            assert full[k] == o, "the backward reports the option of its full state"
+            opt = st.options[o]
+            peak = max(peak, cur + st.grad_bytes + opt.bwd_overhead)
+            g_k = final_grad_bytes if k == n else stages[k].grad_bytes
+            cur += st.grad_bytes - max(opt.state_bytes, st.out_bytes) - g_k
+            del full[k]
+            delta = k - 1
+            time += opt.bwd_time
+        else:
+            assert kind == "free" and o == -1 and k in a and (k + 1) not in full, (kind, k)
+            a.remove(k)
+            cur -= out[k]
+    assert delta == 0, "every backward ran"
+    return peak, time
+
+
+def _options_chain(middle_options: list[int] | None = None) -> list[ChainStage]:
+    """Three stages; the middle one keeps either a large state (fast backward) or a small one
+    (its backward recomputes, 3x slower)."""
+
+    def stage(options: list[StateOption]) -> ChainStage:
+        return ChainStage(
+            fwd_time=1.0, out_bytes=10, grad_bytes=10, fwd_overhead=2, options=options
+        )
+
+    def plain() -> list[StateOption]:
+        return [
+            StateOption(fwd_time=1.0, state_bytes=10, fwd_overhead=1, bwd_time=1.0, bwd_overhead=3)
+        ]
+
+    middle = [
+        StateOption(fwd_time=1.0, state_bytes=100, fwd_overhead=5, bwd_time=1.0, bwd_overhead=4),
+        StateOption(fwd_time=1.5, state_bytes=20, fwd_overhead=0, bwd_time=3.0, bwd_overhead=4),
+    ]
+    if middle_options is not None:
+        middle = [middle[i] for i in middle_options]
+    return [stage(plain()), stage(middle), stage(plain())]
+
+
+def test_rotor_chain_takes_the_option_that_fits() -> None:
+    stages = _options_chain()
+    kw = {"input_bytes": 10, "final_grad_bytes": 10}
+    roomy = rotor_chain(stages, 10_000, **kw)
+    assert ("forward_all", 2, 0) in roomy.ops and ("backward", 2, 0) in roomy.ops
+    assert roomy.time == 6.0
+    assert _replay(stages, roomy.ops, **kw) == (roomy.peak_bytes, roomy.time)
+
+    limit = 70
+    with pytest.raises(InfeasibleBudget) as info:
+        rotor_chain(_options_chain([0]), limit, **kw)
+    assert info.value.min_bytes > limit
+    plan = rotor_chain(stages, limit, **kw)
+    assert ("forward_all", 2, 1) in plan.ops and ("backward", 2, 1) in plan.ops
+    assert plan.peak_bytes <= limit
+    assert _replay(stages, plan.ops, **kw) == (plan.peak_bytes, plan.time)
+    assert plan.time > roomy.time
+    # Only the small option: same sequence.
+    assert rotor_chain(_options_chain([1]), limit, **kw).time == plan.time
+
+
+def test_rotor_chain_reports_its_minimum_when_infeasible() -> None:
+    stages = _options_chain()
+    with pytest.raises(InfeasibleBudget) as info:
+        rotor_chain(stages, 30, input_bytes=10, final_grad_bytes=10)
+    low = info.value.min_bytes
+    assert low > 30 and str(low) in str(info.value)
+    # The minimum is met exactly, even with coarse slots (refined as needed).
+    plan = rotor_chain(stages, low, input_bytes=10, final_grad_bytes=10, slots=3)
+    assert plan.peak_bytes <= low
+    assert _replay(stages, plan.ops, 10, 10) == (plan.peak_bytes, plan.time)
+
+
+def test_rotor_chain_rejects_bad_input() -> None:
+    stages = _options_chain()
+    with pytest.raises(ValueError, match=r"stages\[1\]\.options must be a non-empty"):
+        rotor_chain([stages[0], ChainStage(1.0, 10, 10, 0, [])], 1000)
+    bad = _options_chain()
+    bad[1].options[1].bwd_time = -2.0
+    with pytest.raises(ValueError, match=r"stages\[1\]\.options\[1\]\.bwd_time"):
+        rotor_chain(bad, 1000)
+    bad = _options_chain()
+    bad[2].options[0].fwd_time = float("nan")
+    with pytest.raises(ValueError, match=r"stages\[2\]\.options\[0\]\.fwd_time"):
+        rotor_chain(bad, 1000)
+    bad = _options_chain()
+    bad[0].out_bytes = -1
+    with pytest.raises(ValueError, match=r"stages\[0\]\.out_bytes"):
+        rotor_chain(bad, 1000)
+    with pytest.raises(ValueError, match="limit_bytes"):
+        rotor_chain(stages, -1)
+    with pytest.raises(ValueError, match="slots"):
+        rotor_chain(stages, 1000, slots=0)
+    with pytest.raises(ValueError, match=r"stages\[0\] must be a ChainStage"):
+        rotor_chain([StateOption(1.0, 1, 0, 1.0, 0)], 1000)  # type: ignore[list-item]
+
+
+def test_native_rotor_chain_checks_its_arrays() -> None:
+    import numpy as np
+
+    from hrockmate import _native
+
+    f = lambda *xs: np.array(xs, dtype=np.float64)  # noqa: E731
+    u = lambda *xs: np.array(xs, dtype=np.uint64)  # noqa: E731
+    one = (f(1.0), u(1), u(1), u(0))
+    opts = (f(1.0), u(2), u(0), f(1.0), u(0))
+
+    def call(stage_arrays, ptr, option_arrays):
+        ptr = np.array(ptr, dtype=np.int64)
+        return _native.rotor_chain(0, 0, *stage_arrays, ptr, *option_arrays, 100, 10)
+
+    d = call(one, [0, 1], opts)
+    assert list(d["op_kind"]) == [1, 2] and list(d["op_option"]) == [0, 0] and d["peak_bytes"] == 3
+    two = (f(1.0, 1.0), u(1, 1), u(1, 1), u(0, 0))
+    for stage_arrays, ptr, what in (
+        (one, [0], "opt_ptr has 1 entries"),
+        (one, [0, 0], "opt_ptr must start at 0 and end"),
+        (one, [0, 2], "opt_ptr must start at 0 and end"),
+        (two, [0, 2, 1], "opt_ptr must be non-decreasing"),
+    ):
+        with pytest.raises(ValueError) as info:
+            call(stage_arrays, ptr, opts)
+        assert info.value.args[0] == "invalid_argument" and what in info.value.args[1]
+    with pytest.raises(ValueError) as info:
+        call(two, [0, 1, 1], opts)
+    assert info.value.args[:2] == (
+        "invalid_argument",
+        "stage 2 has no state option; give each stage at least one",
+    )
+    with pytest.raises(ValueError) as info:
+        call(one, [0, 1], (f(1.0), u(2, 3), u(0), f(1.0), u(0)))
+    assert "opt_state_bytes has 2 entries" in info.value.args[1]
+    with pytest.raises(ValueError) as info:
+        call(one, [0, 1], (f(1.0), u(2), u(0), f(-1.0), u(0)))
+    assert info.value.args[0] == "invalid_argument" and "bwd_time" in info.value.args[1]

@@ -72,7 +72,7 @@ def test_hierarchy_is_close_to_exact_on_small_graphs(seed: int) -> None:
     g = training_graph(9, seed)
     base = hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes
     h = solve_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False)
-    steps, fl, _ = solve_mod.solve_top(h, None, time_limit=30, mip_rel_gap=1e-4,
+    steps, fl, _, _ = solve_mod.solve_top(h, None, time_limit=30, mip_rel_gap=1e-4,
                                        minimize_peak=True)
     h_low = hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).peak_bytes
     assert _min_peak(g) <= h_low <= base
@@ -313,3 +313,62 @@ def test_blocks_of_repeated_layers_are_solved_once() -> None:
     plan = hrockmate.solve_graph(g, 0.5, hierarchy=h, progress=False)
     _check(plan, g)
     assert plan.stats["solved_blocks"] == h.solved_blocks
+
+
+def test_solvers_option_rejects_unknown_levels_and_solvers() -> None:
+    g = training_graph(8, 1)
+    with pytest.raises(ValueError, match="unknown level 'middle'"):
+        hrockmate.solve_graph(g, 0.8, solvers={"middle": "ilp"})
+    with pytest.raises(ValueError, match="'leaves' cannot use 'rotor'.*ilp, twremat"):
+        hrockmate.solve_graph(g, 0.8, solvers={"leaves": "rotor"})
+    with pytest.raises(TypeError, match="solvers must be a dict"):
+        hrockmate.solve_graph(g, 0.8, solvers="rotor")
+
+
+def test_twremat_at_the_leaves(graphs_dir: Path) -> None:
+    g = Graph.load(graphs_dir / "vgg16_train.json")
+    ilp_plan = hrockmate.solve_graph(g, 0.9, flat_ops=0, progress=False)
+    plan = hrockmate.solve_graph(g, 0.9, flat_ops=0, progress=False,
+                                 solvers={"leaves": "twremat"})
+    _check(plan, g)
+    assert plan.stats["solvers"]["leaves"] == "twremat"
+    assert plan.stats["block_solvers"].get("twremat", 0) >= 1
+    assert "twremat" not in ilp_plan.stats["block_solvers"]
+
+
+_SMALL_LEVELS = dict(flat_ops=0, leaf_size=3, group_size=3, top_size=4, progress=False)
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_rotor_on_chain_levels_and_at_the_top(seed: int) -> None:
+    from hrockmate import level_solvers
+
+    g = training_graph(40, seed, skips=False)
+    h = solve_mod.prepare(g, solvers={"chains": "rotor", "top": "rotor"}, **_SMALL_LEVELS)
+    assert h.solver_counts().get("rotor", 0) >= 1
+    chain = level_solvers.chain_level(h.ctx, h.root)
+    assert chain is not None and len(chain.stages) == len(h.root.children)
+    # every option Rotor gave a block is a valid fragment pair: the whole plan simulates
+    plan = hrockmate.solve_graph(g, 0.8, hierarchy=h)
+    _check(plan, g)
+    assert plan.stats["top_solver"] == "rotor"
+    assert plan.stats["block_solvers"]["rotor"] >= 1
+    # and the top's Rotor schedule respects tighter budgets too, or says it cannot
+    for frac in (0.6, 0.5):
+        try:
+            _check(hrockmate.solve_graph(g, frac, hierarchy=h), g)
+        except InfeasibleBudget:
+            pass
+
+
+def test_rotor_top_on_a_non_chain_uses_the_ilp(caplog: pytest.LogCaptureFixture) -> None:
+    from hrockmate import level_solvers
+
+    g = training_graph(30, 1)  # its long skip connections cross the top's blocks
+    h = solve_mod.prepare(g, solvers={"top": "rotor"}, **_SMALL_LEVELS)
+    assert level_solvers.chain_level(h.ctx, h.root) is None
+    with caplog.at_level(logging.INFO, logger="hrockmate"):
+        plan = hrockmate.solve_graph(g, 0.8, hierarchy=h)
+    _check(plan, g)
+    assert plan.stats.get("top_solver", "ilp") == "ilp"
+    assert any("not a chain" in r.getMessage() for r in caplog.records)

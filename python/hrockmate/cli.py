@@ -43,12 +43,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_solvers(text: str | None) -> dict[str, str] | None:
+    """``leaves=twremat,chains=rotor`` -> a dict (checked by ``solve_graph``)."""
+    if not text:
+        return None
+    out = {}
+    for part in text.split(","):
+        level, sep, name = part.partition("=")
+        if not sep:
+            raise ValueError(f"--solvers: expected LEVEL=SOLVER pairs such as chains=rotor, "
+                             f"got {part!r}")
+        out[level.strip()] = name.strip()
+    return out
+
+
 def _cmd_solve(args: argparse.Namespace) -> int:
     import hrockmate
 
     graph = hrockmate.Graph.load(args.graph)
     plan = hrockmate.solve_graph(
-        graph, budget_from_text(args.budget), method=args.method, time_limit=args.time_limit
+        graph, budget_from_text(args.budget), method=args.method, time_limit=args.time_limit,
+        solvers=_parse_solvers(args.solvers),
     )
     unit = plan.time_unit
     print(f"graph            {args.graph} ({graph.num_ops} ops, {graph.num_tensors} tensors)")
@@ -137,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     solve.add_argument(
         "--time-limit", type=float, default=300.0, help="seconds for the solver (default 300)"
+    )
+    solve.add_argument(
+        "--solvers",
+        help="hrockmate method: solver per kind of level, e.g. leaves=twremat,chains=rotor,"
+        "top=rotor (default: the ILP everywhere)",
     )
     solve.add_argument("-o", "--output", type=Path, help="write the plan (JSON) here")
     solve.set_defaults(func=_cmd_solve)

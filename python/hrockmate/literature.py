@@ -4,14 +4,20 @@
   a tree decomposition; any graph; one (schedule, simulation) point per recursion depth.
 - :func:`rotor`: Rotor (Beaumont et al.), the optimal dynamic program for heterogeneous chains;
   graphs whose forward ops split into a sequence of stages (see :func:`is_chain`).
+- :func:`rotor_chain`: the same program on a chain described directly (:class:`ChainStage`),
+  each stage with one or more ways (:class:`StateOption`) to keep what its backward needs.
 
 Every returned schedule has been checked by the simulator. See docs/literature-solvers.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from hrockmate.graph import Graph, GraphError
 from hrockmate.plan import InfeasibleBudget
@@ -25,6 +31,10 @@ __all__ = [
     "rotor",
     "is_chain",
     "chain_stages",
+    "StateOption",
+    "ChainStage",
+    "ChainPlan",
+    "rotor_chain",
 ]
 
 
@@ -145,3 +155,154 @@ def is_chain(graph: Graph) -> bool:
     except NotAChainError:
         return False
     return True
+
+
+# --- Rotor on a chain given directly -------------------------------------------------------
+
+
+@dataclass
+class StateOption:
+    """One way to run a stage's forward while keeping everything its backward needs (its full
+    state), with the backward that goes with it. Times in any unit (all the same), sizes in
+    bytes; ``state_bytes`` includes the stage output (raised to ``out_bytes`` if smaller)."""
+
+    fwd_time: float
+    state_bytes: int
+    fwd_overhead: int
+    bwd_time: float
+    bwd_overhead: int
+
+
+@dataclass
+class ChainStage:
+    """One stage of a chain: its plain forward (compute the output ``out_bytes`` only, with
+    ``fwd_overhead`` extra bytes meanwhile), the bytes of the gradient its backward produces,
+    and at least one :class:`StateOption`."""
+
+    fwd_time: float
+    out_bytes: int
+    grad_bytes: int
+    fwd_overhead: int
+    options: list[StateOption] = field(default_factory=list)
+
+
+@dataclass
+class ChainPlan:
+    """A Rotor sequence for a chain. ``ops`` holds ``(kind, stage, option)`` with kind one of
+    ``"forward"``, ``"forward_all"``, ``"backward"``, ``"free"``, stage numbered from 1 and
+    option the index in that stage's ``options`` for ``forward_all`` and ``backward`` (-1
+    otherwise). ``time`` and ``peak_bytes`` are those of the chain model."""
+
+    ops: list[tuple[str, int, int]]
+    time: float
+    peak_bytes: int
+
+
+_OP_KINDS = ("forward", "forward_all", "backward", "free")
+_U64_MAX = 2**64 - 1
+
+
+def _nonneg_int(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an int >= 0 (bytes), got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an int >= 0 (bytes), got {value!r}") from None
+    if not 0 <= v <= _U64_MAX:
+        raise ValueError(f"{what} must be an int in 0..2**64-1 (bytes), got {v}")
+    return v
+
+
+def _time(value: Any, what: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}") from None
+    if not (math.isfinite(v) and v >= 0.0):
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return v
+
+
+def rotor_chain(
+    stages: Sequence[ChainStage],
+    limit_bytes: int,
+    *,
+    input_bytes: int = 0,
+    final_grad_bytes: int = 0,
+    slots: int = 500,
+) -> ChainPlan:
+    """The fastest Rotor sequence for a chain of ``stages`` whose peak, in the chain model, is
+    at most ``limit_bytes``; for each full state it keeps, the program also picks the stage's
+    :class:`StateOption`.
+
+    ``input_bytes`` is the chain input (stored throughout), ``final_grad_bytes`` the gradient
+    given to the last stage. Memory is discretised into ``slots`` slots (refined when rounding
+    alone loses a limit the exact model meets). Raises ``hrockmate.plan.InfeasibleBudget``
+    (with ``min_bytes``, the exact smallest limit the program can meet) when the limit is too
+    small, and ValueError naming the field at fault for bad input.
+    """
+    from hrockmate import _native
+
+    limit = _nonneg_int(limit_bytes, "limit_bytes")
+    x0 = _nonneg_int(input_bytes, "input_bytes")
+    g_last = _nonneg_int(final_grad_bytes, "final_grad_bytes")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
+        raise ValueError(f"stages must be a list of ChainStage, got {type(stages).__name__}")
+    fwd_time, out_bytes, grad_bytes, fwd_overhead = [], [], [], []
+    ptr = [0]
+    o_fwd, o_state, o_fo, o_bwd, o_bo = [], [], [], [], []
+    for k, st in enumerate(stages):
+        where = f"stages[{k}]"
+        if not isinstance(st, ChainStage):
+            raise ValueError(f"{where} must be a ChainStage, got {type(st).__name__}")
+        fwd_time.append(_time(st.fwd_time, f"{where}.fwd_time"))
+        out_bytes.append(_nonneg_int(st.out_bytes, f"{where}.out_bytes"))
+        grad_bytes.append(_nonneg_int(st.grad_bytes, f"{where}.grad_bytes"))
+        fwd_overhead.append(_nonneg_int(st.fwd_overhead, f"{where}.fwd_overhead"))
+        opts = st.options
+        if isinstance(opts, (str, bytes)) or not isinstance(opts, Sequence) or not opts:
+            raise ValueError(f"{where}.options must be a non-empty list of StateOption")
+        for i, opt in enumerate(opts):
+            at = f"{where}.options[{i}]"
+            if not isinstance(opt, StateOption):
+                raise ValueError(f"{at} must be a StateOption, got {type(opt).__name__}")
+            o_fwd.append(_time(opt.fwd_time, f"{at}.fwd_time"))
+            o_state.append(_nonneg_int(opt.state_bytes, f"{at}.state_bytes"))
+            o_fo.append(_nonneg_int(opt.fwd_overhead, f"{at}.fwd_overhead"))
+            o_bwd.append(_time(opt.bwd_time, f"{at}.bwd_time"))
+            o_bo.append(_nonneg_int(opt.bwd_overhead, f"{at}.bwd_overhead"))
+        ptr.append(len(o_fwd))
+
+    def f64(xs: list[float]) -> np.ndarray:
+        return np.array(xs, dtype=np.float64)
+
+    def u64(xs: list[int]) -> np.ndarray:
+        return np.array(xs, dtype=np.uint64)
+
+    try:
+        raw = _native.rotor_chain(
+            x0, g_last,
+            f64(fwd_time), u64(out_bytes), u64(grad_bytes), u64(fwd_overhead),
+            np.array(ptr, dtype=np.int64),
+            f64(o_fwd), u64(o_state), u64(o_fo), f64(o_bwd), u64(o_bo),
+            limit, slots,
+        )
+    except ValueError as exc:
+        if len(exc.args) != 3:
+            raise
+        kind, message, min_bytes = exc.args
+        if kind == "infeasible":
+            raise InfeasibleBudget(limit, int(min_bytes)) from None
+        if kind == "invalid_argument":
+            raise ValueError(message) from None
+        raise LiteratureSolverError(message) from None
+    ops = [
+        (_OP_KINDS[int(kd)], int(k), int(o))
+        for kd, k, o in zip(raw["op_kind"], raw["op_stage"], raw["op_option"])
+    ]
+    return ChainPlan(ops=ops, time=float(raw["time"]), peak_bytes=int(raw["peak_bytes"]))

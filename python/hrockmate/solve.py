@@ -28,9 +28,10 @@ import time as _time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from hrockmate import ilp, solvers
+from hrockmate import ilp
+from hrockmate import solvers as reference
 from hrockmate.budget import BudgetLike, parse_budget
 from hrockmate.graph import PREEXISTING_ROLES, Graph
 from hrockmate.plan import InfeasibleBudget, Plan
@@ -104,6 +105,7 @@ class Block:
     bwd_out: list[int] = field(default_factory=list)
     options: list[BlockOption] = field(default_factory=list)
     is_root: bool = False
+    solver: str = ""  # what made the options: "ilp", "twremat", "rotor" or "renamed"
 
     @property
     def all_ops(self) -> list[int]:
@@ -730,6 +732,7 @@ class _Settings:
     mip_rel_gap: float
     saved_fractions: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
     peak_fractions: tuple[float, ...] = (0.5,)
+    solvers: dict[str, str] = field(default_factory=dict)  # level kind -> solver
 
 
 def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
@@ -737,7 +740,24 @@ def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
 
     The limits: none (the fastest schedule); caps on what the forward keeps for the backward
     (fractions of what the fastest keeps, 0 = keep nothing); the lowest peak; and peaks in
-    between the lowest and the fastest one."""
+    between the lowest and the fastest one. ``st.solvers`` may give leaves to TW-Remat and
+    chains of children to Rotor (``hrockmate.level_solvers``); the ILP takes what they cannot."""
+    if st.solvers.get("leaves") == "twremat" and not block.children:
+        from hrockmate import level_solvers
+
+        found = level_solvers.twremat_leaf_options(ctx, block)
+        if found:
+            block.solver = "twremat"
+            return found
+    if st.solvers.get("chains") == "rotor" and block.children:
+        from hrockmate import level_solvers
+
+        chain = level_solvers.chain_level(ctx, block)
+        found = level_solvers.rotor_block_options(ctx, block, chain) if chain else []
+        if found:
+            block.solver = "rotor"
+            return found
+    block.solver = "ilp"
     lvl = _block_level(ctx, block)
     boundary0 = 0.0 if block.bwd_ops else None
 
@@ -856,12 +876,24 @@ class Hierarchy:
     seconds: float
     blocks: int
     solved_blocks: int  # blocks whose level was solved; the others reuse an equal block's options
+    solvers: dict[str, str] = field(default_factory=dict)
+
+    def solver_counts(self) -> dict[str, int]:
+        """How many blocks each solver gave options to (``renamed``: copied from an equal
+        block)."""
+        counts: dict[str, int] = {}
+        stack = list(self.root.children)
+        while stack:
+            b = stack.pop()
+            stack.extend(b.children)
+            counts[b.solver] = counts.get(b.solver, 0) + 1
+        return counts
 
 
 def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size: int = 8,
             top_size: int = 16, time_limit: float | None = None, sub_time_limit: float = 1.0,
             mip_rel_gap: float = 1e-4, progress: bool = True,
-            workers: int | None = None) -> Hierarchy:
+            workers: int | None = None, solvers: Mapping[str, str] | None = None) -> Hierarchy:
     """Build the hierarchy and compute the options of every block below the root.
 
     Blocks of the same height are independent; with ``workers`` > 1 they are solved in that many
@@ -874,7 +906,10 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
         root = flat_root(graph)
     else:
         root = build_hierarchy(graph, leaf_size, group_size, top_size)
-    st = _Settings(time_limit, sub_time_limit, mip_rel_gap)
+    from hrockmate.level_solvers import check_solvers
+
+    chosen = check_solvers(solvers)
+    st = _Settings(time_limit, sub_time_limit, mip_rel_gap, solvers=chosen)
     by_height: dict[int, list[Block]] = {}
 
     def post(b: Block) -> int:
@@ -907,6 +942,8 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
             else:
                 results = (_block_options(ctx, b, st) for b in blocks)
             for b, options in zip(blocks, results):
+                if isinstance(options, tuple):  # from a worker process: (options, solver)
+                    options, b.solver = options
                 b.options = options
                 solved += 1
                 bar.update()
@@ -915,13 +952,15 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
                 if renamed is None:
                     renamed = _block_options(ctx, b, st)
                     solved += 1
+                else:
+                    b.solver = "renamed"
                 b.options = renamed
                 bar.update()
     finally:
         if pool is not None:
             pool.shutdown()
         bar.close()
-    return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total, solved)
+    return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total, solved, chosen)
 
 
 _WORKER_CTX: _Ctx | None = None
@@ -941,19 +980,40 @@ def _init_worker(graph_json: str) -> None:
     _WORKER_CTX = _Ctx(Graph.from_dict(__import__("json").loads(graph_json)))
 
 
-def _options_task(args: tuple[Block, _Settings]) -> list[BlockOption]:
+def _options_task(args: tuple[Block, _Settings]) -> tuple[list[BlockOption], str]:
     block, st = args
     assert _WORKER_CTX is not None
-    return _block_options(_WORKER_CTX, block, st)
+    return _block_options(_WORKER_CTX, block, st), block.solver
 
 
 def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip_rel_gap: float,
-              minimize_peak: bool = False) -> tuple[list[Step], int, ilp.StagePlan]:
+              minimize_peak: bool = False) -> tuple[list[Step], int, bool, dict[str, Any]]:
+    """The top level at ``budget`` (None: no limit, or the least peak with ``minimize_peak``):
+    (steps, forward length, proven optimal, statistics). Raises ``ilp.LevelInfeasible`` or
+    ``ilp.LevelNoSolution`` when it finds nothing."""
+    if h.solvers.get("top") == "rotor":
+        from hrockmate import level_solvers
+
+        chain = level_solvers.chain_level(h.ctx, h.root)
+        if chain is not None:
+            lo, hi = level_solvers._chain_bounds(chain)
+            limit = 2 * hi if budget is None and not minimize_peak else (
+                int(lo * 1.01) + 1 if budget is None else budget)
+            plan = level_solvers.rotor_plan(chain, limit)
+            if plan is not None:
+                fwd, bwd = level_solvers.expand_chain(h.ctx, h.root, chain, plan)
+                return fwd + bwd, len(fwd), False, {"top_solver": "rotor"}
+            logger.info("Rotor finds no schedule of the top chain of '%s' within %d bytes "
+                        "(its least is %d); solving the top with the ILP", h.graph.name, limit,
+                        lo)
+        else:
+            logger.info("the top level of '%s' is not a chain; solving it with the ILP",
+                        h.graph.name)
     lvl = _block_level(h.ctx, h.root)
     sp = ilp.solve_level(lvl.problem, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
                          minimize_peak=minimize_peak)
     fwd, bwd, _ = _expand(h.ctx, h.root, lvl, sp)
-    return fwd + bwd, len(fwd), sp
+    return fwd + bwd, len(fwd), sp.optimal, {**sp.stats, "top_solver": "ilp"}
 
 
 class _Progress:
@@ -1030,6 +1090,7 @@ def solve_graph(
     sub_time_limit: float = 1.0,
     progress: bool = True,
     hierarchy: Hierarchy | None = None,
+    solvers: Mapping[str, str] | None = None,
 ) -> Plan:
     """Plan one training iteration given as a graph (IR JSON or a node-link file).
 
@@ -1040,11 +1101,20 @@ def solve_graph(
     fastest of TW-Remat's recursion depths that fits), ``"rotor"`` (Rotor's dynamic program;
     the graph must split into a chain of stages), ``"recompute-all"`` or ``"store-all"``. ``time_limit`` (seconds) bounds the top-level MILP: when it runs out
     the best plan found is returned with a warning and ``plan.stats["optimal"] = False``.
+    ``solvers`` (method ``"hrockmate"``) picks the solver of each kind of level:
+    ``{"leaves": "ilp" | "twremat", "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
+    (missing keys: ``"ilp"``). Rotor takes a level only when its children form a chain and
+    TW-Remat a leaf only when it can schedule it; the ILP solves the others.
+    ``plan.stats["block_solvers"]`` counts the blocks each solver gave options to and
+    ``plan.stats["top_solver"]`` says which solved the top.
 
     Raises ``hrockmate.InfeasibleBudget`` (stating the smallest peak reached) when no schedule
     fits. A budget at or above the store-all peak returns the store-all schedule.
     """
     _check_method(method)
+    from hrockmate.level_solvers import check_solvers
+
+    chosen = check_solvers(solvers)
     graph = _as_graph(graph_or_path)
     t0 = _time.perf_counter()
     base_steps, base_fl, base_peak, base_time = _baseline(graph)
@@ -1077,7 +1147,7 @@ def solve_graph(
 
     kw = dict(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
               leaf_size=leaf_size, group_size=group_size, top_size=top_size,
-              sub_time_limit=sub_time_limit, progress=progress)
+              sub_time_limit=sub_time_limit, progress=progress, solvers=chosen)
     cand, lowest = _run_method(graph, method, budget_bytes, hierarchy, kw)
     if cand is None:
         raise InfeasibleBudget(budget_bytes, lowest, graph.name)
@@ -1173,8 +1243,8 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
         return _pick(spares, budget, method, graph)
     if method == "checkpoint":
         try:
-            r = solvers.solve_checkpoint(graph, budget, _simulate)
-        except solvers.SolverInfeasible:
+            r = reference.solve_checkpoint(graph, budget, _simulate)
+        except reference.SolverInfeasible:
             # keeping no block at all is recompute-all, the checkpointing with least memory
             cand, lowest = _pick(spares, budget, method, graph)
             return cand, int(min(lowest, _checkpoint_lowest(graph)))
@@ -1184,8 +1254,8 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
         return _run_literature(graph, method, budget)
 
     if method == "checkmate":
-        def again(b: int) -> solvers.SolverResult:
-            return solvers.solve_checkmate(graph, b, time_limit=kw["time_limit"],
+        def again(b: int) -> reference.SolverResult:
+            return reference.solve_checkmate(graph, b, time_limit=kw["time_limit"],
                                            mip_rel_gap=kw["mip_rel_gap"])
 
         try:
@@ -1193,10 +1263,10 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
             cand = _Candidate(r.steps, r.forward_len, r.optimal, {"method": "checkmate",
                                                                   **r.stats})
             return _retighten(graph, budget, cand, again), 0
-        except solvers.SolverInfeasible:
+        except reference.SolverInfeasible:
             pass
         try:
-            steps, fl, _, _ = solvers.min_peak_checkmate(graph, kw["time_limit"])
+            steps, fl, _, _ = reference.min_peak_checkmate(graph, kw["time_limit"])
             spare("lowest-peak MILP", steps, fl)
         except (ilp.LevelInfeasible, ilp.LevelNoSolution):
             pass
@@ -1205,14 +1275,16 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
             graph, flat_ops=kw["flat_ops"], leaf_size=kw["leaf_size"],
             group_size=kw["group_size"], top_size=kw["top_size"], time_limit=kw["time_limit"],
             sub_time_limit=kw["sub_time_limit"], mip_rel_gap=kw["mip_rel_gap"],
-            progress=kw["progress"])
-        stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks, "solved_blocks": h.solved_blocks,
+            progress=kw["progress"], solvers=kw["solvers"])
+        stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks,
+                   "solved_blocks": h.solved_blocks, "solvers": dict(h.solvers),
+                   "block_solvers": h.solver_counts(),
                    "hierarchy_seconds": round(h.seconds, 4)}
 
-        def top(b: int) -> solvers.SolverResult:
-            steps, fl, sp = solve_top(h, b, time_limit=kw["time_limit"],
-                                      mip_rel_gap=kw["mip_rel_gap"])
-            return solvers.SolverResult(steps, fl, sp.optimal, dict(sp.stats))
+        def top(b: int) -> reference.SolverResult:
+            steps, fl, optimal, stats = solve_top(h, b, time_limit=kw["time_limit"],
+                                                  mip_rel_gap=kw["mip_rel_gap"])
+            return reference.SolverResult(steps, fl, optimal, stats)
 
         # an op-level MILP cut short by the time limit may lose to the hierarchy
         flat = not h.root.children and kw["flat_ops"] > 0
@@ -1229,8 +1301,8 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                 # the hierarchy's memory model is conservative; near its lowest budgets block
                 # checkpointing can be faster, and it costs little to check
                 try:
-                    ck = solvers.solve_checkpoint(graph, budget, _simulate)
-                except solvers.SolverInfeasible:
+                    ck = reference.solve_checkpoint(graph, budget, _simulate)
+                except reference.SolverInfeasible:
                     return cand, 0
                 if (_simulate(graph, ck.steps, ck.forward_len)[1]
                         < _simulate(graph, cand.steps, cand.forward_len)[1]):
@@ -1245,15 +1317,15 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                             graph.name, kw["time_limit"])
                 return _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
         try:
-            steps, fl, _ = solve_top(h, None, time_limit=kw["time_limit"], mip_rel_gap=1e-3,
-                                     minimize_peak=True)
+            steps, fl, _, _ = solve_top(h, None, time_limit=kw["time_limit"],
+                                        mip_rel_gap=1e-3, minimize_peak=True)
             spare("lowest-peak H-ILP", steps, fl, **stats_h)
         except (ilp.LevelInfeasible, ilp.LevelNoSolution):
             pass
     try:
-        r = solvers.solve_checkpoint(graph, budget, _simulate)
+        r = reference.solve_checkpoint(graph, budget, _simulate)
         spare("checkpoint", r.steps, r.forward_len, **r.stats)
-    except solvers.SolverInfeasible:
+    except reference.SolverInfeasible:
         pass
     cand, lowest = _pick(spares, budget, method, graph)
     if cand is None:
@@ -1285,7 +1357,7 @@ def _retighten(graph: Graph, budget: int, cand: _Candidate,
                      target)
         try:
             r = again(target)
-        except (solvers.SolverInfeasible, ilp.LevelInfeasible, ilp.LevelNoSolution):
+        except (reference.SolverInfeasible, ilp.LevelInfeasible, ilp.LevelNoSolution):
             break
         cand = _Candidate(r.steps, r.forward_len, r.optimal, {**cand.stats, **r.stats})
     return cand
@@ -1294,8 +1366,8 @@ def _retighten(graph: Graph, budget: int, cand: _Candidate,
 def _checkpoint_lowest(graph: Graph) -> int:
     lowest = math.inf
     n_forward = sum(1 for o in graph.ops if o.phase == "forward")
-    for blocks in solvers.checkpoint_candidates(n_forward):
-        steps, fl = solvers.keep_set_schedule(graph, solvers._block_keep(graph, blocks))
+    for blocks in reference.checkpoint_candidates(n_forward):
+        steps, fl = reference.keep_set_schedule(graph, reference._block_keep(graph, blocks))
         lowest = min(lowest, _simulate(graph, steps, fl)[0])
     return int(lowest)
 
@@ -1365,7 +1437,7 @@ def pareto(
     _check_method(method)
     if method == "hrockmate" and options.get("hierarchy") is None:
         keys = ("flat_ops", "leaf_size", "group_size", "top_size", "time_limit",
-                "sub_time_limit", "mip_rel_gap", "progress")
+                "sub_time_limit", "mip_rel_gap", "progress", "solvers")
         options["hierarchy"] = prepare(graph, **{k: options[k] for k in keys if k in options})
     points = []
     for b in budgets:

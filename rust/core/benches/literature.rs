@@ -9,7 +9,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use hrockmate_core::graph::Graph;
 use hrockmate_core::io::parse_graph_json;
 use hrockmate_core::literature::chain::rotor;
-use hrockmate_core::literature::rotor::{min_memory, solve, Chain, Stage};
+use hrockmate_core::literature::rotor::{min_memory, solve, Chain, Stage, StateOption};
 use hrockmate_core::literature::twremat::{twremat_points, TwRemat};
 use hrockmate_core::partition::synthetic;
 use hrockmate_core::schedules::store_all;
@@ -53,14 +53,10 @@ fn bench_twremat(c: &mut Criterion) {
 fn homogeneous(n: usize) -> Chain {
     let stage = Stage {
         fwd_time: 1.0,
-        fwd_all_time: 1.2,
-        bwd_time: 2.0,
         out_bytes: 100,
-        state_bytes: 250,
         grad_bytes: 100,
         fwd_overhead: 20,
-        fwd_all_overhead: 20,
-        bwd_overhead: 50,
+        options: vec![StateOption { fwd_time: 1.2, state_bytes: 250, fwd_overhead: 20, bwd_time: 2.0, bwd_overhead: 50 }],
     };
     Chain { input_bytes: 100, final_grad_bytes: 100, stages: vec![stage; n] }
 }

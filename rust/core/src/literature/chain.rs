@@ -17,7 +17,7 @@ use crate::io::{op_label, tensor_label};
 use crate::schedule::Schedule;
 use crate::simulate::SimResult;
 
-use super::rotor::{self, Chain, ChainOp, Stage};
+use super::rotor::{self, Chain, ChainOp, Stage, StateOption};
 use super::twremat::useful_order;
 use super::{checked, Emitter, LiteratureError};
 
@@ -271,7 +271,7 @@ impl ChainStructure {
     }
 
     /// The chain model of this structure: sizes from storages, overheads from running each
-    /// stage operation on its own.
+    /// stage operation on its own; one state option per stage (the whole stage forward).
     pub fn chain(&self, g: &Graph) -> Chain {
         let roots = g.storage_roots();
         let uncounted: Vec<bool> = g
@@ -292,14 +292,16 @@ impl ChainStructure {
                 let bwd_peak = local_peak(g, &roots, &self.backward_tensor, &self.backward[k], keep_grads);
                 Stage {
                     fwd_time: time(&self.output_ops[k]),
-                    fwd_all_time: time(&self.forward[k]),
-                    bwd_time: time(&self.backward[k]),
                     out_bytes,
-                    state_bytes,
                     grad_bytes,
                     fwd_overhead: fwd_peak.saturating_sub(out_bytes),
-                    fwd_all_overhead: all_peak.saturating_sub(state_bytes),
-                    bwd_overhead: bwd_peak.saturating_sub(grad_bytes),
+                    options: vec![StateOption {
+                        fwd_time: time(&self.forward[k]),
+                        state_bytes,
+                        fwd_overhead: all_peak.saturating_sub(state_bytes),
+                        bwd_time: time(&self.backward[k]),
+                        bwd_overhead: bwd_peak.saturating_sub(grad_bytes),
+                    }],
                 }
             })
             .collect();
@@ -313,7 +315,8 @@ impl ChainStructure {
         for &op in ops {
             match op {
                 ChainOp::Forward(k) => run_ops(g, &mut em, &self.backward_tensor, &self.output_ops[k - 1], &self.boundary[k - 1]),
-                ChainOp::ForwardAll(k) => run_ops(g, &mut em, &self.backward_tensor, &self.forward[k - 1], &self.state[k - 1]),
+                // One option per stage: the whole forward, keeping the state.
+                ChainOp::ForwardAll(k, _) => run_ops(g, &mut em, &self.backward_tensor, &self.forward[k - 1], &self.state[k - 1]),
                 ChainOp::Backward(k) => {
                     if forward_len.is_none() {
                         forward_len = Some(em.steps.len());

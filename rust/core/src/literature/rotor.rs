@@ -7,42 +7,58 @@
 //! - `ā_k`: the full state of stage `k` (everything its backward needs, `a_k` included);
 //! - `δ_k`: the gradient arriving at boundary `k` (`δ_L` is given, `δ_0` is the result).
 //!
+//! A stage has one way to compute its output alone and one or more *options* ([`StateOption`])
+//! to compute its full state, each with its own state size, forward time and overhead, and the
+//! backward time and overhead that go with that state (for instance, the options of a child in
+//! a hierarchy level: keep everything, or keep less and recompute some of it in the backward).
+//!
 //! Operations ([`ChainOp`]): `Forward(k)` computes `a_k` from `a_{k-1}` (stored alone or inside
-//! `ā_{k-1}`); `ForwardAll(k)` computes `ā_k`; `Backward(k)` needs `ā_k`, `a_{k-1}`, `δ_k`,
-//! produces `δ_{k-1}` and frees `ā_k` and `δ_k`; `Free(k)` frees a stored `a_k`, which is not
-//! allowed while `ā_{k+1}` is stored (a full state holds on to its stage's input, which its
-//! backward reads).
+//! `ā_{k-1}`); `ForwardAll(k, o)` computes `ā_k` with option `o`; `Backward(k)` needs `ā_k`,
+//! `a_{k-1}`, `δ_k`, produces `δ_{k-1}` and frees `ā_k` and `δ_k`, with the costs of the option
+//! `ā_k` was computed with; `Free(k)` frees a stored `a_k`, which is not allowed while
+//! `ā_{k+1}` is stored (a full state holds on to its stage's input, which its backward reads).
 //! Memory during an operation is what is stored plus what it creates plus its overhead:
-//! `Forward(k)`: `+ x_k + fwd_overhead`; `ForwardAll(k)`: `+ state_k + fwd_all_overhead`;
-//! `Backward(k)`: `+ grad_{k-1} + bwd_overhead`. [`peak_of`] evaluates a sequence exactly.
+//! `Forward(k)`: `+ x_k + fwd_overhead`; `ForwardAll(k, o)`: `+ state_o + fwd_overhead_o`;
+//! `Backward(k)`: `+ grad_{k-1} + bwd_overhead_o`. [`peak_of`] evaluates a sequence exactly.
 //!
 //! The program minimises total time over strategies that, for a sub-chain `s..=t` holding
-//! `a_{s-1}` and `δ_t`, either store the full state of `s` and recurse on `s+1..=t`, or run the
-//! forward to a checkpoint `a_{s'-1}` (keeping only `a_{s-1}`), recurse on `s'..=t`, free the
-//! checkpoint and recurse on `s..=s'-1`. O(L^3 · slots) time, O(L^2 · slots) memory.
+//! `a_{s-1}` and `δ_t`, either store the full state of `s` with one of its options and recurse
+//! on `s+1..=t`, or run the forward to a checkpoint `a_{s'-1}` (keeping only `a_{s-1}`),
+//! recurse on `s'..=t`, free the checkpoint and recurse on `s..=s'-1`.
+//! O(L^2 · (L + options) · slots) time, O(L^2 · slots) memory.
 
 use super::LiteratureError;
+
+/// One way to run a stage's forward while keeping everything its backward needs (its full
+/// state `ā_k`), with the backward that goes with it. Times in any unit; sizes in bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateOption {
+    /// Time of `ForwardAll` with this option.
+    pub fwd_time: f64,
+    /// Bytes of the full state kept by this option (includes the stage output; raised to
+    /// `out_bytes` if smaller).
+    pub state_bytes: u64,
+    /// Extra bytes during `ForwardAll` beyond what is stored and the full state.
+    pub fwd_overhead: u64,
+    /// Time of `Backward` from this option's full state.
+    pub bwd_time: f64,
+    /// Extra bytes during `Backward` beyond what is stored and the gradient produced.
+    pub bwd_overhead: u64,
+}
 
 /// One stage of a chain. Times in any unit; sizes in bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stage {
     /// Time of `Forward` (compute the output only).
     pub fwd_time: f64,
-    /// Time of `ForwardAll` (compute and keep the full state).
-    pub fwd_all_time: f64,
-    pub bwd_time: f64,
     /// `x_k`: bytes of the stage output.
     pub out_bytes: u64,
-    /// Bytes of the full state (`ā_k`, includes the output; raised to `out_bytes` if smaller).
-    pub state_bytes: u64,
     /// Bytes of the gradient this stage's backward produces (`δ_{k-1}`).
     pub grad_bytes: u64,
     /// Extra bytes during `Forward` beyond what is stored and the output.
     pub fwd_overhead: u64,
-    /// Extra bytes during `ForwardAll` beyond what is stored and the full state.
-    pub fwd_all_overhead: u64,
-    /// Extra bytes during `Backward` beyond what is stored and the gradient produced.
-    pub bwd_overhead: u64,
+    /// The ways to keep the full state (at least one; `ForwardAll(k, o)` picks `options[o]`).
+    pub options: Vec<StateOption>,
 }
 
 /// A heterogeneous chain.
@@ -55,14 +71,33 @@ pub struct Chain {
     pub stages: Vec<Stage>,
 }
 
-/// One operation of a chain schedule (stages are numbered from 1).
+/// One operation of a chain schedule (stages are numbered from 1, options from 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ChainOp {
     Forward(usize),
-    ForwardAll(usize),
+    /// Compute the full state of stage `k` with its option `o`.
+    ForwardAll(usize, usize),
+    /// The backward of stage `k`, with the option its stored full state was computed with.
     Backward(usize),
     /// Free the stored output `a_k` of stage `k`.
     Free(usize),
+}
+
+/// The option used by each operation of a valid sequence: `Some(o)` for `ForwardAll(_, o)` and
+/// for the `Backward` that consumes that full state, `None` otherwise (and for a `Backward`
+/// with no full state before it).
+pub fn op_options(ops: &[ChainOp]) -> Vec<Option<usize>> {
+    let mut stored: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    ops.iter()
+        .map(|&op| match op {
+            ChainOp::ForwardAll(k, o) => {
+                stored.insert(k, o);
+                Some(o)
+            }
+            ChainOp::Backward(k) => stored.remove(&k),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The result of the dynamic program.
@@ -81,59 +116,67 @@ pub fn peak_of(chain: &Chain, ops: &[ChainOp]) -> Result<(u64, f64), String> {
     let l = chain.stages.len();
     let st = |k: usize| &chain.stages[k - 1];
     let x = |k: usize| if k == 0 { chain.input_bytes } else { st(k).out_bytes };
-    let xb = |k: usize| st(k).state_bytes.max(st(k).out_bytes);
+    let xb = |k: usize, o: usize| st(k).options[o].state_bytes.max(st(k).out_bytes);
     let mut a = vec![false; l + 1];
-    let mut abar = vec![false; l + 1];
+    // The option of each stored full state.
+    let mut abar: Vec<Option<usize>> = vec![None; l + 1];
     a[0] = true;
     let mut delta = l;
     let mut cur = chain.input_bytes + chain.final_grad_bytes;
     let mut peak = cur;
     let mut time = 0.0;
-    let has_input = |a: &[bool], abar: &[bool], k: usize| a[k - 1] || abar[k - 1];
+    let has_input = |a: &[bool], abar: &[Option<usize>], k: usize| a[k - 1] || abar[k - 1].is_some();
     for (i, &op) in ops.iter().enumerate() {
         let bad = |m: &str| Err(format!("operation {i} ({op:?}): {m}"));
         match op {
-            ChainOp::Forward(k) | ChainOp::ForwardAll(k) => {
+            ChainOp::Forward(k) | ChainOp::ForwardAll(k, _) => {
                 if k == 0 || k > l {
                     return bad("no such stage");
                 }
                 if !has_input(&a, &abar, k) {
                     return bad("its input is not stored");
                 }
-                if a[k] || abar[k] {
+                if a[k] || abar[k].is_some() {
                     return bad("its result is already stored");
                 }
-                if let ChainOp::Forward(_) = op {
-                    peak = peak.max(cur + x(k) + st(k).fwd_overhead);
-                    cur += x(k);
-                    a[k] = true;
-                    time += st(k).fwd_time;
-                } else {
-                    peak = peak.max(cur + xb(k) + st(k).fwd_all_overhead);
-                    cur += xb(k);
-                    abar[k] = true;
-                    time += st(k).fwd_all_time;
+                match op {
+                    ChainOp::ForwardAll(_, o) => {
+                        let Some(opt) = st(k).options.get(o) else {
+                            return bad(&format!("no such option (the stage has {})", st(k).options.len()));
+                        };
+                        peak = peak.max(cur + xb(k, o) + opt.fwd_overhead);
+                        cur += xb(k, o);
+                        abar[k] = Some(o);
+                        time += opt.fwd_time;
+                    }
+                    _ => {
+                        peak = peak.max(cur + x(k) + st(k).fwd_overhead);
+                        cur += x(k);
+                        a[k] = true;
+                        time += st(k).fwd_time;
+                    }
                 }
             }
             ChainOp::Backward(k) => {
                 if k == 0 || k > l || delta != k {
                     return bad("the gradient it needs is not available");
                 }
-                if !abar[k] || !has_input(&a, &abar, k) {
+                let Some(o) = abar[k].filter(|_| has_input(&a, &abar, k)) else {
                     return bad("its full state or its input is not stored");
-                }
-                peak = peak.max(cur + st(k).grad_bytes + st(k).bwd_overhead);
+                };
+                let opt = &st(k).options[o];
+                peak = peak.max(cur + st(k).grad_bytes + opt.bwd_overhead);
                 let g_k = if k == l { chain.final_grad_bytes } else { st(k + 1).grad_bytes };
-                cur = cur + st(k).grad_bytes - xb(k) - g_k;
-                abar[k] = false;
+                cur = cur + st(k).grad_bytes - xb(k, o) - g_k;
+                abar[k] = None;
                 delta = k - 1;
-                time += st(k).bwd_time;
+                time += opt.bwd_time;
             }
             ChainOp::Free(k) => {
                 if k == 0 || k > l || !a[k] {
                     return bad("that output is not stored on its own");
                 }
-                if k < l && abar[k + 1] {
+                if k < l && abar[k + 1].is_some() {
                     return bad("the full state of the next stage is stored and its backward needs this input");
                 }
                 a[k] = false;
@@ -147,50 +190,72 @@ pub fn peak_of(chain: &Chain, ops: &[ChainOp]) -> Result<(u64, f64), String> {
     Ok((peak, time))
 }
 
+/// Choice table entries: 0 none, `sp > 0` checkpoint before stage `sp`, negative: store the
+/// full state with option `-1 - choice`.
 const NO_CHOICE: i32 = 0;
-const STORE_ALL: i32 = -1;
+
+fn store_all_choice(o: usize) -> i32 {
+    -1 - o as i32
+}
+
+/// Sizes of one state option in slots.
+struct OptionSlots {
+    /// Full state (raised to the output).
+    xb: usize,
+    /// `ForwardAll` overhead.
+    foa: usize,
+    /// `Backward` overhead.
+    bo: usize,
+}
 
 /// Chain sizes in slots (rounded up), 1-based like the model.
 struct Slots {
     x: Vec<usize>,
-    xb: Vec<usize>,
     g: Vec<usize>,
     fo: Vec<usize>,
-    foa: Vec<usize>,
-    bo: Vec<usize>,
+    opts: Vec<Vec<OptionSlots>>,
 }
 
 impl Slots {
     fn new(chain: &Chain, slot: u64) -> Slots {
         let l = chain.stages.len();
         let q = |b: u64| b.div_ceil(slot) as usize;
-        let mut s = Slots {
-            x: vec![0; l + 1],
-            xb: vec![0; l + 1],
-            g: vec![0; l + 1],
-            fo: vec![0; l + 1],
-            foa: vec![0; l + 1],
-            bo: vec![0; l + 1],
-        };
+        let mut s = Slots { x: vec![0; l + 1], g: vec![0; l + 1], fo: vec![0; l + 1], opts: Vec::with_capacity(l + 1) };
+        s.opts.push(Vec::new());
         s.x[0] = q(chain.input_bytes);
         s.g[l] = q(chain.final_grad_bytes);
         for (i, st) in chain.stages.iter().enumerate() {
             let k = i + 1;
             s.x[k] = q(st.out_bytes);
-            s.xb[k] = q(st.state_bytes.max(st.out_bytes));
             s.g[k - 1] = q(st.grad_bytes);
             s.fo[k] = q(st.fwd_overhead);
-            s.foa[k] = q(st.fwd_all_overhead);
-            s.bo[k] = q(st.bwd_overhead);
+            s.opts.push(
+                st.options
+                    .iter()
+                    .map(|o| OptionSlots {
+                        xb: q(o.state_bytes.max(st.out_bytes)),
+                        foa: q(o.fwd_overhead),
+                        bo: q(o.bwd_overhead),
+                    })
+                    .collect(),
+            );
         }
         s
     }
 
-    /// Memory needed by storing the full state of `s` (given what the sub-chain `s+1..=t` needs).
-    fn store_all_need(&self, s: usize, t: usize) -> usize {
-        let fwd = self.x[s - 1] + self.g[t] + self.xb[s] + self.foa[s];
-        let bwd = self.x[s - 1] + self.xb[s] + self.g[s] + self.g[s - 1] + self.bo[s];
+    /// Memory needed by storing the full state of `s` with option `o` (given what the
+    /// sub-chain `s+1..=t` needs).
+    fn store_all_need(&self, s: usize, t: usize, o: usize) -> usize {
+        let op = &self.opts[s][o];
+        let fwd = self.x[s - 1] + self.g[t] + op.xb + op.foa;
+        let bwd = self.x[s - 1] + op.xb + self.g[s] + self.g[s - 1] + op.bo;
         fwd.max(bwd)
+    }
+
+    /// What the sub-chain `s+1..=t` runs beside when the full state of `s` (option `o`) is
+    /// stored: `a_{s-1}` and `ā_s` minus its output `a_s` (counted by the sub-chain).
+    fn store_all_outside(&self, s: usize, o: usize) -> usize {
+        self.x[s - 1] + self.opts[s][o].xb - self.x[s]
     }
 
     /// Peak of running the forward from `a_{s-1}` through stage `k` keeping `a_{s-1}`
@@ -202,7 +267,8 @@ impl Slots {
 }
 
 /// The smallest memory (bytes) with which the chain can be processed in the model, over the
-/// strategies the dynamic program considers. Exact (no discretisation).
+/// strategies the dynamic program considers. Exact (no discretisation). `u64::MAX` when a stage
+/// has no state option.
 pub fn min_memory(chain: &Chain) -> u64 {
     let l = chain.stages.len();
     if l == 0 {
@@ -214,37 +280,68 @@ pub fn min_memory(chain: &Chain) -> u64 {
     for len in 0..l {
         for a in 1..=l - len {
             let b = a + len;
-            let mut best = s.store_all_need(a, b);
+            let mut best = usize::MAX;
+            for o in 0..s.opts[a].len() {
+                let mut need = s.store_all_need(a, b, o);
+                if a < b {
+                    let rest = mm[idx(a + 1, b)];
+                    need = if rest == usize::MAX {
+                        usize::MAX
+                    } else {
+                        need.max((rest + s.x[a - 1] + s.opts[a][o].xb).saturating_sub(s.x[a]))
+                    };
+                }
+                best = best.min(need);
+            }
             if a < b {
-                best = best.max((mm[idx(a + 1, b)] + s.x[a - 1] + s.xb[a]).saturating_sub(s.x[a]));
                 let mut fpeak = 0;
                 for sp in a + 1..=b {
                     fpeak = fpeak.max(s.forward_step_need(a, b, sp - 1));
-                    let need = fpeak.max(mm[idx(sp, b)] + s.x[a - 1]).max(mm[idx(a, sp - 1)]);
+                    let need = fpeak.max(mm[idx(sp, b)].saturating_add(s.x[a - 1])).max(mm[idx(a, sp - 1)]);
                     best = best.min(need);
                 }
             }
             mm[idx(a, b)] = best;
         }
     }
-    mm[idx(1, l)] as u64
+    let m = mm[idx(1, l)];
+    if m == usize::MAX {
+        u64::MAX
+    } else {
+        m as u64
+    }
+}
+
+fn check_time(where_: &str, what: &str, v: f64) -> Result<(), LiteratureError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(LiteratureError::InvalidArgument(format!("{where_}: {what} is {v}; times must be finite and >= 0")))
+    }
 }
 
 /// Solve the chain for a memory limit with `slots` memory slots (`limit_bytes / slots` bytes
 /// each; sizes are rounded up to whole slots, so the result never exceeds the limit).
-/// The returned sequence is optimal for the discretised sizes.
+/// The returned sequence is optimal for the discretised sizes, over every option of every
+/// stage (ties go to the lower option index).
 pub fn solve(chain: &Chain, limit_bytes: u64, slots: usize) -> Result<ChainSolution, LiteratureError> {
     if slots == 0 {
         return Err(LiteratureError::InvalidArgument("slots must be at least 1".into()));
     }
     for (i, st) in chain.stages.iter().enumerate() {
-        for (what, v) in [("fwd_time", st.fwd_time), ("fwd_all_time", st.fwd_all_time), ("bwd_time", st.bwd_time)] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(LiteratureError::InvalidArgument(format!(
-                    "stage {}: {what} is {v}; times must be finite and >= 0",
-                    i + 1
-                )));
-            }
+        let k = i + 1;
+        check_time(&format!("stage {k}"), "fwd_time", st.fwd_time)?;
+        if st.options.is_empty() {
+            return Err(LiteratureError::InvalidArgument(format!(
+                "stage {k} has no state option; give each stage at least one"
+            )));
+        }
+        if st.options.len() > i32::MAX as usize {
+            return Err(LiteratureError::InvalidArgument(format!("stage {k} has too many state options")));
+        }
+        for (o, opt) in st.options.iter().enumerate() {
+            check_time(&format!("stage {k} option {o}"), "fwd_time", opt.fwd_time)?;
+            check_time(&format!("stage {k} option {o}"), "bwd_time", opt.bwd_time)?;
         }
     }
     let l = chain.stages.len();
@@ -272,19 +369,20 @@ pub fn solve(chain: &Chain, limit_bytes: u64, slots: usize) -> Result<ChainSolut
         for a in 1..=l - len {
             let b = a + len;
             let here = cell(a, b, 0);
-            // Store the full state of stage a.
-            let need_a = s.store_all_need(a, b);
-            // The rest runs beside a_{a-1} and ā_a minus its output a_a.
-            let outside = s.x[a - 1] + s.xb[a] - s.x[a];
-            for m in need_a.max(if a < b { outside } else { 0 })..w {
-                let c = if a == b {
-                    st(a).fwd_all_time + st(a).bwd_time
-                } else {
-                    st(a).fwd_all_time + cost[cell(a + 1, b, m - outside)] + st(a).bwd_time
-                };
-                if c < cost[here + m] {
-                    cost[here + m] = c;
-                    choice[here + m] = STORE_ALL;
+            // Store the full state of stage a, with each of its options.
+            for (o, opt) in st(a).options.iter().enumerate() {
+                let need_a = s.store_all_need(a, b, o);
+                let outside = s.store_all_outside(a, o);
+                for m in need_a.max(if a < b { outside } else { 0 })..w {
+                    let c = if a == b {
+                        opt.fwd_time + opt.bwd_time
+                    } else {
+                        opt.fwd_time + cost[cell(a + 1, b, m - outside)] + opt.bwd_time
+                    };
+                    if c < cost[here + m] {
+                        cost[here + m] = c;
+                        choice[here + m] = store_all_choice(o);
+                    }
                 }
             }
             // Forward to a checkpoint a_{sp-1}, keeping only a_{a-1}.
@@ -327,11 +425,12 @@ pub fn solve(chain: &Chain, limit_bytes: u64, slots: usize) -> Result<ChainSolut
             Task::Solve(a, b, m) => (a, b, m),
         };
         match choice[cell(a, b, m)] {
-            STORE_ALL => {
-                ops.push(ChainOp::ForwardAll(a));
+            c if c < 0 => {
+                let o = (-1 - c) as usize;
+                ops.push(ChainOp::ForwardAll(a, o));
                 tasks.push(Task::Emit(ChainOp::Backward(a)));
                 if a < b {
-                    tasks.push(Task::Solve(a + 1, b, m - (s.x[a - 1] + s.xb[a] - s.x[a])));
+                    tasks.push(Task::Solve(a + 1, b, m - s.store_all_outside(a, o)));
                 }
             }
             sp if sp > 0 => {
@@ -351,4 +450,31 @@ pub fn solve(chain: &Chain, limit_bytes: u64, slots: usize) -> Result<ChainSolut
     }
     let (peak_bytes, time) = peak_of(chain, &ops).map_err(LiteratureError::Internal)?;
     Ok(ChainSolution { ops, time, peak_bytes })
+}
+
+/// [`solve`], refining the slots (x4, while the table, stages² × slots cells, stays within
+/// `max_cells`) when rounding sizes up to slots makes a limit fail that the exact model meets
+/// (`limit_bytes >= min_memory`). With enough cells the limit then always succeeds, since one
+/// byte per slot is exact.
+pub fn solve_refined(
+    chain: &Chain,
+    limit_bytes: u64,
+    slots: usize,
+    max_cells: usize,
+) -> Result<ChainSolution, LiteratureError> {
+    let l = chain.stages.len().max(1);
+    let mut slots = slots;
+    loop {
+        match solve(chain, limit_bytes, slots) {
+            Err(LiteratureError::Infeasible { min_bytes, .. })
+                if limit_bytes >= min_bytes
+                    // Beyond one byte per slot nothing changes.
+                    && (slots as u64) < limit_bytes
+                    && l.saturating_mul(l).saturating_mul(slots.saturating_mul(4)) <= max_cells =>
+            {
+                slots *= 4;
+            }
+            other => return other,
+        }
+    }
 }
