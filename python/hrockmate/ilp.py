@@ -65,6 +65,16 @@ class LevelNode:
     backward: bool = False
     # for a backward node: the forward node whose option-saved memory (same option index) it uses
     pair: int | None = None
+    # per option, the inputs it reads (None: every option reads every input). A backward
+    # fragment that recomputes from saved tensors may not read its block's forward inputs, so
+    # the level can free them earlier when that option runs.
+    option_inputs: list[frozenset[int]] | None = None
+
+    def readers_of(self, x: int) -> list[int]:
+        """Indices of the options that read input ``x``."""
+        if self.option_inputs is None:
+            return list(range(len(self.options)))
+        return [o for o, ins in enumerate(self.option_inputs) if x in ins]
 
 
 @dataclass
@@ -76,6 +86,9 @@ class LevelValue:
     producer: int | None = None  # None: exists before the iteration (never counted or freed)
     keep: bool = False  # never freed once produced (model outputs)
     root: int | None = None  # the value whose storage this one shares (a view), if any
+    # a view of a storage made outside the level: keeping the view past the level's forward
+    # keeps that storage too (the parent might have freed it), so saving it costs these bytes
+    hold_bytes: int = 0
 
 
 @dataclass
@@ -106,6 +119,13 @@ class LevelProblem:
                         f"level node '{node.name}' reads '{self.values[x].name}' produced by a "
                         "later node: nodes must be in a topological order"
                     )
+            if node.option_inputs is not None and (
+                    len(node.option_inputs) != len(node.options)
+                    or any(not ins <= set(node.inputs) for ins in node.option_inputs)):
+                raise ValueError(
+                    f"level node '{node.name}': option_inputs needs one subset of the node's "
+                    "inputs per option"
+                )
             if node.pair is not None:
                 f = self.nodes[node.pair]
                 if not node.backward or f.backward or len(f.options) != len(node.options):
@@ -385,12 +405,15 @@ def build_model(
     # tie-break: among equally fast schedules prefer keeping fewer bytes (the total penalty
     # stays below half of the smallest op time, so it never trades time for memory)
     times = [o.time for nd in p.nodes for o in nd.options if o.time > 0]
-    kept_mem = sum(mem[x] for (_, x) in S if counted_mask[x])
+    hold = [p.values[x].hold_bytes / scale for x in range(nv)]
+    kept_mem = sum(mem[x] if counted_mask[x] else hold[x] for (_, x) in S)
     if times and kept_mem > 0 and not minimize_peak:
         eps = 0.5 * min(times) / kept_mem
         for (t, x), c in S.items():
             if counted_mask[x]:
                 b.cost[c] = eps * mem[x]
+            elif hold[x] > 0:
+                b.cost[c] = eps * hold[x]
 
     # keeping requires having had the value in the previous stage
     for (t, x), c in S.items():
@@ -408,10 +431,13 @@ def build_model(
     # dependencies: inputs alive when a node runs; paired saved memory alive for a backward node
     for t in range(n):
         for j in a.stage_nodes[t]:
-            rj = rsum(t, j)
+            first_j = R[t][j]
             for x in dict.fromkeys(p.nodes[j].inputs):
                 v = p.values[x]
                 if v.producer is None:
+                    continue
+                rj = [first_j + o for o in p.nodes[j].readers_of(x)]
+                if not rj:
                     continue
                 alive = rsum(t, v.producer) + ([S[(t, x)]] if (t, x) in S else [])
                 b.row(rj + alive, [1.0] * len(rj) + [-1.0] * len(alive), -math.inf, 0.0)
@@ -428,9 +454,9 @@ def build_model(
         bc: list[int] = []
         bv: list[float] = []
         for x in range(nv):
-            if (t, x) in S and counted_mask[x] and not p.values[x].keep:
+            if (t, x) in S and not p.values[x].keep and (counted_mask[x] or hold[x] > 0):
                 bc.append(S[(t, x)])
-                bv.append(mem[x])
+                bv.append(mem[x] if counted_mask[x] else hold[x])
         for (tt, f, o), c in P.items():
             if tt == t:
                 bc.append(c)
@@ -491,8 +517,9 @@ def build_model(
                     b.ub[c] = 0.0  # kept values are never freed
                 for j in a.uses[x]:
                     if j > k and j in R[t]:
-                        rj = rsum(t, j)
-                        b.row([c] + rj, [1.0] * (1 + len(rj)), -math.inf, 1.0)
+                        rj = [R[t][j] + o for o in _readers_of_storage(p, a, j, x)]
+                        if rj:
+                            b.row([c] + rj, [1.0] * (1 + len(rj)), -math.inf, 1.0)
                 prev_frees.append((c, mem[x]))
             prev_u = u
     return _Model(b, R, S, P, peak_col, scale)
@@ -580,6 +607,15 @@ def solve_level(
     return plan
 
 
+def _readers_of_storage(p: LevelProblem, a: _Analysis, j: int, x: int) -> list[int]:
+    """Options of node ``j`` that read ``x`` or a view of its storage."""
+    node = p.nodes[j]
+    if node.option_inputs is None:
+        return list(range(len(node.options)))
+    return [o for o, ins in enumerate(node.option_inputs)
+            if any(y == x or a.storage[y] == x for y in ins)]
+
+
 def extract(p: LevelProblem, a: _Analysis, model: _Model, x: np.ndarray) -> StagePlan:
     """Turn a MILP solution into per-stage computes and frees.
 
@@ -595,6 +631,7 @@ def extract(p: LevelProblem, a: _Analysis, model: _Model, x: np.ndarray) -> Stag
     kept_saved: list[set[tuple[int, int]]] = []
     objective = 0.0
     alive: set[int] = set()
+    stages: list[list[tuple[int, int]]] = []
     for t in range(n):
         stage: list[tuple[int, int]] = []
         for i in a.stage_nodes[t]:
@@ -604,17 +641,33 @@ def extract(p: LevelProblem, a: _Analysis, model: _Model, x: np.ndarray) -> Stag
                     stage.append((i, o))
                     objective += p.nodes[i].options[o].time
                     break
+        stages.append(stage)
+    # Values read later before being produced again, at each stage start. The solver may keep
+    # a value it never reads again (within the optimality gap, keeping costs it nothing worth
+    # closing); such values are freed, which only lowers memory.
+    live_at: list[set[int]] = [set() for _ in range(n + 1)]
+    live: set[int] = set()
+    for t in range(n - 1, -1, -1):
+        for i, o in reversed(stages[t]):
+            node = p.nodes[i]
+            live.difference_update(node.outputs)
+            live.update(node.inputs if node.option_inputs is None else node.option_inputs[o])
+        live_at[t] = set(live)
+    for t in range(n):
+        stage = stages[t]
         keep_next = {
             xv for xv in alive | {y for i, _ in stage for y in p.nodes[i].outputs}
             if (t + 1, xv) in model.S and on[model.S[(t + 1, xv)]]
+            and (xv in live_at[t + 1] or p.values[xv].keep)
         }
         kept_saved.append(
             {(f, o) for (tt, f, o), c in model.P.items() if tt == t + 1 and on[c]}
         )
         # last position in the stage at which each value is used (directly or via a view)
         last_use: dict[int, int] = {}
-        for pos, (i, _) in enumerate(stage):
-            for y in p.nodes[i].inputs:
+        for pos, (i, o) in enumerate(stage):
+            node = p.nodes[i]
+            for y in node.inputs if node.option_inputs is None else node.option_inputs[o]:
                 last_use[y] = pos
                 last_use[a.storage[y]] = max(last_use.get(a.storage[y], -1), pos)
             for y in p.nodes[i].outputs:

@@ -377,6 +377,9 @@ def _block_level(ctx: _Ctx, block: Block) -> _Level:
         if ctx.fixed[x]:
             p = None
         counted = p is not None and x not in interface and t.alias_of is None
+        r = ctx.root[x]
+        holds = (p is not None and t.alias_of is not None and not ctx.fixed[r]
+                 and (producer.get(r) is None or ctx.fixed[r]))
         values.append(
             ilp.LevelValue(
                 name=t.name,
@@ -384,6 +387,7 @@ def _block_level(ctx: _Ctx, block: Block) -> _Level:
                 producer=p,
                 keep=(x in interface or t.role == "output") and p is not None,
                 root=tensor_ids[t.alias_of] if t.alias_of is not None else None,
+                hold_bytes=int(g.tensors[r].bytes) if holds else 0,
             )
         )
     nodes = []
@@ -412,6 +416,13 @@ def _block_level(ctx: _Ctx, block: Block) -> _Level:
                            for o in c.options]
                 fwd_node_of_child[id(c)] = k
                 pair = None
+        option_inputs = None
+        if u.backward and u.child is not None:
+            # what each backward fragment reads from outside itself (it may recompute from
+            # saved tensors instead of reading the block's forward inputs)
+            mine = set(ins)
+            option_inputs = [frozenset(tensor_ids[x] for x in _fragment_reads(g, o.bwd) & mine)
+                             for o in u.child.options]
         nodes.append(
             ilp.LevelNode(
                 name=g.ops[u.op].name if u.op is not None else f"block@{k}",
@@ -420,6 +431,7 @@ def _block_level(ctx: _Ctx, block: Block) -> _Level:
                 options=options,
                 backward=u.backward,
                 pair=pair,
+                option_inputs=option_inputs,
             )
         )
     partner_stage = {n.pair: k for k, n in enumerate(nodes) if n.pair is not None}
@@ -427,6 +439,23 @@ def _block_level(ctx: _Ctx, block: Block) -> _Level:
     lvl = _Level(problem, units, value_tensor, partner_stage)
     _dying_inputs(ctx, lvl, tensor_ids)
     return lvl
+
+
+def _fragment_reads(g: Graph, steps: list[Step]) -> set[int]:
+    """Tensors a fragment reads before producing them itself (with their storage owners, which a
+    view being read keeps alive)."""
+    made: set[int] = set()
+    reads: set[int] = set()
+    for kind, i in steps:
+        if kind == "compute":
+            reads.update(x for x in g.ops[i].inputs if x not in made)
+            made.update(g.ops[i].outputs)
+    for x in list(reads):
+        r = g.tensors[x].alias_of
+        while r is not None:
+            reads.add(r)
+            r = g.tensors[r].alias_of
+    return reads
 
 
 def _dying_inputs(ctx: _Ctx, lvl: _Level, tensor_ids: dict[int, int]) -> None:
