@@ -372,3 +372,13 @@ def test_rotor_top_on_a_non_chain_uses_the_ilp(caplog: pytest.LogCaptureFixture)
     _check(plan, g)
     assert plan.stats.get("top_solver", "ilp") == "ilp"
     assert any("not a chain" in r.getMessage() for r in caplog.records)
+
+
+def test_small_graph_whose_hierarchy_falls_back_tries_the_op_level(graphs_dir: Path) -> None:
+    g = Graph.load(graphs_dir / "segnet_train.json")  # 77 ops: above flat_ops
+    hier = hrockmate.solve_graph(g, 0.5, progress=False, exact_ops=0)
+    assert hier.stats.get("fallback")  # the hierarchy alone falls back at this budget
+    plan = hrockmate.solve_graph(g, 0.5, progress=False)
+    _check(plan, g)
+    assert not plan.stats.get("fallback")
+    assert plan.time < 0.95 * hier.time

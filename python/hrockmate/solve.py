@@ -1120,6 +1120,7 @@ def solve_graph(
     progress: bool = True,
     hierarchy: Hierarchy | None = None,
     solvers: Mapping[str, str] | None = None,
+    exact_ops: int = 200,
 ) -> Plan:
     """Plan one training iteration given as a graph (IR JSON or a node-link file).
 
@@ -1130,7 +1131,9 @@ def solve_graph(
     fastest of TW-Remat's recursion depths that fits), ``"rotor"`` (Rotor's dynamic program;
     the graph must split into a chain of stages), ``"recompute-all"`` or ``"store-all"``. ``time_limit`` (seconds) bounds the top-level MILP: when it runs out
     the best plan found is returned with a warning and ``plan.stats["optimal"] = False``.
-    ``solvers`` (method ``"hrockmate"``) picks the solver of each kind of level:
+    Graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose hierarchy finds no plan
+    of its own (it would fall back to a low-memory schedule) are also tried at the op level,
+    for at most 60 s. ``solvers`` (method ``"hrockmate"``) picks the solver of each kind of level:
     ``{"leaves": "ilp" | "twremat", "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
     (missing keys: ``"ilp"``). Rotor takes a level only when its children form a chain and
     TW-Remat a leaf only when it can schedule it; the ILP solves the others.
@@ -1178,6 +1181,18 @@ def solve_graph(
               leaf_size=leaf_size, group_size=group_size, top_size=top_size,
               sub_time_limit=sub_time_limit, progress=progress, solvers=chosen)
     cand, lowest = _run_method(graph, method, budget_bytes, hierarchy, kw)
+    if (method == "hrockmate" and flat_ops < graph.num_ops <= exact_ops
+            and (cand is None or cand.stats.get("fallback"))):
+        # the hierarchy found nothing of its own: on a graph this small the op-level MILP
+        # often can, within a short limit
+        logger.info("the hierarchy of '%s' fell back; trying the op-level MILP", graph.name)
+        flat_kw = {**kw, "flat_ops": graph.num_ops, "time_limit": min(time_limit or 60.0, 60.0)}
+        alt, alt_lowest = _run_method(graph, method, budget_bytes, None, flat_kw)
+        if alt is not None and not alt.stats.get("fallback") and (
+                cand is None or _simulate(graph, alt.steps, alt.forward_len)[1]
+                < _simulate(graph, cand.steps, cand.forward_len)[1]):
+            cand = alt
+        lowest = min(lowest, alt_lowest) if cand is None else 0
     if cand is None:
         raise InfeasibleBudget(budget_bytes, lowest, graph.name)
     peak, t = _validate(graph, cand, budget_bytes)
