@@ -156,7 +156,8 @@ class StagePlan:
 
 
 class LevelInfeasible(Exception):
-    """The level has no schedule within the given budget (proven by the solver)."""
+    """The level has no schedule within the given budget (proven by the solver, or none of
+    the re-solves below it fitted when simulated)."""
 
 
 class LevelNoSolution(Exception):

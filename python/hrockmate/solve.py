@@ -1307,7 +1307,7 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
             cand = _Candidate(r.steps, r.forward_len, r.optimal, {"method": "checkmate",
                                                                   **r.stats})
             return _retighten(graph, budget, cand, again), 0
-        except reference.SolverInfeasible:
+        except (reference.SolverInfeasible, ilp.LevelInfeasible):
             pass
         try:
             steps, fl, _, _ = reference.min_peak_checkmate(graph, kw["time_limit"])
@@ -1390,13 +1390,15 @@ def _pick(spares: list[tuple[_Candidate, int, float]], budget: int, method: str,
 
 def _retighten(graph: Graph, budget: int, cand: _Candidate,
                again: Any) -> _Candidate:
-    """If rounding put a MILP schedule over the budget, solve again slightly below it."""
+    """If a MILP schedule ended over the budget (solver tolerances, or a level's memory model
+    missing a corner of the simulator's storage rules), solve again a little lower, each time
+    further. Raises ``ilp.LevelInfeasible`` when no attempt fits: the caller then falls back."""
     target = budget
-    for _ in range(3):
+    for attempt in range(5):
         peak, _t = _simulate(graph, cand.steps, cand.forward_len)
         if peak <= budget:
             return cand
-        target = int(target - (peak - budget) - max(1, budget * 1e-6))
+        target = int(target - (peak - budget) - max(1, budget * 2e-3 * attempt))
         logger.debug("schedule %d bytes over the budget; solving again at %d", peak - budget,
                      target)
         try:
@@ -1404,7 +1406,11 @@ def _retighten(graph: Graph, budget: int, cand: _Candidate,
         except (reference.SolverInfeasible, ilp.LevelInfeasible, ilp.LevelNoSolution):
             break
         cand = _Candidate(r.steps, r.forward_len, r.optimal, {**cand.stats, **r.stats})
-    return cand
+    if _simulate(graph, cand.steps, cand.forward_len)[0] <= budget:
+        return cand
+    logger.warning("the %s schedules for '%s' stayed over the budget of %d bytes; falling back",
+                   cand.stats.get("method"), graph.name, budget)
+    raise ilp.LevelInfeasible("no schedule within the budget after re-solving lower")
 
 
 def _checkpoint_lowest(graph: Graph) -> int:
