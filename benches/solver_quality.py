@@ -35,7 +35,7 @@ from hrockmate.graph import Graph, Op, Tensor
 from hrockmate.graph import write_atomic
 from hrockmate.plan import InfeasibleBudget
 
-solve_mod = importlib.import_module("hrockmate.solve")
+solve_mod = importlib.import_module("hrockmate.planner")
 REPO = Path(__file__).resolve().parents[1]
 BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3)
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def load_graph(model: str | None, size: str, graph: Path | None) -> Any:
     """The graph to plan: a graph file, or a zoo model traced (estimated op times)."""
     from hrockmate.graph import Graph
-    from hrockmate.trace import trace_model
+    from hrockmate.tracing import trace_model
 
     if graph is not None:
         return Graph.load(graph)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget must be a fraction in (0, 1], got {args.budget}")
     import torch
 
-    from hrockmate.solve import solve_graph
+    from hrockmate.planner import solve_graph
 
     torch.set_num_threads(1)
     graph = load_graph(args.model, args.size, args.graph)

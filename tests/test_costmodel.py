@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from hrockmate import models
 from hrockmate.costmodel import annotate_costs, estimate_time, op_signature
-from hrockmate.trace import placeholder_values, run_joint, trace_model
+from hrockmate.tracing import placeholder_values, run_joint, trace_model
 
 SCRATCH_BYTES = 4000
 

@@ -17,7 +17,7 @@ from hrockmate import solvers
 from hrockmate.graph import Graph, Op, Tensor
 from hrockmate.plan import InfeasibleBudget, Plan
 
-solve_mod = importlib.import_module("hrockmate.solve")
+solve_mod = importlib.import_module("hrockmate.planner")
 METHODS = ("hrockmate", "checkmate", "checkpoint", "recompute-all", "store-all")
 
 
@@ -166,7 +166,9 @@ def test_pareto_reuses_one_hierarchy(monkeypatch: pytest.MonkeyPatch) -> None:
     real_prepare = solve_mod.prepare
 
     def counting_prepare(*args: object, **kwargs: object) -> object:
-        calls.append(1)
+        # count hierarchies; an op-level try (flat_ops >= ops, see exact_ops) builds none
+        if kwargs.get("flat_ops", 60) < g.num_ops:  # type: ignore[operator]
+            calls.append(1)
         return real_prepare(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(solve_mod, "prepare", counting_prepare)

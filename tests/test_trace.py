@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 import hrockmate
 from hrockmate import models
 from hrockmate.graph import PREEXISTING_ROLES
-from hrockmate.trace import (
+from hrockmate.tracing import (
     TraceError,
     Traced,
     placeholder_values,

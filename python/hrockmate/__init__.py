@@ -1,7 +1,8 @@
 """hrockmate: hierarchical re-materialization planning and runtime for PyTorch training.
 
-Pipeline (one module per stage): ``trace`` -> ``graph`` -> simplify/partition/options (Rust,
-``hierarchy``) -> ``ilp`` -> ``schedule`` (+ ``simulate``) -> ``runtime``.
+Pipeline (one module per stage): ``tracing`` -> ``graph`` -> simplify/partition/options (Rust,
+``hierarchy``) -> ``planner`` (blocks and the H-ILP: ``ilp``, ``level_solvers``) ->
+``schedule`` (+ ``simulate``) -> ``runtime``.
 Public names are imported lazily so that ``import hrockmate`` stays cheap (torch is only
 imported by the stages that need it).
 """
@@ -23,15 +24,15 @@ _EXPORTS: dict[str, str] = {
     "simulate": "hrockmate.schedule",
     "store_all_schedule": "hrockmate.schedule",
     "recompute_all_schedule": "hrockmate.schedule",
-    "trace": "hrockmate.trace",
-    "trace_model": "hrockmate.trace",
-    "Traced": "hrockmate.trace",
-    "TraceError": "hrockmate.trace",
+    "trace": "hrockmate.tracing",
+    "trace_model": "hrockmate.tracing",
+    "Traced": "hrockmate.tracing",
+    "TraceError": "hrockmate.tracing",
     "measure_peak_memory": "hrockmate.memory",
     "PeakMeasurement": "hrockmate.memory",
-    "solve": "hrockmate.solve",
-    "solve_graph": "hrockmate.solve",
-    "pareto": "hrockmate.solve",
+    "solve": "hrockmate.planner",
+    "solve_graph": "hrockmate.planner",
+    "pareto": "hrockmate.planner",
     "Plan": "hrockmate.plan",
     "load_plan": "hrockmate.plan",
     "PlanError": "hrockmate.plan",

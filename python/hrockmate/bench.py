@@ -142,7 +142,7 @@ class _Harness:
         import torch
         import torch.utils._pytree as pytree
 
-        from hrockmate.trace import split_sample
+        from hrockmate.tracing import split_sample
 
         self.model = model
         self.sample = sample
@@ -291,7 +291,7 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
     from hrockmate.costmodel import annotate_costs
     from hrockmate.plan import InfeasibleBudget
     from hrockmate.runtime import HRockmate
-    from hrockmate.solve import prepare, solve_graph
+    from hrockmate.planner import prepare, solve_graph
 
     t0 = time.perf_counter()
     hmod = HRockmate(h.model, h.sample)  # store-all until a plan is installed

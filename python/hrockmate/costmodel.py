@@ -40,7 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from hrockmate.trace import (
+from hrockmate.tracing import (
     Traced,
     allocated_bytes,
     placeholder_values,

@@ -26,7 +26,7 @@ from typing import Iterable, Mapping
 from hrockmate import literature
 from hrockmate.graph import PREEXISTING_ROLES, Graph, GraphError, Op, Tensor
 from hrockmate.plan import InfeasibleBudget
-from hrockmate.solve import (
+from hrockmate.planner import (
     Block,
     BlockOption,
     Step,

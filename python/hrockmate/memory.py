@@ -166,7 +166,7 @@ def eager_training_step(
     then backward from the tensor outputs that require grad with ``tangents`` (one per such
     output, in pytree order; create them beforehand, default ones made on first use). Returns
     the outputs, so they stay alive until the step ends."""
-    from hrockmate.trace import split_sample
+    from hrockmate.tracing import split_sample
 
     args, kwargs = split_sample(sample)
 
@@ -209,7 +209,7 @@ def measure_eager_peak(
             tangents.append(torch.ones(t.shape or [], dtype=getattr(torch, t.dtype or "float32"),
                                        device=traced.device))
     else:
-        from hrockmate.trace import split_sample
+        from hrockmate.tracing import split_sample
 
         args, kwargs = split_sample(sample)
         with torch.enable_grad():
@@ -233,7 +233,7 @@ def truth_row(
     """Trace ``model`` (estimated times, measured workspaces), simulate the store-all schedule
     and measure plain autograd's peak on the same iteration: one row of the truth table."""
     import hrockmate
-    from hrockmate.trace import trace_model
+    from hrockmate.tracing import trace_model
 
     t0 = time.perf_counter()
     traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate", name=name)

@@ -758,7 +758,7 @@ class HRockmate(nn.Module):
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self.training = model.training
 
-        from hrockmate.trace import split_sample, trace_model
+        from hrockmate.tracing import split_sample, trace_model
 
         args, kwargs = split_sample(sample)
         # "estimate" also measures each op's workspace, which the predicted peak includes.
@@ -1018,7 +1018,7 @@ def _choose_schedule(
         return store_all, made, baseline, program
     from hrockmate.costmodel import annotate_costs
     from hrockmate.plan import InfeasibleBudget
-    from hrockmate.solve import solve_graph
+    from hrockmate.planner import solve_graph
 
     options = dict(solve_options)
     cost = options.pop("cost", "measure")

@@ -23,9 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import time as _time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -464,7 +462,6 @@ def _dying_inputs(ctx: _Ctx, lvl: _Level, tensor_ids: dict[int, int]) -> None:
 
     A backward node runs last in its stage, so an input whose last possible use is that node
     is dead afterwards; inside the fragment it can go after its last read."""
-    g = ctx.graph
     p = lvl.problem
     a = ilp.analyse(p)
     views: dict[int, list[int]] = {}
@@ -1186,7 +1183,10 @@ def solve_graph(
         # the hierarchy found nothing of its own: on a graph this small the op-level MILP
         # often can, within a short limit
         logger.info("the hierarchy of '%s' fell back; trying the op-level MILP", graph.name)
-        flat_kw = {**kw, "flat_ops": graph.num_ops, "time_limit": min(time_limit or 60.0, 60.0)}
+        # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
+        # fallbacks are already known)
+        flat_kw = {**kw, "flat_ops": graph.num_ops, "time_limit": min(time_limit or 60.0, 60.0),
+                   "lowest_peak": False}
         alt, alt_lowest = _run_method(graph, method, budget_bytes, None, flat_kw)
         if alt is not None and not alt.stats.get("fallback") and (
                 cand is None or _simulate(graph, alt.steps, alt.forward_len)[1]
@@ -1361,9 +1361,10 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                             graph.name, kw["time_limit"])
                 return _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
         try:
-            steps, fl, _, _ = solve_top(h, None, time_limit=kw["time_limit"],
-                                        mip_rel_gap=1e-3, minimize_peak=True)
-            spare("lowest-peak H-ILP", steps, fl, **stats_h)
+            if kw.get("lowest_peak", True):
+                steps, fl, _, _ = solve_top(h, None, time_limit=kw["time_limit"],
+                                            mip_rel_gap=1e-3, minimize_peak=True)
+                spare("lowest-peak H-ILP", steps, fl, **stats_h)
         except (ilp.LevelInfeasible, ilp.LevelNoSolution):
             pass
     try:
@@ -1430,21 +1431,12 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
     activation memory: the peak, during forward and backward, of memory allocated by the
     iteration beyond what existed before it, not counting the parameters' ``.grad`` tensors.
     """
-    from hrockmate.trace import trace
+    from hrockmate.tracing import trace
 
     graph = trace(model, sample) if loss_fn is None else trace(model, sample, loss_fn=loss_fn)
     return solve_graph(graph, budget, **options)
 
 
-class _CallableModule(types.ModuleType):
-    """``hrockmate.solve`` names both this module and the function ``solve``; importing the
-    module rebinds the package attribute to the module, so the module calls ``solve`` too."""
-
-    def __call__(self, model: Any, sample: Any, budget: BudgetLike, **options: Any) -> Plan:
-        return solve(model, sample, budget, **options)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 
 @dataclass
@@ -1477,7 +1469,7 @@ def pareto(
     once and reused; only the top level is solved per budget). ``graph_or_model`` is a Graph, a
     graph file, or a torch model together with ``sample``."""
     if sample is not None:
-        from hrockmate.trace import trace
+        from hrockmate.tracing import trace
 
         graph = trace(graph_or_model, sample) if loss_fn is None else trace(
             graph_or_model, sample, loss_fn=loss_fn)

@@ -57,9 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import operator
-import sys
 import time
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -800,7 +798,7 @@ def trace_model(
     traced.trace_seconds = time.perf_counter() - t0
     traced.graph.meta.update(
         {
-            "source": "hrockmate.trace",
+            "source": "hrockmate.tracing",
             "cost": cost,
             "device": str(device),
             "trace_seconds": round(traced.trace_seconds, 4),
@@ -924,31 +922,20 @@ def run_joint(
     return kept
 
 
-class _CallableModule(types.ModuleType):
-    """``hrockmate.trace`` names both this module and the function ``trace``; importing the
-    module rebinds the package attribute to the module. So the module is made callable (it
-    calls ``trace_graph``) and its attribute ``trace`` is the module itself: whichever object
-    ``hrockmate.trace`` ends up being, ``hrockmate.trace(model, sample)`` returns the graph and
-    ``hrockmate.trace.trace_model`` is reachable."""
-
-    def __call__(
-        self,
-        model: nn.Module,
-        sample: Any,
-        *,
-        loss_fn: Callable[[Any], torch.Tensor] | None = None,
-        cost: str = "measure",
-    ) -> Graph:
-        return trace_graph(model, sample, loss_fn=loss_fn, cost=cost)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-trace = sys.modules[__name__]
+def trace(
+    model: nn.Module,
+    sample: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    cost: str = "measure",
+) -> Graph:
+    """The IR of one training iteration of ``model`` on ``sample`` (``hrockmate.trace``)."""
+    return trace_graph(model, sample, loss_fn=loss_fn, cost=cost)
 
 
 # ---- command line: the truth table ---------------------------------------------------------------
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hrockmate.trace")
+    p = argparse.ArgumentParser(prog="python -m hrockmate.tracing")
     p.add_argument("--truth-table", action="store_true",
                    help="compare simulated and measured store-all peaks on the built-in models")
     p.add_argument("--out", default="bench-results/truth_table.json")
