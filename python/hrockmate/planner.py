@@ -791,9 +791,12 @@ def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
     easy = max(10.0 * st.sub_time_limit, 30.0)
 
     def attempt(limit: float = st.sub_time_limit, **a: Any) -> BlockOption | None:
+        # the fastest option is solved closely; the memory-limited ones, which are only
+        # choices offered to the parent and much harder, to 1%
+        limited = a.get("budget") is not None or a.get("boundary_limit") is not None
         try:
             sp = ilp.solve_level(lvl.problem, **a, time_limit=limit,  # type: ignore[arg-type]
-                                 mip_rel_gap=max(st.mip_rel_gap, 1e-3))
+                                 mip_rel_gap=max(st.mip_rel_gap, 1e-2 if limited else 1e-3))
         except (ilp.LevelInfeasible, ilp.LevelNoSolution):
             return None
         return _make_option(ctx, block, lvl, sp)
