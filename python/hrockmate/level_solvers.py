@@ -39,7 +39,7 @@ logger = logging.getLogger("hrockmate")
 
 #: the solvers each kind of level accepts; the first is the default
 LEVEL_SOLVERS: dict[str, tuple[str, ...]] = {
-    "leaves": ("ilp", "twremat"),
+    "leaves": ("ilp", "twremat", "ilp+twremat"),
     "chains": ("ilp", "rotor"),
     "top": ("ilp", "rotor"),
 }

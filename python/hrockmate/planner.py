@@ -84,9 +84,17 @@ class BlockOption:
     # alive before the fragment; the backward one starts with the saved tensors
     fwd_peak: int
     bwd_peak: int
+    # the block's backward inputs the backward fragment reads (the parent must keep them)
+    bwd_reads: frozenset[int] = frozenset()
 
     def key(self) -> tuple[float, float, int, int, int]:
         return (self.fwd_time, self.bwd_time, self.saved_bytes, self.fwd_peak, self.bwd_peak)
+
+    def dominates(self, other: "BlockOption") -> bool:
+        """No worse in every cost and reads no more of the block's inputs, and not the same."""
+        return (all(a <= b for a, b in zip(self.key(), other.key()))
+                and self.bwd_reads <= other.bwd_reads
+                and (self.key(), self.bwd_reads) != (other.key(), other.bwd_reads))
 
 
 @dataclass
@@ -419,7 +427,7 @@ def _block_level(ctx: _Ctx, block: Block) -> _Level:
             # what each backward fragment reads from outside itself (it may recompute from
             # saved tensors instead of reading the block's forward inputs)
             mine = set(ins)
-            option_inputs = [frozenset(tensor_ids[x] for x in _fragment_reads(g, o.bwd) & mine)
+            option_inputs = [frozenset(tensor_ids[x] for x in o.bwd_reads & mine)
                              for o in u.child.options]
         nodes.append(
             ilp.LevelNode(
@@ -732,22 +740,17 @@ def _option_from_steps(ctx: _Ctx, block: Block, fwd: list[Step], bwd: list[Step]
     peak_b, _ = _fragment_peak(ctx, bwd, own, saved_state)
     t_f = sum(g.ops[i].time for k, i in fwd if k == "compute")
     t_b = sum(g.ops[i].time for k, i in bwd if k == "compute")
-    return BlockOption(fwd, bwd, saved, saved_state, t_f, t_b, saved_bytes, peak_f, peak_b)
+    reads = frozenset(_fragment_reads(g, bwd) & set(block.bwd_in))
+    return BlockOption(fwd, bwd, saved, saved_state, t_f, t_b, saved_bytes, peak_f, peak_b,
+                       reads)
 
 
 def _pareto_filter(options: list[BlockOption]) -> list[BlockOption]:
-    uniq: dict[tuple[float, float, int, int, int], BlockOption] = {}
+    uniq: dict[tuple[Any, ...], BlockOption] = {}
     for o in options:
-        uniq.setdefault(o.key(), o)
+        uniq.setdefault((o.key(), o.bwd_reads), o)
     opts = list(uniq.values())
-    keep = []
-    for o in opts:
-        dominated = any(
-            q is not o and all(a <= b for a, b in zip(q.key(), o.key())) and q.key() != o.key()
-            for q in opts
-        )
-        if not dominated:
-            keep.append(o)
+    keep = [o for o in opts if not any(q is not o and q.dominates(o) for q in opts)]
     return sorted(keep, key=lambda o: o.saved_bytes)
 
 
@@ -768,13 +771,15 @@ def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
     (fractions of what the fastest keeps, 0 = keep nothing); the lowest peak; and peaks in
     between the lowest and the fastest one. ``st.solvers`` may give leaves to TW-Remat and
     chains of children to Rotor (``hrockmate.level_solvers``); the ILP takes what they cannot."""
-    if st.solvers.get("leaves") == "twremat" and not block.children:
+    extra: list[BlockOption] = []
+    if st.solvers.get("leaves") in ("twremat", "ilp+twremat") and not block.children:
         from hrockmate import level_solvers
 
         found = level_solvers.twremat_leaf_options(ctx, block)
-        if found:
+        if found and st.solvers["leaves"] == "twremat":
             block.solver = "twremat"
             return found
+        extra = found or []
     if st.solvers.get("chains") == "rotor" and block.children:
         from hrockmate import level_solvers
 
@@ -822,7 +827,9 @@ def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
             o = attempt(budget=lo_peak + frac * (hi_peak - lo_peak), boundary_limit=None)
             if o is not None:
                 options.append(o)
-    return _pareto_filter(options)
+    if extra:
+        block.solver = "ilp+twremat"
+    return _pareto_filter(options + extra)
 
 
 def _internal_storages(ctx: _Ctx, block: Block) -> set[int]:
@@ -1346,15 +1353,14 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                     return alt, 0
             if h.root.children:
                 # the hierarchy's memory model is conservative; near its lowest budgets block
-                # checkpointing can be faster, and it costs little to check
-                try:
-                    ck = reference.solve_checkpoint(graph, budget, _simulate)
-                except reference.SolverInfeasible:
-                    return cand, 0
-                if (_simulate(graph, ck.steps, ck.forward_len)[1]
-                        < _simulate(graph, cand.steps, cand.forward_len)[1]):
-                    return _Candidate(ck.steps, ck.forward_len, False, {
-                        **stats_h, "fallback": "checkpoint", **ck.stats}), 0
+                # checkpointing, or Rotor on a chain-shaped graph, can be faster, and both cost
+                # little to check
+                best, best_time = cand, _simulate(graph, cand.steps, cand.forward_len)[1]
+                for alt in _cheap_alternatives(graph, budget, stats_h):
+                    alt_time = _simulate(graph, alt.steps, alt.forward_len)[1]
+                    if alt_time < best_time:
+                        best, best_time = alt, alt_time
+                return best, 0
             return cand, 0
         except ilp.LevelInfeasible:
             pass
@@ -1382,6 +1388,28 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
         logger.warning("%s found no schedule for '%s' within %d bytes; using %s", method,
                        graph.name, budget, cand.stats["fallback"])
     return cand, lowest
+
+
+def _cheap_alternatives(graph: Graph, budget: int, stats: dict[str, Any]) -> list[_Candidate]:
+    """Block checkpointing and whole-graph Rotor (when the graph is a chain) within the
+    budget, marked as fallbacks."""
+    from hrockmate.literature import NotAChainError
+
+    out = []
+    try:
+        ck = reference.solve_checkpoint(graph, budget, _simulate)
+        out.append(_Candidate(ck.steps, ck.forward_len, False,
+                              {**stats, "fallback": "checkpoint", **ck.stats}))
+    except reference.SolverInfeasible:
+        pass
+    try:
+        rotor, _ = _run_literature(graph, "rotor", budget)
+    except NotAChainError:
+        rotor = None
+    if rotor is not None:
+        rotor.stats = {**stats, "fallback": "rotor"}
+        out.append(rotor)
+    return out
 
 
 def _pick(spares: list[tuple[_Candidate, int, float]], budget: int, method: str, graph: Graph
