@@ -1127,7 +1127,7 @@ def solve_graph(
     progress: bool = True,
     hierarchy: Hierarchy | None = None,
     solvers: Mapping[str, str] | None = None,
-    exact_ops: int = 200,
+    exact_ops: int = 100,
 ) -> Plan:
     """Plan one training iteration given as a graph (IR JSON or a node-link file).
 
@@ -1138,9 +1138,8 @@ def solve_graph(
     fastest of TW-Remat's recursion depths that fits), ``"rotor"`` (Rotor's dynamic program;
     the graph must split into a chain of stages), ``"recompute-all"`` or ``"store-all"``. ``time_limit`` (seconds) bounds the top-level MILP: when it runs out
     the best plan found is returned with a warning and ``plan.stats["optimal"] = False``.
-    Graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose hierarchy finds no plan
-    of its own (it would fall back to a low-memory schedule) are also tried at the op level,
-    for at most 60 s. ``solvers`` (method ``"hrockmate"``) picks the solver of each kind of level:
+    Graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose hierarchy plan is
+    beaten by a fallback (or that have none) are also tried at the op level, for at most 60 s. ``solvers`` (method ``"hrockmate"``) picks the solver of each kind of level:
     ``{"leaves": "ilp" | "twremat", "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
     (missing keys: ``"ilp"``). Rotor takes a level only when its children form a chain and
     TW-Remat a leaf only when it can schedule it; the ILP solves the others.
@@ -1190,8 +1189,8 @@ def solve_graph(
     cand, lowest = _run_method(graph, method, budget_bytes, hierarchy, kw)
     if (method == "hrockmate" and flat_ops < graph.num_ops <= exact_ops
             and (cand is None or cand.stats.get("fallback"))):
-        # the hierarchy found nothing of its own: on a graph this small the op-level MILP
-        # often can, within a short limit
+        # the hierarchy's own plan lost to a fallback or there is none: on a graph this small
+        # the op-level MILP often does better, within a short limit
         logger.info("the hierarchy of '%s' fell back; trying the op-level MILP", graph.name)
         # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
         # fallbacks are already known)
@@ -1392,14 +1391,15 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
 
 def _cheap_alternatives(graph: Graph, budget: int, stats: dict[str, Any]) -> list[_Candidate]:
     """Block checkpointing and whole-graph Rotor (when the graph is a chain) within the
-    budget, marked as fallbacks."""
+    budget, marked as fallbacks that compete with a plan the hierarchy did find."""
     from hrockmate.literature import NotAChainError
 
     out = []
     try:
         ck = reference.solve_checkpoint(graph, budget, _simulate)
         out.append(_Candidate(ck.steps, ck.forward_len, False,
-                              {**stats, "fallback": "checkpoint", **ck.stats}))
+                              {**stats, "fallback": "checkpoint", **ck.stats,
+                               "beats_hierarchy_plan": True}))
     except reference.SolverInfeasible:
         pass
     try:
@@ -1407,7 +1407,7 @@ def _cheap_alternatives(graph: Graph, budget: int, stats: dict[str, Any]) -> lis
     except NotAChainError:
         rotor = None
     if rotor is not None:
-        rotor.stats = {**stats, "fallback": "rotor"}
+        rotor.stats = {**stats, "fallback": "rotor", "beats_hierarchy_plan": True}
         out.append(rotor)
     return out
 
