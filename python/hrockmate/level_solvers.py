@@ -30,6 +30,7 @@ from hrockmate.planner import (
     Block,
     BlockOption,
     Step,
+    _alive_after,
     _Ctx,
     _option_from_steps,
     _pareto_filter,
@@ -150,16 +151,6 @@ def twremat_leaf_options(ctx: _Ctx, block: Block) -> list[BlockOption] | None:
                 and g.tensors[x].role in FREEABLE_ROLES]
         options.append(_option_from_steps(ctx, block, fwd, bwd, saved))
     return _pareto_filter(options) if options else None
-
-
-def _alive_after(g: Graph, steps: list[Step]) -> set[int]:
-    alive: set[int] = set()
-    for kind, i in steps:
-        if kind == "compute":
-            alive.update(g.ops[i].outputs)
-        else:
-            alive.discard(i)
-    return alive
 
 
 # ---------------------------------------------------------------------------------------------
