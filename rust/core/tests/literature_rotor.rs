@@ -142,26 +142,7 @@ proptest! {
 
     #[test]
     fn dp_matches_exhaustive_search_on_tiny_chains(chain in chain_strategy(4), extra in 0u64..25) {
-        let min = min_memory(&chain);
-        let limit = min.saturating_sub(3) + extra;
-        let brute = brute_force(&chain, limit);
-        // One byte per slot: no rounding, so the program is exact.
-        match solve(&chain, limit, limit.max(1) as usize) {
-            Ok(sol) => {
-                let (peak, time) = peak_of(&chain, &sol.ops).unwrap();
-                prop_assert!(peak <= limit, "peak {} over limit {}", peak, limit);
-                prop_assert_eq!(peak, sol.peak_bytes);
-                prop_assert_eq!(Some(time as u64), brute, "limit {} ops {:?}", limit, sol.ops);
-            }
-            Err(LiteratureError::Infeasible { min_bytes, .. }) => {
-                prop_assert_eq!(brute, None, "the program found nothing within {} but a sequence exists", limit);
-                prop_assert_eq!(min_bytes, min);
-                prop_assert!(limit < min);
-            }
-            Err(e) => prop_assert!(false, "{}", e),
-        }
-        // The reported minimum is feasible.
-        prop_assert!(brute_force(&chain, min).is_some());
+        matches_exhaustive_search(&chain, extra)?;
     }
 
     #[test]
@@ -250,30 +231,40 @@ fn check_options(chain: &Chain, ops: &[ChainOp]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The program at a limit near the chain's minimum, with one byte per slot (no rounding, so it
+/// is exact), against exhaustive search: same time or both infeasible, a valid peak within the
+/// limit, consistent option choices, and a feasible reported minimum.
+fn matches_exhaustive_search(chain: &Chain, extra: u64) -> Result<(), TestCaseError> {
+    let min = min_memory(chain);
+    let limit = min.saturating_sub(3) + extra;
+    let brute = brute_force(chain, limit);
+    match solve(chain, limit, limit.max(1) as usize) {
+        Ok(sol) => {
+            let (peak, time) = peak_of(chain, &sol.ops).unwrap();
+            prop_assert!(peak <= limit, "peak {} over limit {}", peak, limit);
+            prop_assert_eq!(peak, sol.peak_bytes);
+            prop_assert_eq!(Some(time as u64), brute, "limit {} ops {:?}", limit, sol.ops);
+            check_options(chain, &sol.ops)?;
+        }
+        Err(LiteratureError::Infeasible { min_bytes, .. }) => {
+            prop_assert_eq!(brute, None, "the program found nothing within {} but a sequence exists", limit);
+            prop_assert_eq!(min_bytes, min);
+            prop_assert!(limit < min);
+        }
+        Err(e) => prop_assert!(false, "{}", e),
+    }
+    // The reported minimum is feasible.
+    prop_assert!(brute_force(chain, min).is_some());
+    Ok(())
+}
+
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
     #[test]
     fn options_dp_matches_exhaustive_search_on_tiny_chains(chain in options_chain_strategy(3, 2, 2), extra in 0u64..25) {
-        let min = min_memory(&chain);
-        let limit = min.saturating_sub(3) + extra;
-        let brute = brute_force(&chain, limit);
-        match solve(&chain, limit, limit.max(1) as usize) {
-            Ok(sol) => {
-                let (peak, time) = peak_of(&chain, &sol.ops).unwrap();
-                prop_assert!(peak <= limit, "peak {} over limit {}", peak, limit);
-                prop_assert_eq!(peak, sol.peak_bytes);
-                prop_assert_eq!(Some(time as u64), brute, "limit {} ops {:?}", limit, sol.ops);
-                check_options(&chain, &sol.ops)?;
-            }
-            Err(LiteratureError::Infeasible { min_bytes, .. }) => {
-                prop_assert_eq!(brute, None, "the program found nothing within {} but a sequence exists", limit);
-                prop_assert_eq!(min_bytes, min);
-                prop_assert!(limit < min);
-            }
-            Err(e) => prop_assert!(false, "{}", e),
-        }
-        prop_assert!(brute_force(&chain, min).is_some());
+        matches_exhaustive_search(&chain, extra)?;
     }
 
     #[test]
