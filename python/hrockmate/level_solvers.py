@@ -27,11 +27,13 @@ from hrockmate import literature
 from hrockmate.graph import PREEXISTING_ROLES, Graph, GraphError, Op, Tensor
 from hrockmate.plan import InfeasibleBudget
 from hrockmate.planner import (
+    FREEABLE_ROLES,
     Block,
     BlockOption,
     Step,
     _alive_after,
     _Ctx,
+    _leftover_frees,
     _option_from_steps,
     _pareto_filter,
 )
@@ -44,8 +46,6 @@ LEVEL_SOLVERS: dict[str, tuple[str, ...]] = {
     "chains": ("ilp", "rotor"),
     "top": ("ilp", "rotor"),
 }
-
-FREEABLE_ROLES = frozenset({"activation", "param_grad", "input_grad", "buffer_update"})
 
 
 def check_solvers(solvers: Mapping[str, str] | None) -> dict[str, str]:
@@ -145,10 +145,7 @@ def twremat_leaf_options(ctx: _Ctx, block: Block) -> list[BlockOption] | None:
         fwd, bwd = steps[:fl], steps[fl:]
         made = _alive_after(ctx.graph, fwd)
         saved = frozenset(x for x in made if x not in interface)
-        # a backward fragment leaves nothing of its own behind
-        left = _alive_after(g, fwd + bwd)
-        bwd += [("free", x) for x in sorted(left) if x not in interface
-                and g.tensors[x].role in FREEABLE_ROLES]
+        bwd += _leftover_frees(g, fwd + bwd, interface)
         options.append(_option_from_steps(ctx, block, fwd, bwd, saved))
     return _pareto_filter(options) if options else None
 
@@ -300,9 +297,7 @@ def expand_chain(ctx: _Ctx, block: Block, chain: ChainLevel,
         fwd, out = out, []
     bwd = out
     if not block.is_root:
-        left = _alive_after(g, fwd + bwd)
-        bwd = bwd + [("free", x) for x in sorted(left) if x not in interface
-                     and g.tensors[x].role in FREEABLE_ROLES]
+        bwd = bwd + _leftover_frees(g, fwd + bwd, interface)
     return fwd, bwd
 
 

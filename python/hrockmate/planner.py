@@ -626,10 +626,18 @@ def _expand(ctx: _Ctx, block: Block, lvl: _Level, sp: ilp.StagePlan
     saved = frozenset(x for x in _alive_after(g, fwd_steps) if x not in interface)
     bwd_steps = out
     if block.bwd_ops and not block.is_root:
-        # a backward fragment leaves nothing of its own behind
-        left = _alive_after(g, fwd_steps + bwd_steps)
-        bwd_steps = bwd_steps + [("free", x) for x in sorted(left) if x not in interface]
+        bwd_steps = bwd_steps + _leftover_frees(g, fwd_steps + bwd_steps, interface)
     return fwd_steps, bwd_steps, saved
+
+
+FREEABLE_ROLES = frozenset({"activation", "param_grad", "input_grad", "buffer_update"})
+
+
+def _leftover_frees(g: Graph, steps: list[Step], interface: set[int]) -> list[Step]:
+    """Frees that close a block's backward fragment: it leaves nothing of its own behind but
+    its interface tensors, which are the parent's to free."""
+    return [("free", x) for x in sorted(_alive_after(g, steps))
+            if x not in interface and g.tensors[x].role in FREEABLE_ROLES]
 
 
 def _alive_after(g: Graph, steps: list[Step]) -> set[int]:
