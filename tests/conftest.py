@@ -15,18 +15,37 @@ settings.load_profile(os.environ.get("HROCKMATE_HYPOTHESIS_PROFILE", "default"))
 REPO = Path(__file__).resolve().parents[1]
 
 
-def shared_graphs_dir() -> Path:
-    """The third-party training graphs (networkx node-link JSON) that sit beside the repository.
+# The repository's own graphs (tests/data/make_graphs.py writes them): every core test uses these.
+DATA_GRAPHS = REPO / "tests" / "data" / "graphs"
 
-    Override with HROCKMATE_GRAPHS_DIR. They are test data, never copied into the repository.
-    """
+
+def third_party_graphs_dir() -> Path:
+    """Optional extra test data: third-party training graphs (networkx node-link JSON), e.g.
+    the Checkmate graphs, in the folder named by HROCKMATE_GRAPHS_DIR (default: a
+    ``shared/data/graphs`` folder beside the repository). Never copied into the repository."""
     env = os.environ.get("HROCKMATE_GRAPHS_DIR")
     return Path(env) if env else REPO.parent / "shared" / "data" / "graphs"
 
 
 @pytest.fixture(scope="session")
+def data_graphs() -> Path:
+    assert DATA_GRAPHS.is_dir(), f"{DATA_GRAPHS} is missing: run tests/data/make_graphs.py"
+    return DATA_GRAPHS
+
+
+@pytest.fixture(scope="session")
 def graphs_dir() -> Path:
-    d = shared_graphs_dir()
-    if not d.is_dir():
-        pytest.fail(f"third-party graphs not found at {d}; set HROCKMATE_GRAPHS_DIR")
+    """The third-party graphs; tests that use them skip, saying why, when they are absent."""
+    d = third_party_graphs_dir()
+    if not d.is_dir() or not any(d.glob("*.json")):
+        pytest.skip(f"third-party graphs not found at {d} (optional: set HROCKMATE_GRAPHS_DIR)")
     return d
+
+
+def corpus_files() -> list[Path]:
+    """The repository's graphs, then the third-party ones when they are present."""
+    files = sorted(DATA_GRAPHS.glob("*.json"))
+    extra = third_party_graphs_dir()
+    if extra.is_dir():
+        files += sorted(extra.glob("*.json"))
+    return files

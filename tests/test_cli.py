@@ -35,10 +35,10 @@ def test_bench_help_names_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in text
 
 
-def test_solve_a_shared_graph(graphs_dir: Path, tmp_path: Path,
+def test_solve_a_shared_graph(data_graphs: Path, tmp_path: Path,
                               capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    rc = main(["solve", str(graphs_dir / "vgg16_train.json"), "--budget", "0.9",
+    rc = main(["solve", str(data_graphs / "vgg_like_train.json"), "--budget", "0.9",
                "--time-limit", "30", "-o", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -65,15 +65,15 @@ def test_bad_graph_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "no_such_graph.json" in line
 
 
-def test_bad_budget(graphs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    line = _one_line_error(capsys, ["solve", str(graphs_dir / "vgg16_train.json"),
+def test_bad_budget(data_graphs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line_error(capsys, ["solve", str(data_graphs / "vgg_like_train.json"),
                                     "--budget", "lots"])
     assert "lots" in line and "budget" in line
 
 
-def test_budget_below_the_minimum_states_it(graphs_dir: Path,
+def test_budget_below_the_minimum_states_it(data_graphs: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    line = _one_line_error(capsys, ["solve", str(graphs_dir / "vgg16_train.json"),
+    line = _one_line_error(capsys, ["solve", str(data_graphs / "vgg_like_train.json"),
                                     "--budget", "1000", "--time-limit", "30"])
     assert "smallest feasible peak" in line
 
@@ -109,18 +109,19 @@ def test_parser_is_built_without_importing_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_solve_with_solvers_per_level(graphs_dir: Path, tmp_path: Path,
+def test_solve_with_solvers_per_level(data_graphs: Path, tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    rc = main(["solve", str(graphs_dir / "resnet50_train.json"), "--budget", "0.5",
+    rc = main(["solve", str(data_graphs / "resnet_like_train.json"), "--budget", "0.5",
                "--solvers", "top=rotor", "-o", str(out)])
     assert rc == 0
     plan = json.loads(out.read_text())
     assert plan["stats"]["solvers"]["top"] == "rotor"
     assert plan["peak_bytes"] <= plan["budget_bytes"]
-    line = _one_line_error(capsys, ["solve", str(graphs_dir / "vgg16_train.json"),
+    capsys.readouterr()  # the solve's progress bar
+    line = _one_line_error(capsys, ["solve", str(data_graphs / "vgg_like_train.json"),
                                     "--budget", "0.9", "--solvers", "chains"])
     assert "LEVEL=SOLVER" in line
-    line = _one_line_error(capsys, ["solve", str(graphs_dir / "vgg16_train.json"),
+    line = _one_line_error(capsys, ["solve", str(data_graphs / "vgg_like_train.json"),
                                     "--budget", "0.9", "--solvers", "chains=magic"])
     assert "magic" in line and "rotor" in line

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import corpus_files
+
 from hrockmate import _native
 from hrockmate.graph import ROLE_CODE, Graph, Op, Tensor
 from hrockmate.hierarchy import Hierarchy, HierarchyError, build_hierarchy, simplify
@@ -130,9 +132,9 @@ def test_identical_layers_share_options() -> None:
         h.correspondence(g, rep.id, other.id)
 
 
-def test_real_graphs(graphs_dir: Path) -> None:
-    files = sorted(graphs_dir.glob("*.json"))
-    assert files, f"no graphs in {graphs_dir}"
+def test_real_graphs() -> None:
+    files = corpus_files()
+    assert len(files) >= 9
     for f in files:
         g = Graph.load(f)
         for partitioner in ("bottom_up", "topo_interval"):
@@ -142,8 +144,8 @@ def test_real_graphs(graphs_dir: Path) -> None:
             assert all(h.exact[c.id] for c in h.leaves()), f"{f.name}: leaves of <= 20 ops are exact"
 
 
-def test_partition_only_is_fast_and_has_no_options(graphs_dir: Path) -> None:
-    g = Graph.load(graphs_dir / "resnet50_train.json")
+def test_partition_only_is_fast_and_has_no_options(data_graphs: Path) -> None:
+    g = Graph.load(data_graphs / "resnet_like_train.json")
     h = build_hierarchy(g, options=False)
     assert all(not o for o in h.options)
     assert h.summary()["leaves"] >= 2

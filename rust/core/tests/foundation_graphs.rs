@@ -1,54 +1,31 @@
-//! The third-party training graphs: all parse, validate, and both reference schedules are
-//! valid with the expected memory/time relation.
+//! The node-link test graphs (the repository's, and third-party ones when present): all parse,
+//! validate, and both reference schedules are valid with the expected memory/time relation.
 
-use std::path::PathBuf;
+mod common;
 
 use hrockmate_core::graph::{Phase, Role};
 use hrockmate_core::io::{graph_to_json, parse_graph_json};
 use hrockmate_core::schedules::{recompute_all, store_all};
 use hrockmate_core::simulate::simulate;
 
-fn graphs_dir() -> PathBuf {
-    let dir = match std::env::var("HROCKMATE_GRAPHS_DIR") {
-        Ok(d) => PathBuf::from(d),
-        Err(_) => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/graphs"),
-    };
-    assert!(
-        dir.is_dir(),
-        "third-party graphs not found at {}; set HROCKMATE_GRAPHS_DIR to the folder of node-link JSON files",
-        dir.display()
-    );
-    dir
-}
-
-fn graph_files() -> Vec<PathBuf> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(graphs_dir())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "json"))
-        .collect();
-    files.sort();
-    assert_eq!(
-        files.len(),
-        9,
-        "expected the 9 third-party graph files, found {files:?}"
-    );
-    files
-}
-
 #[test]
-fn every_third_party_graph_reads_and_round_trips() {
-    for path in graph_files() {
+fn every_node_link_graph_reads_and_round_trips() {
+    for path in common::corpus_files() {
         let text = std::fs::read_to_string(&path).unwrap();
         let g = parse_graph_json(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let name = path.file_name().unwrap().to_string_lossy().to_string();
         assert_eq!(g.time_unit, "units", "{name}");
         assert!(g.num_ops() >= 45, "{name}: {} ops", g.num_ops());
+        let oplog = name.ends_with("_oplog.json");
         let again = parse_graph_json(&graph_to_json(&g)).unwrap();
         assert_eq!(again, g, "{name}: IR JSON round trip changed the graph");
         if name.starts_with("random_layered") {
             assert!(g.ops.iter().all(|o| o.phase == Phase::Forward), "{name}");
             assert!(g.tensors.iter().any(|t| t.role == Role::Output), "{name}");
+        } else if oplog {
+            // Operator logs carry no forward/backward pairing, only the phase flags.
+            assert!(g.ops.iter().all(|o| o.differentiates.is_none()), "{name}");
+            assert!(g.ops.iter().any(|o| o.phase == Phase::Backward), "{name}");
         } else {
             let loss = g.ops.iter().find(|o| o.name == "Loss").expect("Loss node");
             assert_eq!(loss.phase, Phase::Backward);
@@ -75,8 +52,8 @@ fn every_third_party_graph_reads_and_round_trips() {
 }
 
 #[test]
-fn reference_schedules_on_third_party_graphs() {
-    for path in graph_files() {
+fn reference_schedules_on_node_link_graphs() {
+    for path in common::corpus_files() {
         let name = path.file_name().unwrap().to_string_lossy().to_string();
         let g = parse_graph_json(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let sa = simulate(&g, &store_all(&g)).unwrap_or_else(|e| panic!("{name}: store_all: {e}"));

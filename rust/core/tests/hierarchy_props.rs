@@ -1,5 +1,7 @@
 //! Property tests of partitioning and leaf options on random training graphs.
 
+mod common;
+
 use std::sync::atomic::AtomicBool;
 
 use hrockmate_core::graph::{Graph, Phase};
@@ -167,25 +169,9 @@ proptest! {
     }
 }
 
-/// The third-party graphs beside the repository (HROCKMATE_GRAPHS_DIR overrides).
+/// The repository's node-link graphs, plus the third-party ones when present.
 fn real_graphs() -> Vec<(String, Graph)> {
-    let dir = std::env::var("HROCKMATE_GRAPHS_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/graphs"));
-    let entries = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("third-party graphs not found at {} ({e}); set HROCKMATE_GRAPHS_DIR", dir.display()));
-    let mut out: Vec<(String, Graph)> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .map(|p| {
-            let text = std::fs::read_to_string(&p).unwrap();
-            let g = hrockmate_core::io::parse_graph_json(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-            (p.file_name().unwrap().to_string_lossy().into_owned(), g)
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    assert!(!out.is_empty(), "no graphs in {}", dir.display());
-    out
+    common::corpus_files().iter().map(|p| (common::file_name(p), common::load(p))).collect()
 }
 
 #[test]

@@ -2,10 +2,9 @@
 //! and random training graphs. Every schedule is valid under the simulator and its peak is
 //! within the budget.
 
-use std::path::PathBuf;
+mod common;
 
 use hrockmate_core::graph::Graph;
-use hrockmate_core::io::parse_graph_json;
 use hrockmate_core::literature::chain::{is_chain, rotor, ChainStructure};
 use hrockmate_core::literature::LiteratureError;
 use hrockmate_core::partition::synthetic;
@@ -13,14 +12,6 @@ use hrockmate_core::schedules::store_all;
 use hrockmate_core::simulate::simulate;
 use hrockmate_core::testgen::{random_training_graph, GenParams};
 use proptest::prelude::*;
-
-fn load(name: &str) -> Graph {
-    let dir = match std::env::var("HROCKMATE_GRAPHS_DIR") {
-        Ok(d) => PathBuf::from(d),
-        Err(_) => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/graphs"),
-    };
-    parse_graph_json(&std::fs::read_to_string(dir.join(name)).unwrap()).unwrap()
-}
 
 /// Rotor at a range of budgets between its minimum and store-all: valid, within budget, and
 /// never slower with more memory.
@@ -51,12 +42,17 @@ fn sweep(g: &Graph, label: &str, budgets: u64, slots: usize) -> Vec<(u64, u64, f
 }
 
 #[test]
-fn checkmate_vgg_graphs_are_chains_and_rotor_saves_memory() {
-    for name in ["vgg16_train.json", "vgg19_train.json"] {
-        let g = load(name);
+fn vgg_chains_are_chains_and_rotor_saves_memory() {
+    let mut graphs = vec![("vgg_like_train.json".to_string(), common::load_repo("vgg_like_train.json"))];
+    if let Some(dir) = common::third_party_graphs_dir() {
+        for name in ["vgg16_train.json", "vgg19_train.json"] {
+            graphs.push((name.to_string(), common::load(&dir.join(name))));
+        }
+    }
+    for (name, g) in graphs {
         let cs = ChainStructure::detect(&g).unwrap();
         assert!(cs.len() >= 15, "{name}: only {} stages", cs.len());
-        let points = sweep(&g, name, 4, 200);
+        let points = sweep(&g, &name, 4, 200);
         let store = simulate(&g, &store_all(&g)).unwrap();
         let (_, peak, time) = points[0];
         eprintln!("{name}: {} stages, lowest rotor peak {:.3} of store-all at {:.3}x time", cs.len(),
@@ -80,9 +76,13 @@ fn checkmate_vgg_graphs_are_chains_and_rotor_saves_memory() {
 }
 
 #[test]
-fn every_third_party_training_graph_gets_a_structure_or_a_clear_error() {
-    for name in ["fcn_8_vgg_train.json", "mobilenet_train.json", "resnet50_train.json", "segnet_train.json", "vgg_unet_train.json"] {
-        let g = load(name);
+fn every_training_graph_gets_a_structure_or_a_clear_error() {
+    for path in common::corpus_files() {
+        let name = common::file_name(&path);
+        let g = common::load(&path);
+        if !g.ops.iter().any(|o| o.phase == hrockmate_core::graph::Phase::Backward) {
+            continue; // forward-only graphs have no training chain
+        }
         match ChainStructure::detect(&g) {
             Ok(cs) => {
                 eprintln!("{name}: {} stages", cs.len());

@@ -2,7 +2,7 @@
 //! valid under the simulator, depth limit 0 is store-all, and deeper recursion trades memory
 //! for recomputation.
 
-use std::path::PathBuf;
+mod common;
 
 use hrockmate_core::graph::Phase;
 use hrockmate_core::io::parse_graph_json;
@@ -12,13 +12,6 @@ use hrockmate_core::schedules::store_all;
 use hrockmate_core::simulate::simulate;
 use hrockmate_core::testgen::{random_training_graph, GenParams};
 use proptest::prelude::*;
-
-fn graphs_dir() -> PathBuf {
-    match std::env::var("HROCKMATE_GRAPHS_DIR") {
-        Ok(d) => PathBuf::from(d),
-        Err(_) => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/graphs"),
-    }
-}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
@@ -78,16 +71,8 @@ fn long_chain_memory_drops_with_depth_and_full_recursion_is_logarithmic() {
 }
 
 #[test]
-fn third_party_graphs_get_several_valid_points() {
-    let dir = graphs_dir();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("graphs folder {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "json"))
-        .collect();
-    files.sort();
-    assert_eq!(files.len(), 9);
-    for path in files {
+fn node_link_graphs_get_several_valid_points() {
+    for path in common::corpus_files() {
         let g = parse_graph_json(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let points = twremat_points(&g, None).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let store = simulate(&g, &store_all(&g)).unwrap();
