@@ -7,7 +7,11 @@
 - :func:`rotor_chain`: the same program on a chain described directly (:class:`ChainStage`),
   each stage with one or more ways (:class:`StateOption`) to keep what its backward needs.
 
-Every returned schedule has been checked by the simulator. See docs/literature-solvers.md.
+Every returned schedule has been checked by the simulator. ``time_limit`` (seconds) bounds each
+call (``hrockmate._native.TimeLimitError``, a TimeoutError, when it runs out), Ctrl-C stops it,
+and Rotor's tables stay within ``max_table_bytes``
+(``hrockmate._native.TooLargeError``, a MemoryError, when even the fewest useful memory slots
+do not fit). See docs/literature-solvers.md.
 """
 
 from __future__ import annotations
@@ -59,38 +63,52 @@ def _sim(d: dict[str, Any]) -> SimulationResult:
     return SimulationResult.from_native(d)
 
 
+def _check_time_limit(time_limit: float | None) -> float | None:
+    if time_limit is None:
+        return None
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not (
+        math.isfinite(time_limit) and time_limit >= 0
+    ):
+        raise ValueError(f"time_limit must be None or a number of seconds >= 0, got {time_limit!r}")
+    return float(time_limit)
+
+
 def _native_call(fn: Callable[..., Any], graph: Graph, requested_bytes: int = 0, **extra: Any) -> Any:
-    """Call a native solver, turning its (kind, message, min_bytes) errors into exceptions."""
+    """Call a native solver, turning its errors into this module's exceptions (TimeLimitError,
+    TooLargeError and KeyboardInterrupt pass through)."""
+    from hrockmate import _native
+
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a hrockmate.Graph, got {type(graph).__name__}")
     arrays = graph.to_arrays()
     try:
         return fn(**extra, **arrays)
-    except ValueError as exc:
-        if len(exc.args) != 3:
-            raise GraphError(str(exc)) from None
-        kind, message, min_bytes = exc.args
-    if kind in ("invalid_graph", "not_a_chain"):
-        # Once more with names, so that the message names the op or tensor at fault (names
-        # cost a list per call, so they are sent only when needed).
-        try:
-            fn(**extra, **arrays, tensor_names=[t.name for t in graph.tensors],
-               op_names=[o.name for o in graph.ops])
-        except ValueError as again:
-            message = again.args[1] if len(again.args) == 3 else str(again)
-    if kind == "invalid_graph":
-        raise GraphError(message)
-    if kind == "not_a_chain":
-        raise NotAChainError(message)
-    if kind == "infeasible":
-        raise InfeasibleBudget(requested_bytes, int(min_bytes), graph.name)
-    if kind == "invalid_argument":
-        raise ValueError(message)
-    raise LiteratureSolverError(message)
+    except (_native.InvalidGraphError, _native.NotAChainError) as exc:
+        failed: ValueError = exc
+    except _native.InfeasibleError as exc:
+        raise InfeasibleBudget(requested_bytes, exc.min_bytes, graph.name) from None
+    except _native.InvalidArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    except _native.InternalError as exc:
+        raise LiteratureSolverError(str(exc)) from None
+    # Once more with names, so that the message names the op or tensor at fault (names cost a
+    # list per call, so they are sent only when needed).
+    try:
+        fn(**extra, **arrays, tensor_names=[t.name for t in graph.tensors],
+           op_names=[o.name for o in graph.ops])
+    except (_native.InvalidGraphError, _native.NotAChainError) as again:
+        failed = again
+    if isinstance(failed, _native.NotAChainError):
+        raise NotAChainError(str(failed)) from None
+    raise GraphError(str(failed)) from None
 
 
 def twremat(
-    graph: Graph, depth_limit: int | None = None, *, max_steps: int | None = None
+    graph: Graph,
+    depth_limit: int | None = None,
+    *,
+    max_steps: int | None = None,
+    time_limit: float | None = None,
 ) -> list[TwRematPoint]:
     """TW-Remat schedules of ``graph``.
 
@@ -100,6 +118,7 @@ def twremat(
     per op). With an int, that single point (values above the recursion height act as the
     full recursion; exceeding an explicit ``max_steps`` raises ValueError). Points are not
     filtered: a deeper limit usually lowers the peak but is not guaranteed to.
+    ``time_limit`` (seconds) bounds the whole call (``TimeLimitError`` when it runs out).
     """
     from hrockmate import _native
 
@@ -112,20 +131,34 @@ def twremat(
     ):
         raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}")
     limits = None if depth_limit is None else [depth_limit]
-    raw = _native_call(_native.twremat, graph, depth_limits=limits, max_steps=max_steps)
+    raw = _native_call(_native.twremat, graph, depth_limits=limits, max_steps=max_steps,
+                       time_limit=_check_time_limit(time_limit))
     return [
         TwRematPoint(int(d), Schedule.from_arrays(kind, ids, fl), _sim(sim))
         for d, kind, ids, fl, sim in raw
     ]
 
 
-def rotor(graph: Graph, budget_bytes: int, *, slots: int = 500) -> tuple[Schedule, SimulationResult]:
+DEFAULT_MAX_TABLE_BYTES = 2**30
+
+
+def rotor(
+    graph: Graph,
+    budget_bytes: int,
+    *,
+    slots: int = 500,
+    time_limit: float | None = None,
+    max_table_bytes: int = DEFAULT_MAX_TABLE_BYTES,
+) -> tuple[Schedule, SimulationResult]:
     """The fastest Rotor schedule of a chain-structured ``graph`` whose simulated peak is at
     most ``budget_bytes``.
 
     Memory is discretised into ``slots`` slots (more: closer to optimal, slower; the program
-    costs O(stages^3 * slots)). Raises NotAChainError for graphs without chain structure and
-    InfeasibleBudget (with ``min_bytes``) when the budget is too small.
+    costs O(stages^3 * slots) time and stages^2 * slots * 6 bytes of tables). The slots are
+    reduced so that the tables fit ``max_table_bytes``; when even 16 slots do not fit,
+    ``TooLargeError`` names the stage count and the bytes needed. ``time_limit`` (seconds)
+    bounds the call (``TimeLimitError``). Raises NotAChainError for graphs without chain
+    structure and InfeasibleBudget (with ``min_bytes``) when the budget is too small.
     """
     from hrockmate import _native
 
@@ -134,7 +167,9 @@ def rotor(graph: Graph, budget_bytes: int, *, slots: int = 500) -> tuple[Schedul
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots must be an int >= 1, got {slots!r}")
     kind, ids, fl, sim = _native_call(
-        _native.rotor, graph, budget_bytes, budget_bytes=budget_bytes, slots=slots
+        _native.rotor, graph, budget_bytes, budget_bytes=budget_bytes, slots=slots,
+        time_limit=_check_time_limit(time_limit),
+        max_table_bytes=_nonneg_int(max_table_bytes, "max_table_bytes"),
     )
     return Schedule.from_arrays(kind, ids, fl), _sim(sim)
 
@@ -196,6 +231,7 @@ class ChainPlan:
     ops: list[tuple[str, int, int]]
     time: float
     peak_bytes: int
+    slots: int = 0  # the memory slots the program ran with (fewer than asked if reduced to fit)
 
 
 _OP_KINDS = ("forward", "forward_all", "backward", "free")
@@ -233,6 +269,8 @@ def rotor_chain(
     input_bytes: int = 0,
     final_grad_bytes: int = 0,
     slots: int = 500,
+    time_limit: float | None = None,
+    max_table_bytes: int = DEFAULT_MAX_TABLE_BYTES,
 ) -> ChainPlan:
     """The fastest Rotor sequence for a chain of ``stages`` whose peak, in the chain model, is
     at most ``limit_bytes``; for each full state it keeps, the program also picks the stage's
@@ -242,7 +280,8 @@ def rotor_chain(
     given to the last stage. Memory is discretised into ``slots`` slots (refined when rounding
     alone loses a limit the exact model meets). Raises ``hrockmate.plan.InfeasibleBudget``
     (with ``min_bytes``, the exact smallest limit the program can meet) when the limit is too
-    small, and ValueError naming the field at fault for bad input.
+    small, and ValueError naming the field at fault for bad input. ``time_limit`` and
+    ``max_table_bytes`` bound the program as in :func:`rotor`.
     """
     from hrockmate import _native
 
@@ -251,6 +290,8 @@ def rotor_chain(
     g_last = _nonneg_int(final_grad_bytes, "final_grad_bytes")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+    seconds = _check_time_limit(time_limit)
+    table_limit = _nonneg_int(max_table_bytes, "max_table_bytes")
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
         raise ValueError(f"stages must be a list of ChainStage, got {type(stages).__name__}")
     fwd_time, out_bytes, grad_bytes, fwd_overhead = [], [], [], []
@@ -290,19 +331,17 @@ def rotor_chain(
             f64(fwd_time), u64(out_bytes), u64(grad_bytes), u64(fwd_overhead),
             np.array(ptr, dtype=np.int64),
             f64(o_fwd), u64(o_state), u64(o_fo), f64(o_bwd), u64(o_bo),
-            limit, slots,
+            limit, slots, time_limit=seconds, max_table_bytes=table_limit,
         )
-    except ValueError as exc:
-        if len(exc.args) != 3:
-            raise
-        kind, message, min_bytes = exc.args
-        if kind == "infeasible":
-            raise InfeasibleBudget(limit, int(min_bytes)) from None
-        if kind == "invalid_argument":
-            raise ValueError(message) from None
-        raise LiteratureSolverError(message) from None
+    except _native.InfeasibleError as exc:
+        raise InfeasibleBudget(limit, exc.min_bytes) from None
+    except _native.InvalidArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    except _native.InternalError as exc:
+        raise LiteratureSolverError(str(exc)) from None
     ops = [
         (_OP_KINDS[int(kd)], int(k), int(o))
         for kd, k, o in zip(raw["op_kind"], raw["op_stage"], raw["op_option"])
     ]
-    return ChainPlan(ops=ops, time=float(raw["time"]), peak_bytes=int(raw["peak_bytes"]))
+    return ChainPlan(ops=ops, time=float(raw["time"]), peak_bytes=int(raw["peak_bytes"]),
+                     slots=int(raw["slots"]))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time as _time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1193,7 +1194,8 @@ def solve_graph(
 
     kw = dict(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
               leaf_size=leaf_size, group_size=group_size, top_size=top_size,
-              sub_time_limit=sub_time_limit, progress=progress, solvers=chosen)
+              sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
+              deadline=None if time_limit is None else t0 + time_limit)
     cand, lowest = _run_method(graph, method, budget_bytes, hierarchy, kw)
     if (method == "hrockmate" and flat_ops < graph.num_ops <= exact_ops
             and (cand is None or cand.stats.get("fallback"))):
@@ -1226,39 +1228,54 @@ def solve_graph(
     return plan
 
 
-def _run_literature(graph: Graph, method: str, budget: int) -> tuple[_Candidate | None, int]:
-    """TW-Remat or Rotor on the whole graph (hrockmate.literature): the candidate, or (None,
-    the lowest peak the method reaches)."""
+def _time_left(kw: Mapping[str, Any]) -> float | None:
+    """Seconds left of the solve's ``time_limit`` (None: no limit)."""
+    deadline = kw.get("deadline")
+    return None if deadline is None else max(0.0, deadline - _time.perf_counter())
+
+
+def _run_literature(graph: Graph, method: str, budget: int, time_limit: float | None = None
+                    ) -> tuple[_Candidate | None, int]:
+    """TW-Remat or Rotor on the whole graph (hrockmate.literature) within ``time_limit``
+    seconds: the candidate, or (None, the lowest peak the method reaches). Raises
+    TimeoutError when the time runs out, MemoryError when Rotor's tables cannot fit."""
     from hrockmate import literature
 
     if method == "twremat":
-        points = literature.twremat(graph)
+        points = literature.twremat(graph, time_limit=time_limit)
         fits = [p for p in points if p.sim.peak_bytes <= budget]
         if not fits:
             return None, min(p.sim.peak_bytes for p in points)
         best = min(fits, key=lambda p: p.sim.time)
         sched, stats = best.schedule, {"depth_limit": best.depth_limit}
     else:
+        deadline = None if time_limit is None else _time.perf_counter() + time_limit
         try:
-            sched, _ = literature.rotor(graph, budget)
+            sched, _ = literature.rotor(graph, budget, time_limit=time_limit)
         except InfeasibleBudget as exc:
-            return None, _rotor_lowest(graph, exc.min_bytes)
+            left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
+            return None, _rotor_lowest(graph, exc.min_bytes, left)
         stats = {}
     steps = [(str(k), int(i)) for k, i in sched.steps]
     return _Candidate(steps, int(sched.forward_len), False, {"method": method, **stats}), 0
 
 
-def _rotor_lowest(graph: Graph, model_min: int) -> int:
+def _rotor_lowest(graph: Graph, model_min: int, time_limit: float | None = None) -> int:
     """The smallest budget Rotor is seen to solve. Its dynamic program rounds sizes up to memory
-    slots, so the chain model's minimum itself may be out of reach: probe just above it."""
+    slots, so the chain model's minimum itself may be out of reach: probe just above it, for
+    at most ``time_limit`` seconds in all (then the model's minimum is the answer)."""
     from hrockmate import literature
 
+    deadline = None if time_limit is None else _time.perf_counter() + time_limit
     for factor in (1.0, 1.0001, 1.001, 1.01, 1.05, 1.2):
+        left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
         try:
-            literature.rotor(graph, int(model_min * factor))
+            literature.rotor(graph, int(model_min * factor), time_limit=left)
             return int(model_min * factor)
         except InfeasibleBudget:
             continue
+        except TimeoutError:
+            break
     return model_min
 
 
@@ -1297,8 +1314,14 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
         spares.append((_Candidate(steps, fl, False, {"method": method, "fallback": label,
                                                        **stats}), peak, t))
 
-    rc = recompute_all_schedule(graph)
-    spare("recompute-all", [(str(k), int(i)) for k, i in rc.steps], int(rc.forward_len))
+    try:
+        rc = recompute_all_schedule(graph)
+    except MemoryError as exc:  # TooLargeError: O(n^2) steps on a long chain
+        if method == "recompute-all":
+            raise
+        logger.info("no recompute-all fallback for '%s': %s", graph.name, exc)
+    else:
+        spare("recompute-all", [(str(k), int(i)) for k, i in rc.steps], int(rc.forward_len))
     if method == "recompute-all":
         spares[0][0].stats.pop("fallback")
         return _pick(spares, budget, method, graph)
@@ -1312,7 +1335,7 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
         return _Candidate(r.steps, r.forward_len, False, {"method": "checkpoint", **r.stats}), 0
 
     if method in ("twremat", "rotor"):
-        return _run_literature(graph, method, budget)
+        return _run_literature(graph, method, budget, _time_left(kw))
 
     if method == "checkmate":
         def again(b: int) -> reference.SolverResult:
@@ -1363,7 +1386,7 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                 # checkpointing, or Rotor on a chain-shaped graph, can be faster, and both cost
                 # little to check
                 best, best_time = cand, _simulate(graph, cand.steps, cand.forward_len)[1]
-                for alt in _cheap_alternatives(graph, budget, stats_h):
+                for alt in _cheap_alternatives(graph, budget, stats_h, _time_left(kw)):
                     alt_time = _simulate(graph, alt.steps, alt.forward_len)[1]
                     if alt_time < best_time:
                         best, best_time = alt, alt_time
@@ -1397,9 +1420,11 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
     return cand, lowest
 
 
-def _cheap_alternatives(graph: Graph, budget: int, stats: dict[str, Any]) -> list[_Candidate]:
-    """Block checkpointing and whole-graph Rotor (when the graph is a chain) within the
-    budget, marked as fallbacks that compete with a plan the hierarchy did find."""
+def _cheap_alternatives(graph: Graph, budget: int, stats: dict[str, Any],
+                        time_limit: float | None = None) -> list[_Candidate]:
+    """Block checkpointing and whole-graph Rotor (when the graph is a chain, within
+    ``time_limit`` seconds) within the budget, marked as fallbacks that compete with a plan the
+    hierarchy did find."""
     from hrockmate.literature import NotAChainError
 
     out = []
@@ -1411,8 +1436,11 @@ def _cheap_alternatives(graph: Graph, budget: int, stats: dict[str, Any]) -> lis
     except reference.SolverInfeasible:
         pass
     try:
-        rotor, _ = _run_literature(graph, "rotor", budget)
+        rotor, _ = _run_literature(graph, "rotor", budget, time_limit)
     except NotAChainError:
+        rotor = None
+    except (TimeoutError, MemoryError) as exc:  # out of time, or tables too large
+        logger.info("whole-graph Rotor skipped for '%s': %s", graph.name, exc)
         rotor = None
     if rotor is not None:
         rotor.stats = {**stats, "fallback": "rotor", "beats_hierarchy_plan": True}
@@ -1425,7 +1453,8 @@ def _pick(spares: list[tuple[_Candidate, int, float]], budget: int, method: str,
     fits = [(t, c) for c, peak, t in spares if peak <= budget]
     if fits:
         return min(fits, key=lambda tc: tc[0])[1], 0
-    return None, int(min(peak for _, peak, _ in spares))
+    # (no spare at all: the callers take the minimum with block checkpointing's lowest peak)
+    return None, int(min((peak for _, peak, _ in spares), default=sys.maxsize))
 
 
 def _retighten(graph: Graph, budget: int, cand: _Candidate,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,9 +199,6 @@ class SimulationResult:
         )
 
 
-_STEP_PREFIX = re.compile(r"^step (\d+): ")
-
-
 def _graph_names(graph: Graph) -> dict[str, list[str]]:
     return {
         "tensor_names": [t.name for t in graph.tensors],
@@ -213,18 +209,19 @@ def _graph_names(graph: Graph) -> dict[str, list[str]]:
 def _call(fn: Callable[..., Any], graph: Graph, arrays: dict[str, Any], **extra: Any) -> Any:
     """Call a native function; on failure call it again with names so that the message names
     ops and tensors (names cost a list per call, so they are sent only when needed)."""
+    from hrockmate import _native
+
+    invalid = (_native.InvalidGraphError, _native.InvalidScheduleError)
     try:
         return fn(**extra, **arrays)
-    except ValueError:
+    except invalid:
         pass
     try:
         fn(**extra, **arrays, **_graph_names(graph))
-    except ValueError as exc:
-        message = str(exc)
-        m = _STEP_PREFIX.match(message)
-        if m:
-            raise ScheduleError(message, int(m.group(1))) from None
-        raise GraphError(message) from None
+    except _native.InvalidScheduleError as exc:
+        raise ScheduleError(str(exc), exc.step) from None
+    except _native.InvalidGraphError as exc:
+        raise GraphError(str(exc)) from None
     raise AssertionError("native call failed without names but succeeded with them")
 
 
@@ -247,7 +244,11 @@ def store_all_schedule(graph: Graph) -> Schedule:
 
 
 def recompute_all_schedule(graph: Graph) -> Schedule:
-    """Forward keeps only the outputs; backward recomputes what each backward op needs."""
+    """Forward keeps only the outputs; backward recomputes what each backward op needs.
+
+    On long chains that is O(n^2) steps: a schedule of more than 20 million steps is refused
+    with ``hrockmate._native.TooLargeError`` (a MemoryError) naming its size, before anything
+    is allocated."""
     from hrockmate import _native
 
     return Schedule.from_arrays(*_call(_native.recompute_all, graph, graph.to_arrays()))

@@ -3,21 +3,25 @@
 //! Graphs arrive as keyword arguments holding the flat numpy arrays of docs/graph-ir.md
 //! ("Flat array form"), plus optional `tensor_grad_of`/`tensor_updates` arrays and optional
 //! `tensor_names`/`op_names` lists (used only in error messages). Arrays are copied out while
-//! attached; the work runs detached. Bad input raises TypeError (wrong kind or dtype) or
-//! ValueError (a rule broken; schedule errors start with "step N:").
+//! attached; the work runs on a worker thread (`errors::run_native`, Ctrl-C stops it). Bad
+//! input raises TypeError (wrong kind or dtype), InvalidGraphError or InvalidScheduleError
+//! (a rule broken; schedule errors start with "step N:" and carry `.step`), TooLargeError
+//! (recompute-all longer than its bound).
 
 use hrockmate_core::arrays::{
     graph_from_arrays, schedule_from_arrays, schedule_to_arrays, GraphArrays,
 };
 use hrockmate_core::graph::Graph;
-use hrockmate_core::io::{graph_to_json, parse_graph_json, parse_schedule_json};
+use hrockmate_core::io::{graph_to_json, parse_graph_json, parse_schedule_json, GraphError};
 use hrockmate_core::schedule::Schedule;
 use hrockmate_core::schedules::{recompute_all, store_all};
-use hrockmate_core::simulate::{simulate as simulate_core, SimResult};
+use hrockmate_core::simulate::{simulate_within, SimResult};
 use numpy::{Element, IntoPyArray, PyArray1, PyReadonlyArray1};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+
+use crate::errors::{run_native, Failure};
 
 const REQUIRED: [&str; 12] = [
     "tensor_bytes",
@@ -48,13 +52,12 @@ pub(crate) struct GraphInput {
 }
 
 impl GraphInput {
-    pub(crate) fn build(&self) -> Result<Graph, String> {
+    pub(crate) fn build(&self) -> Result<Graph, GraphError> {
         graph_from_arrays(
             &self.arrays,
             self.tensor_names.as_deref(),
             self.op_names.as_deref(),
         )
-        .map_err(|e| e.to_string())
     }
 }
 
@@ -150,17 +153,15 @@ fn schedule_arrays<'py>(py: Python<'py>, s: Schedule) -> ScheduleArrays<'py> {
 #[pyfunction]
 fn parse_graph(py: Python<'_>, text: &str) -> PyResult<String> {
     let text = text.to_owned();
-    py.detach(move || parse_graph_json(&text).map(|g| graph_to_json(&g)))
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+    run_native(py, None, |_| Ok(graph_to_json(&parse_graph_json(&text)?)))
 }
 
-/// Validate a graph given as flat arrays (ValueError naming the problem).
+/// Validate a graph given as flat arrays (InvalidGraphError naming the problem).
 #[pyfunction]
 #[pyo3(signature = (**graph))]
 fn check_graph(py: Python<'_>, graph: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
     let input = graph_input(graph)?;
-    py.detach(move || input.build().map(|_| ()))
-        .map_err(PyValueError::new_err)
+    run_native(py, None, |_| Ok(input.build().map(|_| ())?))
 }
 
 /// Simulate a schedule on a graph; returns a dict of the SimResult fields.
@@ -176,12 +177,11 @@ fn simulate<'py>(
     let input = graph_input(graph)?;
     let kind: Vec<i8> = step_kind.as_array().iter().copied().collect();
     let id: Vec<i64> = step_id.as_array().iter().copied().collect();
-    let result = py.detach(move || {
+    let r = run_native(py, None, |stop| {
         let g = input.build()?;
-        let s = schedule_from_arrays(&kind, &id, forward_len).map_err(|e| e.to_string())?;
-        simulate_core(&g, &s).map_err(|e| e.to_string())
-    });
-    let r = result.map_err(PyValueError::new_err)?;
+        let s = schedule_from_arrays(&kind, &id, forward_len)?;
+        Ok(simulate_within(&g, &s, stop)?)
+    })?;
     sim_result_dict(py, &r)
 }
 
@@ -210,13 +210,12 @@ fn store_all_py<'py>(
     graph: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<ScheduleArrays<'py>> {
     let input = graph_input(graph)?;
-    let s = py
-        .detach(move || input.build().map(|g| store_all(&g)))
-        .map_err(PyValueError::new_err)?;
+    let s = run_native(py, None, |_| Ok(store_all(&input.build()?)))?;
     Ok(schedule_arrays(py, s))
 }
 
-/// The recompute-all schedule: (step_kind int8, step_id int64, forward_len).
+/// The recompute-all schedule: (step_kind int8, step_id int64, forward_len); TooLargeError when
+/// it would be longer than `limits::MAX_SCHEDULE_STEPS`.
 #[pyfunction(name = "recompute_all")]
 #[pyo3(signature = (**graph))]
 fn recompute_all_py<'py>(
@@ -224,19 +223,19 @@ fn recompute_all_py<'py>(
     graph: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<ScheduleArrays<'py>> {
     let input = graph_input(graph)?;
-    let s = py
-        .detach(move || input.build().map(|g| recompute_all(&g)))
-        .map_err(PyValueError::new_err)?;
+    let s = run_native(py, None, |_| Ok(recompute_all(&input.build()?)?))?;
     Ok(schedule_arrays(py, s))
 }
 
-/// Parse schedule JSON: (step_kind int8, step_id int64, forward_len); ValueError on bad input.
+/// Parse schedule JSON: (step_kind int8, step_id int64, forward_len); InvalidScheduleError on
+/// bad input.
 #[pyfunction]
 fn parse_schedule<'py>(py: Python<'py>, text: &str) -> PyResult<ScheduleArrays<'py>> {
     let text = text.to_owned();
-    let s = py
-        .detach(move || parse_schedule_json(&text))
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let s = run_native(py, None, |_| {
+        parse_schedule_json(&text)
+            .map_err(|e| Failure::InvalidSchedule { step: None, message: e.to_string() })
+    })?;
     Ok(schedule_arrays(py, s))
 }
 

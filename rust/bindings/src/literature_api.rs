@@ -2,38 +2,25 @@
 //! chain given as arrays (see docs/literature-solvers.md).
 //!
 //! Graphs arrive as the flat arrays of docs/graph-ir.md (keyword arguments, as for
-//! `simulate`). Errors raise ValueError whose args are `(kind, message, min_bytes)`, with kind
-//! one of "not_a_chain", "infeasible", "invalid_argument", "internal", so that the Python
-//! wrappers can raise precise exceptions.
+//! `simulate`). The work runs on a worker thread (`errors::run_native`): `time_limit` (seconds)
+//! bounds it and Ctrl-C stops it. Errors raise the classes of `errors.rs`: InvalidGraphError,
+//! NotAChainError, InfeasibleError (with `limit_bytes`, `min_bytes`), InvalidArgumentError,
+//! TooLargeError (Rotor's tables beyond `max_table_bytes`), TimeLimitError, InternalError.
 
 use hrockmate_core::arrays::schedule_to_arrays;
-use hrockmate_core::literature::chain::{rotor as rotor_core, ChainStructure, MAX_TABLE_CELLS};
-use hrockmate_core::literature::rotor::{op_options, solve_refined, Chain, ChainOp, Stage, StateOption};
-use hrockmate_core::literature::twremat::{default_step_cap, TwRemat};
-use hrockmate_core::literature::LiteratureError;
+use hrockmate_core::literature::chain::{rotor_within, ChainStructure};
+use hrockmate_core::literature::rotor::{
+    op_options, solve_refined, Bounds, Chain, ChainOp, Stage, StateOption, DEFAULT_MAX_TABLE_BYTES,
+};
+use hrockmate_core::literature::twremat::twremat_points_within;
 use hrockmate_core::schedule::Schedule;
-use hrockmate_core::simulate::{simulate, SimResult};
+use hrockmate_core::simulate::SimResult;
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use crate::errors::{run_native, Failure};
 use crate::graph_api::graph_input;
-
-fn to_py_err(e: LiteratureError) -> PyErr {
-    let message = e.to_string();
-    let (kind, min) = match e {
-        LiteratureError::NotAChain(_) => ("not_a_chain", 0),
-        LiteratureError::Infeasible { min_bytes, .. } => ("infeasible", min_bytes),
-        LiteratureError::InvalidArgument(_) | LiteratureError::StepLimit { .. } => ("invalid_argument", 0),
-        LiteratureError::Internal(_) => ("internal", 0),
-    };
-    PyValueError::new_err((kind, message, min))
-}
-
-fn graph_err(message: String) -> PyErr {
-    PyValueError::new_err(("invalid_graph", message, 0u64))
-}
 
 /// A schedule and its simulation as Python receives them:
 /// `(step_kind int8, step_id int64, forward_len, sim dict)`.
@@ -47,61 +34,48 @@ fn point<'py>(py: Python<'py>, s: &Schedule, r: &SimResult) -> PyResult<Point<'p
 
 /// TW-Remat at the given depth limits (None: every depth from 0 to the full recursion, each
 /// distinct schedule once, stopping where schedules exceed `max_steps` steps, by default a few
-/// hundred per op; with explicit depths, `max_steps` exceeded is an error).
+/// hundred per op, or the points exceed 20 million steps in all; with explicit depths,
+/// `max_steps` exceeded is an error): `twremat::twremat_points_within`.
 /// Returns a list of `(depth_limit, step_kind, step_id, forward_len, sim)`.
 #[pyfunction]
-#[pyo3(signature = (depth_limits=None, max_steps=None, **graph))]
+#[pyo3(signature = (depth_limits=None, max_steps=None, time_limit=None, **graph))]
 fn twremat<'py>(
     py: Python<'py>,
     depth_limits: Option<Vec<usize>>,
     max_steps: Option<usize>,
+    time_limit: Option<f64>,
     graph: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyList>> {
     let input = graph_input(graph)?;
-    let results = py.detach(move || -> Result<Vec<(usize, Schedule, SimResult)>, PyErr> {
-        let g = input.build().map_err(graph_err)?;
-        let tw = TwRemat::new(&g);
-        let all = depth_limits.is_none();
-        let depths = depth_limits.unwrap_or_else(|| (0..=tw.height()).collect());
-        let mut out: Vec<(usize, Schedule, SimResult)> = Vec::with_capacity(depths.len());
-        let cap = max_steps.unwrap_or_else(|| if all { default_step_cap(&g) } else { usize::MAX });
-        for d in depths {
-            let s = match tw.schedule_capped(&g, d, cap) {
-                Ok(s) => s,
-                // Listing every depth stops where schedules get too long.
-                Err(LiteratureError::StepLimit { .. }) if all && !out.is_empty() => break,
-                Err(e) => return Err(to_py_err(e)),
-            };
-            // When listing every depth, a depth that changes nothing is reported once.
-            if all && out.last().is_some_and(|(_, prev, _)| *prev == s) {
-                continue;
-            }
-            let sim = simulate(&g, &s).map_err(|e| to_py_err(LiteratureError::Internal(e.to_string())))?;
-            out.push((d.min(tw.height()), s, sim));
-        }
-        Ok(out)
+    let points = run_native(py, time_limit, |stop| {
+        let g = input.build()?;
+        Ok(twremat_points_within(&g, depth_limits.as_deref(), max_steps, stop)?)
     })?;
     let list = PyList::empty(py);
-    for (d, s, sim) in &results {
-        let (kind, id, forward_len, dict) = point(py, s, sim)?;
-        list.append((*d, kind, id, forward_len, dict))?;
+    for p in &points {
+        let (kind, id, forward_len, dict) = point(py, &p.schedule, &p.sim)?;
+        list.append((p.depth_limit, kind, id, forward_len, dict))?;
     }
     Ok(list)
 }
 
-/// Rotor on a chain-structured graph: `(step_kind, step_id, forward_len, sim)`.
+/// Rotor on a chain-structured graph: `(step_kind, step_id, forward_len, sim)`. The program's
+/// tables stay within `max_table_bytes` (slots are reduced to fit; TooLargeError when not even
+/// the fewest useful slots fit).
 #[pyfunction]
-#[pyo3(signature = (budget_bytes, slots=500, **graph))]
+#[pyo3(signature = (budget_bytes, slots=500, time_limit=None, max_table_bytes=DEFAULT_MAX_TABLE_BYTES, **graph))]
 fn rotor<'py>(
     py: Python<'py>,
     budget_bytes: u64,
     slots: usize,
+    time_limit: Option<f64>,
+    max_table_bytes: u64,
     graph: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Point<'py>> {
     let input = graph_input(graph)?;
-    let (s, sim) = py.detach(move || {
-        let g = input.build().map_err(graph_err)?;
-        rotor_core(&g, budget_bytes, slots).map_err(to_py_err)
+    let (s, sim) = run_native(py, time_limit, |stop| {
+        let g = input.build()?;
+        Ok(rotor_within(&g, budget_bytes, slots, &Bounds { max_table_bytes, stop: *stop })?)
     })?;
     point(py, &s, &sim)
 }
@@ -111,15 +85,11 @@ fn rotor<'py>(
 #[pyo3(signature = (**graph))]
 fn chain_stages(py: Python<'_>, graph: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(Vec<usize>, Vec<usize>)>> {
     let input = graph_input(graph)?;
-    py.detach(move || {
-        let g = input.build().map_err(graph_err)?;
-        let cs = ChainStructure::detect(&g).map_err(to_py_err)?;
+    run_native(py, None, |_| {
+        let g = input.build()?;
+        let cs = ChainStructure::detect(&g)?;
         Ok(cs.forward.into_iter().zip(cs.backward).collect())
     })
-}
-
-fn invalid(message: String) -> PyErr {
-    PyValueError::new_err(("invalid_argument", message, 0u64))
 }
 
 /// Build a chain from per-stage arrays and CSR-style per-option arrays (see [`rotor_chain`]).
@@ -195,13 +165,14 @@ fn chain_from_arrays(
 
 /// Rotor's dynamic program on a chain given as arrays, each stage with one or more state
 /// options (`opt_ptr[k]..opt_ptr[k+1]` index the options of stage `k + 1`). Slots are refined
-/// (x4) when rounding alone loses a limit the exact model meets. Returns a dict with
-/// `op_kind` (int8: 0 Forward, 1 ForwardAll, 2 Backward, 3 Free), `op_stage` (int64, 1-based),
-/// `op_option` (int64: the option of ForwardAll and Backward, else -1), `time`, `peak_bytes`.
+/// (x4) when rounding alone loses a limit the exact model meets, and reduced when the tables
+/// would exceed `max_table_bytes`. Returns a dict with `op_kind` (int8: 0 Forward,
+/// 1 ForwardAll, 2 Backward, 3 Free), `op_stage` (int64, 1-based), `op_option` (int64: the
+/// option of ForwardAll and Backward, else -1), `time`, `peak_bytes` and `slots` (those used).
 #[pyfunction]
 #[pyo3(signature = (input_bytes, final_grad_bytes, fwd_time, out_bytes, grad_bytes, fwd_overhead,
     opt_ptr, opt_fwd_time, opt_state_bytes, opt_fwd_overhead, opt_bwd_time, opt_bwd_overhead,
-    limit_bytes, slots))]
+    limit_bytes, slots, time_limit=None, max_table_bytes=DEFAULT_MAX_TABLE_BYTES))]
 #[allow(clippy::too_many_arguments)]
 fn rotor_chain<'py>(
     py: Python<'py>,
@@ -219,6 +190,8 @@ fn rotor_chain<'py>(
     opt_bwd_overhead: PyReadonlyArray1<'py, u64>,
     limit_bytes: u64,
     slots: usize,
+    time_limit: Option<f64>,
+    max_table_bytes: u64,
 ) -> PyResult<Bound<'py, PyDict>> {
     let v = |a: &PyReadonlyArray1<'py, u64>| a.as_array().to_vec();
     let f = |a: &PyReadonlyArray1<'py, f64>| a.as_array().to_vec();
@@ -236,10 +209,10 @@ fn rotor_chain<'py>(
         &f(&opt_bwd_time),
         &v(&opt_bwd_overhead),
     )
-    .map_err(invalid)?;
-    let sol = py
-        .detach(move || solve_refined(&chain, limit_bytes, slots, MAX_TABLE_CELLS))
-        .map_err(to_py_err)?;
+    .map_err(|m| Failure::InvalidArgument(m).into_pyerr(py))?;
+    let sol = run_native(py, time_limit, |stop| {
+        Ok(solve_refined(&chain, limit_bytes, slots, &Bounds { max_table_bytes, stop: *stop })?)
+    })?;
     let options = op_options(&sol.ops);
     let n = sol.ops.len();
     let (mut kind, mut stage, mut option) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
@@ -260,6 +233,7 @@ fn rotor_chain<'py>(
     d.set_item("op_option", option.into_pyarray(py))?;
     d.set_item("time", sol.time)?;
     d.set_item("peak_bytes", sol.peak_bytes)?;
+    d.set_item("slots", sol.slots)?;
     Ok(d)
 }
 

@@ -2,12 +2,10 @@
 //!
 //! Graphs arrive as the flat arrays of docs/graph-ir.md (keyword arguments, see graph_api.rs);
 //! results go back as dicts of numpy arrays in CSR form (docs/hierarchy.md, "Arrays").
-//! The work runs on a worker thread while the calling thread, detached from the interpreter,
-//! polls for signals: Ctrl-C sets a cancellation flag the core checks, and KeyboardInterrupt is
-//! raised as soon as the worker stops. Core errors become ValueError, panics RuntimeError.
-
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+//! The work runs on a worker thread (`errors::run_native`): Ctrl-C sets a cancellation flag the
+//! core checks, and KeyboardInterrupt is raised as soon as the worker stops. Core errors become
+//! the exception classes of `errors.rs` (ValueError subclasses for bad input), panics
+//! InternalError.
 
 use hrockmate_core::arrays::{graph_to_arrays, schedule_from_arrays, schedule_to_arrays};
 use hrockmate_core::options::{enumerate_all, AllOptions, OptionsConfig};
@@ -15,46 +13,11 @@ use hrockmate_core::partition::{build_hierarchy_cancellable, partitioner_by_name
 use hrockmate_core::schedule::Step;
 use hrockmate_core::simplify::{simplify as simplify_core, SimplifyConfig, Simplified};
 use numpy::{IntoPyArray, PyReadonlyArray1};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::errors::{run_native, Failure};
 use crate::graph_api::graph_input;
-
-/// Run `work` on a worker thread; poll Python signals meanwhile (Ctrl-C cancels the work).
-fn run_cancellable<T: Send>(py: Python<'_>, work: impl FnOnce(&AtomicBool) -> Result<T, String> + Send) -> PyResult<T> {
-    let cancel = AtomicBool::new(false);
-    py.detach(|| {
-        std::thread::scope(|scope| {
-            let handle = scope.spawn(|| work(&cancel));
-            let mut interrupted: Option<PyErr> = None;
-            while !handle.is_finished() {
-                std::thread::sleep(Duration::from_millis(20));
-                if interrupted.is_none() {
-                    if let Err(e) = Python::attach(|py| py.check_signals()) {
-                        cancel.store(true, Ordering::Relaxed);
-                        interrupted = Some(e);
-                    }
-                }
-            }
-            let joined = handle.join();
-            if let Some(e) = interrupted {
-                return Err(e);
-            }
-            match joined {
-                Ok(r) => r.map_err(PyValueError::new_err),
-                Err(panic) => {
-                    let msg = panic
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_else(|| "unknown panic".to_string());
-                    Err(PyRuntimeError::new_err(format!("internal error in the hrockmate core: {msg}")))
-                }
-            }
-        })
-    })
-}
 
 /// CSR of a list of id lists: (ptr int64[n+1], idx int64[...]).
 fn csr<'a>(lists: impl Iterator<Item = &'a [usize]>) -> (Vec<i64>, Vec<i64>) {
@@ -146,14 +109,13 @@ fn build_hierarchy<'py>(
     graph: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let input = graph_input(graph)?;
-    let part = partitioner_by_name(partitioner).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let part = partitioner_by_name(partitioner).map_err(|e| Failure::from(e).into_pyerr(py))?;
     let pcfg = PartitionConfig { max_size, top_max_size, alpha, ..PartitionConfig::default() };
     let ocfg = OptionsConfig { max_options, exact_limit, max_evaluations };
-    let (h, opts) = run_cancellable(py, |cancel| {
+    let (h, opts) = run_native(py, None, |stop| {
         let g = input.build()?;
-        let h = build_hierarchy_cancellable(&g, part.as_ref(), &pcfg, &|| cancel.load(Ordering::Relaxed))
-            .map_err(|e| e.to_string())?;
-        let opts = if options { Some(enumerate_all(&g, &h, &ocfg, cancel).map_err(|e| e.to_string())?) } else { None };
+        let h = build_hierarchy_cancellable(&g, part.as_ref(), &pcfg, &|| stop.should_stop())?;
+        let opts = if options { Some(enumerate_all(&g, &h, &ocfg, stop.cancel_flag())?) } else { None };
         Ok((h, opts))
     })?;
     hierarchy_dict(py, &h, opts.as_ref())
@@ -193,10 +155,7 @@ fn simplified_dict<'py>(py: Python<'py>, s: &Simplified) -> PyResult<Bound<'py, 
 fn simplify<'py>(py: Python<'py>, fold_views: bool, merge_chains: bool, graph: Option<&Bound<'py, PyDict>>) -> PyResult<Bound<'py, PyDict>> {
     let input = graph_input(graph)?;
     let cfg = SimplifyConfig { fold_views, merge_chains };
-    let s = run_cancellable(py, |_| {
-        let g = input.build()?;
-        Ok(simplify_core(&g, &cfg))
-    })?;
+    let s = run_native(py, None, |_| Ok(simplify_core(&input.build()?, &cfg)))?;
     simplified_dict(py, &s)
 }
 
@@ -217,11 +176,13 @@ fn expand_schedule<'py>(
     let kind: Vec<i8> = step_kind.as_array().iter().copied().collect();
     let id: Vec<i64> = step_id.as_array().iter().copied().collect();
     let cfg = SimplifyConfig { fold_views, merge_chains };
-    let s = run_cancellable(py, |_| {
+    let s = run_native(py, None, |_| {
         let g = input.build()?;
         let simplified = simplify_core(&g, &cfg);
-        let sched = schedule_from_arrays(&kind, &id, forward_len).map_err(|e| e.to_string())?;
-        simplified.expand_schedule(&g, &sched)
+        let sched = schedule_from_arrays(&kind, &id, forward_len)?;
+        simplified
+            .expand_schedule(&g, &sched)
+            .map_err(|message| Failure::InvalidSchedule { step: None, message })
     })?;
     let (k, i, f) = schedule_to_arrays(&s);
     Ok((k.into_pyarray(py), i.into_pyarray(py), f))

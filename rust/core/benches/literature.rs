@@ -66,7 +66,7 @@ fn bench_rotor(c: &mut Criterion) {
     group.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(500));
     for (n, slots) in [(20usize, 500usize), (50, 500), (100, 200)] {
         let chain = homogeneous(n);
-        let limit = min_memory(&chain) * 2;
+        let limit = min_memory(&chain).unwrap() * 2;
         group.bench_function(BenchmarkId::new("dp", format!("{n}_stages_{slots}_slots")), |b| {
             b.iter(|| solve(&chain, limit, slots).unwrap())
         });

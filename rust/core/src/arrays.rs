@@ -4,6 +4,7 @@
 use crate::graph::{Graph, Op, Phase, Role, Tensor};
 use crate::io::{validate, validate_structure, GraphError};
 use crate::schedule::{Schedule, Step};
+use crate::simulate::ScheduleError;
 
 /// The flat array form of a graph. `tensor_grad_of`/`tensor_updates` are optional extras
 /// (-1 = none); without them the `grad_of`/`updates` rules are not checked.
@@ -277,19 +278,21 @@ pub fn graph_to_arrays(g: &Graph) -> GraphArrays {
 }
 
 /// A schedule from `step_kind` (0 compute, 1 free), `step_id` and `forward_len`.
-/// Ids are checked against the graph by the simulator, not here.
+/// Ids are checked against the graph by the simulator, not here. An error names the first bad
+/// step (the number of steps for problems of the whole).
 pub fn schedule_from_arrays(
     step_kind: &[i8],
     step_id: &[i64],
     forward_len: i64,
-) -> Result<Schedule, GraphError> {
-    let err = |field: &str, message: String| GraphError::Field {
-        location: "schedule arrays".to_string(),
-        field: field.to_string(),
-        message,
+) -> Result<Schedule, ScheduleError> {
+    let n_steps = step_kind.len().min(step_id.len());
+    let err_at = |step: usize, field: &str, message: String| ScheduleError {
+        step,
+        message: format!("schedule arrays: field '{field}': {message}"),
     };
     if step_kind.len() != step_id.len() {
-        return Err(err(
+        return Err(err_at(
+            n_steps,
             "step_id",
             format!(
                 "has length {}, but step_kind has {}; both have one item per step",
@@ -301,12 +304,13 @@ pub fn schedule_from_arrays(
     let mut steps = Vec::with_capacity(step_kind.len());
     for (i, (&k, &id)) in step_kind.iter().zip(step_id).enumerate() {
         let id = usize::try_from(id)
-            .map_err(|_| err("step_id", format!("item {i} is {id}; ids are >= 0")))?;
+            .map_err(|_| err_at(i, "step_id", format!("item {i} is {id}; ids are >= 0")))?;
         steps.push(match k {
             0 => Step::Compute(id),
             1 => Step::Free(id),
             x => {
-                return Err(err(
+                return Err(err_at(
+                    i,
                     "step_kind",
                     format!("item {i} is {x}; 0 = compute, 1 = free"),
                 ))
@@ -317,7 +321,8 @@ pub fn schedule_from_arrays(
         .ok()
         .filter(|&f| f <= steps.len())
         .ok_or_else(|| {
-            err(
+            err_at(
+                n_steps,
                 "forward_len",
                 format!(
                     "is {forward_len}; must be between 0 and the number of steps ({})",

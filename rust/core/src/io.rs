@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::graph::{Graph, Op, OpId, Phase, Role, Tensor, TensorId, FORMAT_NAME, FORMAT_VERSION};
+use crate::limits::{MAX_FIELD_VALUE, MAX_GRAPH_BYTES};
 use crate::schedule::{Schedule, Step};
 
 pub const SCHEDULE_FORMAT_NAME: &str = "hrockmate-schedule";
@@ -174,7 +175,7 @@ impl<'a> Obj<'a> {
 
     fn uint(&self, key: &str) -> Result<u64, GraphError> {
         let v = self.req(key)?;
-        as_uint(v).ok_or_else(|| self.wrong(key, "an integer >= 0", v))
+        as_uint(v).ok_or_else(|| self.wrong(key, UINT_EXPECTED, v))
     }
 
     fn opt_uint(&self, key: &str) -> Result<Option<u64>, GraphError> {
@@ -182,7 +183,7 @@ impl<'a> Obj<'a> {
             None => Ok(None),
             Some(v) => as_uint(v)
                 .map(Some)
-                .ok_or_else(|| self.wrong(key, "an integer >= 0", v)),
+                .ok_or_else(|| self.wrong(key, UINT_EXPECTED, v)),
         }
     }
 
@@ -217,7 +218,7 @@ impl<'a> Obj<'a> {
                         &self.loc,
                         key,
                         format!(
-                            "item {i}: expected an id (integer >= 0), got {}",
+                            "item {i}: expected an id ({UINT_EXPECTED}), got {}",
                             short_value(x)
                         ),
                     )
@@ -227,13 +228,20 @@ impl<'a> Obj<'a> {
     }
 }
 
-/// A non-negative integer; integral floats (as some JSON writers produce) are accepted.
+/// What sizes, ids and counts may be: they cross into Python as int64.
+const UINT_EXPECTED: &str = "an integer >= 0 (at most 2^63-1)";
+
+/// An integer from 0 to [`MAX_FIELD_VALUE`] (2^63-1); integral floats (as some JSON writers
+/// produce) are accepted.
 fn as_uint(v: &Value) -> Option<u64> {
     if let Some(u) = v.as_u64() {
-        return Some(u);
+        return Some(u).filter(|&u| u <= MAX_FIELD_VALUE);
     }
     match v.as_f64() {
-        Some(x) if x.is_finite() && x >= 0.0 && x.fract() == 0.0 && x < 1.8e19 => Some(x as u64),
+        // (2^63 - 1 rounds to 2^63, the first float out of range.)
+        Some(x) if x.is_finite() && x >= 0.0 && x.fract() == 0.0 && x < MAX_FIELD_VALUE as f64 => {
+            Some(x as u64)
+        }
         _ => None,
     }
 }
@@ -850,6 +858,8 @@ fn validate_with(g: &Graph, check_links: bool) -> Result<(), GraphError> {
         }
     }
 
+    check_total_bytes(g)?;
+
     // grad_of / updates links.
     if check_links {
         for (t, tensor) in g.tensors.iter().enumerate() {
@@ -952,6 +962,40 @@ fn validate_with(g: &Graph, check_links: bool) -> Result<(), GraphError> {
     }
 
     check_acyclic(g, &producer)
+}
+
+/// The sizes of `g` must add up to at most [`MAX_GRAPH_BYTES`] (see there why); the error names
+/// the tensor or op at which the running sum passes it. Needs acyclic alias chains.
+fn check_total_bytes(g: &Graph) -> Result<(), GraphError> {
+    let roots = g.storage_roots();
+    let past_limit = |location: String, field: &str, what: String| {
+        field_err(&location, field, format!(
+            "{what}, which takes the graph's sizes past 2^62-1 bytes (4 EiB), the most the planner \
+             adds up exactly (every tensor's storage bytes, a view counting its base's, plus every \
+             op's workspace); check the units of the sizes"
+        ))
+    };
+    let mut total: u64 = 0;
+    for (t, &root) in roots.iter().enumerate() {
+        let bytes = g.tensors[root].bytes;
+        total = match total.checked_add(bytes).filter(|&s| s <= MAX_GRAPH_BYTES) {
+            Some(s) => s,
+            None if root == t => {
+                return Err(past_limit(tensor_label(g, t), "bytes", format!("is {bytes}")));
+            }
+            None => {
+                let base = tensor_label(g, root);
+                return Err(past_limit(tensor_label(g, t), "alias_of", format!("views {base} of {bytes} bytes")));
+            }
+        };
+    }
+    for (i, o) in g.ops.iter().enumerate() {
+        total = total
+            .checked_add(o.workspace)
+            .filter(|&s| s <= MAX_GRAPH_BYTES)
+            .ok_or_else(|| past_limit(op_label(g, i), "workspace", format!("is {}", o.workspace)))?;
+    }
+    Ok(())
 }
 
 fn check_unique_names<'a>(
@@ -1104,6 +1148,13 @@ pub fn parse_schedule_json(text: &str) -> Result<Schedule, GraphError> {
             )
         };
         let pair = s.as_array().filter(|a| a.len() == 2).ok_or_else(bad)?;
+        if pair[1].as_u64().is_some_and(|id| id > MAX_FIELD_VALUE) {
+            return Err(field_err(
+                "schedule",
+                "steps",
+                format!("step {i}: id {} is out of range (ids are at most 2^63-1)", pair[1]),
+            ));
+        }
         let id = as_uint(&pair[1]).ok_or_else(bad)? as usize;
         steps.push(match pair[0].as_str() {
             Some("compute") => Step::Compute(id),

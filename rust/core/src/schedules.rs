@@ -1,8 +1,10 @@
 //! Reference schedules: store-all (plain autograd) and recompute-all. Both expect a validated
-//! graph and always pass the simulator.
+//! graph and always pass the simulator; recompute-all refuses graphs on which it would be too
+//! long ([`MAX_SCHEDULE_STEPS`]).
 
 use crate::graph::{Graph, OpId, Phase, TensorId};
 use crate::io::topo_order_by;
+use crate::limits::{TooLarge, MAX_SCHEDULE_STEPS};
 use crate::schedule::{Schedule, Step};
 
 /// Ops in graph order when that order is topological with all forward ops first (traced graphs
@@ -78,8 +80,62 @@ pub fn store_all(g: &Graph) -> Schedule {
 /// (outputs). Before each backward op, the forward tensors it reads that are not alive are
 /// recomputed from what is alive (pre-existing tensors, outputs, backward results), and freed as
 /// soon as no longer needed. Backward results are freed after their last reader.
-/// Cost: for long chains this recomputes O(n^2) ops, as recompute-all does by definition.
-pub fn recompute_all(g: &Graph) -> Schedule {
+/// On long chains this recomputes O(n^2) ops, as recompute-all does by definition, so the steps
+/// are counted first (in O(n) memory) and a schedule of more than [`MAX_SCHEDULE_STEPS`] steps
+/// is refused with an error naming its size, before anything is allocated.
+pub fn recompute_all(g: &Graph) -> Result<Schedule, TooLarge> {
+    recompute_all_within(g, MAX_SCHEDULE_STEPS)
+}
+
+/// [`recompute_all`] with another bound on the number of steps.
+pub fn recompute_all_within(g: &Graph, max_steps: usize) -> Result<Schedule, TooLarge> {
+    let mut count = StepCount(0);
+    let n_bwd = g.ops.iter().filter(|o| o.phase == Phase::Backward).count();
+    if let Err(done) = recompute_all_steps(g, &mut count, max_steps) {
+        return Err(TooLarge(format!(
+            "recompute-all on this graph ({} ops, {} of them backward) would take more than {max_steps} \
+             steps (its first {done} backward ops alone need {} steps): it recomputes O(n^2) ops on \
+             long chains. Use a method that bounds recomputation (hrockmate, rotor, twremat, checkpoint)",
+            g.ops.len(),
+            n_bwd,
+            count.0
+        )));
+    }
+    let mut steps = Vec::with_capacity(count.0);
+    let forward_len = recompute_all_steps(g, &mut steps, usize::MAX)
+        .expect("the second pass writes the steps the first one counted");
+    Ok(Schedule { steps, forward_len })
+}
+
+/// Where [`recompute_all_steps`] writes its steps: a counter (first pass) or the schedule.
+trait StepSink {
+    fn push(&mut self, step: Step);
+    fn len(&self) -> usize;
+}
+
+struct StepCount(usize);
+
+impl StepSink for StepCount {
+    fn push(&mut self, _: Step) {
+        self.0 += 1;
+    }
+    fn len(&self) -> usize {
+        self.0
+    }
+}
+
+impl StepSink for Vec<Step> {
+    fn push(&mut self, step: Step) {
+        Vec::push(self, step);
+    }
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+}
+
+/// Write the recompute-all steps of `g` to `sink`; `Ok(forward_len)`, or `Err(backward ops
+/// done)` as soon as more than `max_steps` steps were written.
+fn recompute_all_steps<S: StepSink>(g: &Graph, steps: &mut S, max_steps: usize) -> Result<usize, usize> {
     let order = execution_order(g);
     let n_fwd = order
         .iter()
@@ -88,7 +144,6 @@ pub fn recompute_all(g: &Graph) -> Schedule {
     let (fwd, bwd) = order.split_at(n_fwd);
     let producer = g.producers();
     let nt = g.tensors.len();
-    let mut steps = Vec::new();
     let mut alive: Vec<bool> = g.tensors.iter().map(|t| t.role.is_preexisting()).collect();
 
     // Forward: free each freeable tensor after its last forward reader.
@@ -107,6 +162,9 @@ pub fn recompute_all(g: &Graph) -> Schedule {
         }
     }
     let forward_len = steps.len();
+    if forward_len > max_steps {
+        return Err(0);
+    }
 
     // Backward: per backward op, recompute its missing forward inputs (post-order DFS over
     // producers), run it, free the temporaries and the backward results no longer needed.
@@ -115,8 +173,9 @@ pub fn recompute_all(g: &Graph) -> Schedule {
     let mut local_epoch = vec![usize::MAX; nt];
     let mut local_last = vec![0usize; nt];
     let mut stack: Vec<(OpId, usize)> = Vec::new();
+    let mut plan: Vec<OpId> = Vec::new();
     for (k, &b) in bwd.iter().enumerate() {
-        let mut plan: Vec<OpId> = Vec::new();
+        plan.clear();
         for &t in &g.ops[b].inputs {
             if alive[t] {
                 continue;
@@ -165,7 +224,7 @@ pub fn recompute_all(g: &Graph) -> Schedule {
                 local_last[t] = plan.len();
             }
         }
-        let free_local = |j: usize, t: TensorId, alive: &mut Vec<bool>, steps: &mut Vec<Step>| {
+        let free_local = |j: usize, t: TensorId, alive: &mut Vec<bool>, steps: &mut S| {
             if local_epoch[t] == k
                 && alive[t]
                 && (local_last[t] == j || local_last[t] == usize::MAX)
@@ -181,7 +240,7 @@ pub fn recompute_all(g: &Graph) -> Schedule {
                 alive[t] = true;
             }
             for &t in o.inputs.iter().chain(&o.outputs) {
-                free_local(j, t, &mut alive, &mut steps);
+                free_local(j, t, &mut alive, steps);
             }
         }
         steps.push(Step::Compute(b));
@@ -190,7 +249,7 @@ pub fn recompute_all(g: &Graph) -> Schedule {
             alive[t] = true;
         }
         for &t in &o.inputs {
-            free_local(plan.len(), t, &mut alive, &mut steps);
+            free_local(plan.len(), t, &mut alive, steps);
         }
         for &t in o.inputs.iter().chain(&o.outputs) {
             if local_epoch[t] != k
@@ -202,6 +261,38 @@ pub fn recompute_all(g: &Graph) -> Schedule {
                 steps.push(Step::Free(t));
             }
         }
+        if steps.len() > max_steps {
+            return Err(k + 1);
+        }
     }
-    Schedule { steps, forward_len }
+    Ok(forward_len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::partition::synthetic::chain;
+    use crate::simulate::simulate;
+
+    #[test]
+    fn recompute_all_counts_exactly_the_steps_it_builds() {
+        let g = chain(40, 1);
+        let s = recompute_all(&g).unwrap();
+        simulate(&g, &s).unwrap();
+        assert_eq!(recompute_all_within(&g, s.steps.len()).unwrap(), s);
+        let err = recompute_all_within(&g, s.steps.len() - 1).unwrap_err();
+        assert!(err.0.contains(&format!("more than {} steps", s.steps.len() - 1)), "{err}");
+    }
+
+    #[test]
+    fn recompute_all_refuses_a_200k_op_chain_before_allocating() {
+        let g = chain(100_000, 1);
+        let start = std::time::Instant::now();
+        let err = recompute_all(&g).unwrap_err();
+        // Counting stops at the bound: far from the ~5e9 steps of the whole schedule.
+        assert!(start.elapsed().as_secs_f64() < 20.0);
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("this graph ({} ops, 100001 of them backward)", g.ops.len())), "{msg}");
+        assert!(msg.contains(&format!("more than {MAX_SCHEDULE_STEPS} steps")), "{msg}");
+    }
 }

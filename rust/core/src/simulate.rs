@@ -10,6 +10,7 @@
 
 use crate::graph::{Graph, Phase, Role, TensorId};
 use crate::io::{op_label, tensor_label};
+use crate::limits::{Stop, Stopped};
 use crate::schedule::{Schedule, Step};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -48,14 +49,34 @@ impl std::fmt::Display for ScheduleError {
 
 impl std::error::Error for ScheduleError {}
 
+/// Why [`simulate_within`] returned no result.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SimulateError {
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    #[error(transparent)]
+    Stopped(#[from] Stopped),
+}
+
 const NONE: u32 = u32::MAX;
 
-fn err<T>(step: usize, message: String) -> Result<T, ScheduleError> {
-    Err(ScheduleError { step, message })
+fn err<T>(step: usize, message: String) -> Result<T, SimulateError> {
+    Err(SimulateError::Schedule(ScheduleError { step, message }))
 }
 
 /// Simulate `s` on `g` (a validated graph). Returns the first broken rule as an error.
+///
+/// Memory figures are exact: validation bounds a graph's sizes ([`crate::limits::MAX_GRAPH_BYTES`])
+/// so that no sum here can pass 2^63.
 pub fn simulate(g: &Graph, s: &Schedule) -> Result<SimResult, ScheduleError> {
+    simulate_within(g, s, &Stop::never()).map_err(|e| match e {
+        SimulateError::Schedule(e) => e,
+        SimulateError::Stopped(_) => unreachable!("no stop was asked for"),
+    })
+}
+
+/// [`simulate`], polling `stop` every 65,536 steps.
+pub fn simulate_within(g: &Graph, s: &Schedule, stop: &Stop) -> Result<SimResult, SimulateError> {
     let nt = g.tensors.len();
     let no = g.ops.len();
     let n_steps = s.steps.len();
@@ -92,6 +113,9 @@ pub fn simulate(g: &Graph, s: &Schedule) -> Result<SimResult, ScheduleError> {
     let mut bytes_after_forward = 0;
 
     for (i, step) in s.steps.iter().enumerate() {
+        if i % 65_536 == 65_535 {
+            stop.check()?;
+        }
         let in_forward = i < s.forward_len;
         if i == s.forward_len {
             if let Some(m) = check_forward_outputs(g, &produced) {

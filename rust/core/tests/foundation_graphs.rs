@@ -57,7 +57,7 @@ fn reference_schedules_on_node_link_graphs() {
         let name = path.file_name().unwrap().to_string_lossy().to_string();
         let g = parse_graph_json(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let sa = simulate(&g, &store_all(&g)).unwrap_or_else(|e| panic!("{name}: store_all: {e}"));
-        let ra = simulate(&g, &recompute_all(&g))
+        let ra = simulate(&g, &recompute_all(&g).unwrap())
             .unwrap_or_else(|e| panic!("{name}: recompute_all: {e}"));
         let total: f64 = g.ops.iter().map(|o| o.time).sum();
         assert!(

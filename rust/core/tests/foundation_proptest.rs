@@ -64,7 +64,7 @@ proptest! {
         prop_assert!(sa.is_ok(), "store_all: {}", sa.unwrap_err());
         let sa = sa.unwrap();
         prop_assert!(sa.compute_count.iter().all(|&c| c == 1));
-        let ra = simulate(&g, &recompute_all(&g));
+        let ra = simulate(&g, &recompute_all(&g).unwrap());
         prop_assert!(ra.is_ok(), "recompute_all: {}", ra.unwrap_err());
         let ra = ra.unwrap();
         // Every op runs at least once, so recompute-all never costs less.

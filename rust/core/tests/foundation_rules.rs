@@ -768,7 +768,7 @@ fn a_required_buffer_update_must_be_produced() {
 #[test]
 fn recompute_all_on_the_example() {
     let g = example_graph();
-    let s = recompute_all(&g);
+    let s = recompute_all(&g).unwrap();
     // Forward keeps only L; each backward op recomputes what it reads.
     assert_eq!(
         s.steps,

@@ -5,7 +5,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
 use hrockmate_core::literature::rotor::{
-    min_memory, op_options, peak_of, solve, solve_refined, Chain, ChainOp, Stage, StateOption,
+    min_memory, op_options, peak_of, solve, solve_refined, Bounds, Chain, ChainOp, Stage, StateOption,
 };
 use hrockmate_core::literature::LiteratureError;
 use proptest::prelude::*;
@@ -147,7 +147,7 @@ proptest! {
 
     #[test]
     fn coarse_slots_never_exceed_the_limit(chain in chain_strategy(8), factor in 1u64..4, slots in 1usize..40) {
-        let limit = min_memory(&chain) * factor + 1;
+        let limit = min_memory(&chain).unwrap() * factor + 1;
         if let Ok(sol) = solve(&chain, limit, slots) {
             let (peak, _) = peak_of(&chain, &sol.ops).unwrap();
             prop_assert!(peak <= limit);
@@ -172,7 +172,7 @@ fn homogeneous_chain_trades_time_for_memory() {
         last_limit = limit;
     }
     assert!(last_time > all.time);
-    let min = min_memory(&chain);
+    let min = min_memory(&chain).unwrap();
     match solve(&chain, min - 1, 1000) {
         Err(LiteratureError::Infeasible { min_bytes, .. }) => assert_eq!(min_bytes, min),
         other => panic!("expected infeasible below {min}, got {other:?}"),
@@ -235,7 +235,7 @@ fn check_options(chain: &Chain, ops: &[ChainOp]) -> Result<(), TestCaseError> {
 /// is exact), against exhaustive search: same time or both infeasible, a valid peak within the
 /// limit, consistent option choices, and a feasible reported minimum.
 fn matches_exhaustive_search(chain: &Chain, extra: u64) -> Result<(), TestCaseError> {
-    let min = min_memory(chain);
+    let min = min_memory(chain).unwrap();
     let limit = min.saturating_sub(3) + extra;
     let brute = brute_force(chain, limit);
     match solve(chain, limit, limit.max(1) as usize) {
@@ -275,8 +275,8 @@ proptest! {
         slots in prop_oneof![Just(0usize), 1usize..60],
     ) {
         let one = restricted(&chain, &pick);
-        let min = min_memory(&chain);
-        prop_assert!(min <= min_memory(&one));
+        let min = min_memory(&chain).unwrap();
+        prop_assert!(min <= min_memory(&one).unwrap());
         let limit = min + extra;
         // 0: one byte per slot (exact).
         let slots = if slots == 0 { limit.max(1) as usize } else { slots };
@@ -297,7 +297,7 @@ proptest! {
         }
         // Refining the slots always meets a limit the exact model meets.
         if slots < limit as usize {
-            let sol = solve_refined(&chain, limit, slots, 1_000_000).unwrap();
+            let sol = solve_refined(&chain, limit, slots, &Bounds::default()).unwrap();
             prop_assert!(sol.peak_bytes <= limit);
         }
     }
@@ -310,8 +310,8 @@ proptest! {
             let o = st.options[0].clone();
             st.options.push(o);
         }
-        let limit = min_memory(&chain) + 5;
-        prop_assert_eq!(min_memory(&doubled), min_memory(&chain));
+        let limit = min_memory(&chain).unwrap() + 5;
+        prop_assert_eq!(min_memory(&doubled).unwrap(), min_memory(&chain).unwrap());
         let a = solve(&chain, limit, 20).map(|s| (s.ops, s.time, s.peak_bytes));
         let b = solve(&doubled, limit, 20).map(|s| (s.ops, s.time, s.peak_bytes));
         prop_assert_eq!(&a, &b);
@@ -332,14 +332,14 @@ fn a_small_option_makes_a_tight_limit_feasible() {
     let chain = two_option_chain();
     let big = restricted(&chain, &[0, 0, 0]);
     let small = restricted(&chain, &[0, 1, 0]);
-    assert!(min_memory(&chain) < min_memory(&big));
-    assert_eq!(min_memory(&chain), min_memory(&small));
+    assert!(min_memory(&chain).unwrap() < min_memory(&big).unwrap());
+    assert_eq!(min_memory(&chain).unwrap(), min_memory(&small).unwrap());
     // Plenty of memory: everything stored, with the fast option.
     let all = solve(&chain, 10_000, 10_000).unwrap();
     assert_eq!(all.time, 6.0);
     assert!(all.ops.contains(&ChainOp::ForwardAll(2, 0)));
     // Below what the big state needs: option 1 in the middle.
-    let limit = min_memory(&big) - 1;
+    let limit = min_memory(&big).unwrap() - 1;
     assert!(matches!(solve(&big, limit, limit as usize), Err(LiteratureError::Infeasible { .. })));
     let sol = solve(&chain, limit, limit as usize).unwrap();
     assert!(sol.peak_bytes <= limit);
@@ -348,8 +348,8 @@ fn a_small_option_makes_a_tight_limit_feasible() {
     let back = sol.ops.iter().position(|&op| op == ChainOp::Backward(2)).unwrap();
     assert_eq!(opts[back], Some(1));
     assert_eq!(peak_of(&chain, &sol.ops).unwrap(), (sol.peak_bytes, sol.time));
-    match solve(&chain, min_memory(&chain) - 1, 1000) {
-        Err(LiteratureError::Infeasible { min_bytes, .. }) => assert_eq!(min_bytes, min_memory(&chain)),
+    match solve(&chain, min_memory(&chain).unwrap() - 1, 1000) {
+        Err(LiteratureError::Infeasible { min_bytes, .. }) => assert_eq!(min_bytes, min_memory(&chain).unwrap()),
         other => panic!("expected infeasible, got {other:?}"),
     }
 }
@@ -367,7 +367,10 @@ fn bad_options_are_rejected_with_the_stage_named() {
         Err(LiteratureError::InvalidArgument(m)) => assert!(m.contains("stage 2 has no state option"), "{m}"),
         other => panic!("expected invalid argument, got {other:?}"),
     }
-    assert_eq!(min_memory(&chain), u64::MAX);
+    match min_memory(&chain) {
+        Err(LiteratureError::InvalidArgument(m)) => assert!(m.contains("stage 2 has no state option"), "{m}"),
+        other => panic!("expected invalid argument, got {other:?}"),
+    }
     let chain = two_option_chain();
     let err = peak_of(&chain, &[ChainOp::ForwardAll(1, 1)]).unwrap_err();
     assert!(err.contains("no such option"), "{err}");

@@ -35,7 +35,7 @@ proptest! {
         hrockmate_core::io::validate(&s.graph).map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert!(s.graph.ops.len() <= g.ops.len());
         for which in ["store_all", "recompute_all"] {
-            let make = |x: &Graph| if which == "store_all" { store_all(x) } else { recompute_all(x) };
+            let make = |x: &Graph| if which == "store_all" { store_all(x) } else { recompute_all(x).unwrap() };
             let a = simulate(&g, &make(&g)).unwrap();
             let sched = make(&s.graph);
             let b = simulate(&s.graph, &sched).map_err(|e| TestCaseError::fail(e.to_string()))?;

@@ -14,18 +14,16 @@ use std::collections::BinaryHeap;
 
 use crate::graph::{Graph, OpId, Phase, Role, TensorId};
 use crate::io::{op_label, tensor_label};
+use crate::limits::{Stop, Stopped};
 use crate::schedule::Schedule;
 use crate::simulate::SimResult;
 
-use super::rotor::{self, Chain, ChainOp, Stage, StateOption};
+use super::rotor::{self, Bounds, Chain, ChainOp, Stage, StateOption};
 use super::twremat::useful_order;
 use super::{checked, Emitter, LiteratureError};
 
 /// Default number of memory slots of the dynamic program.
 pub const DEFAULT_SLOTS: usize = 500;
-
-/// Largest table (stages² × slots) the automatic slot refinement of [`rotor`] goes up to.
-pub const MAX_TABLE_CELLS: usize = 20_000_000;
 
 /// The stages of a chain-structured graph (stages numbered from 1 in [`ChainOp`]s; index
 /// `k - 1` here).
@@ -273,6 +271,11 @@ impl ChainStructure {
     /// The chain model of this structure: sizes from storages, overheads from running each
     /// stage operation on its own; one state option per stage (the whole stage forward).
     pub fn chain(&self, g: &Graph) -> Chain {
+        self.chain_within(g, &Stop::never()).expect("no stop was asked for")
+    }
+
+    /// [`Self::chain`], polling `stop` at each stage (each costs O(tensors)).
+    pub fn chain_within(&self, g: &Graph, stop: &Stop) -> Result<Chain, Stopped> {
         let roots = g.storage_roots();
         let uncounted: Vec<bool> = g
             .tensors
@@ -283,6 +286,7 @@ impl ChainStructure {
         let l = self.len();
         let stages = (0..l)
             .map(|k| {
+                stop.check()?;
                 let out_bytes = set_bytes(g, &roots, &self.boundary[k], &uncounted);
                 let state_bytes = set_bytes(g, &roots, &self.state[k], &uncounted).max(out_bytes);
                 let grad_bytes = if k == 0 { 0 } else { set_bytes(g, &roots, &self.grads[k - 1], &uncounted) };
@@ -290,7 +294,7 @@ impl ChainStructure {
                 let all_peak = local_peak(g, &roots, &self.backward_tensor, &self.forward[k], &self.state[k]);
                 let keep_grads = if k == 0 { &[][..] } else { &self.grads[k - 1][..] };
                 let bwd_peak = local_peak(g, &roots, &self.backward_tensor, &self.backward[k], keep_grads);
-                Stage {
+                Ok(Stage {
                     fwd_time: time(&self.output_ops[k]),
                     out_bytes,
                     grad_bytes,
@@ -302,10 +306,10 @@ impl ChainStructure {
                         bwd_time: time(&self.backward[k]),
                         bwd_overhead: bwd_peak.saturating_sub(grad_bytes),
                     }],
-                }
+                })
             })
-            .collect();
-        Chain { input_bytes: 0, final_grad_bytes: 0, stages }
+            .collect::<Result<_, Stopped>>()?;
+        Ok(Chain { input_bytes: 0, final_grad_bytes: 0, stages })
     }
 
     /// Turn a chain operation sequence (valid for this structure's chain) into IR steps.
@@ -450,38 +454,40 @@ pub fn is_chain(g: &Graph) -> bool {
 }
 
 /// Rotor on a chain-structured graph: the fastest schedule (within the chain model, memory
-/// discretised into `slots`) whose simulated peak is at most `budget_bytes`. When rounding to
-/// slots makes a budget that the exact model allows infeasible, the slots are refined (x4, up
-/// to [`MAX_TABLE_CELLS`] table cells) before giving up.
+/// discretised into `slots`) whose simulated peak is at most `budget_bytes`, within the default
+/// [`Bounds`]. When rounding to slots makes a budget that the exact model allows infeasible,
+/// the slots are refined ([`rotor::solve_refined`]) before giving up.
 pub fn rotor(g: &Graph, budget_bytes: u64, slots: usize) -> Result<(Schedule, SimResult), LiteratureError> {
+    rotor_within(g, budget_bytes, slots, &Bounds::default())
+}
+
+/// [`rotor`] within `bounds`: a chain whose tables cannot fit `bounds.max_table_bytes` is
+/// refused (`TooLarge`) right after its stages are found, before the chain model is built, and
+/// the work stops (`Stopped`) when `bounds.stop` says so.
+pub fn rotor_within(
+    g: &Graph,
+    budget_bytes: u64,
+    slots: usize,
+    bounds: &Bounds,
+) -> Result<(Schedule, SimResult), LiteratureError> {
     let structure = ChainStructure::detect(g)?;
-    let chain = structure.chain(g);
+    rotor::fit_slots(structure.len(), slots.max(1), bounds.max_table_bytes)?;
+    let chain = structure.chain_within(g, &bounds.stop)?;
     let fixed = structure.permanent_bytes();
-    let infeasible = |detail: String| LiteratureError::Infeasible {
-        limit_bytes: budget_bytes,
-        min_bytes: fixed + rotor::min_memory(&chain),
-        detail,
+    let infeasible = |detail: String| match rotor::min_memory_within(&chain, bounds) {
+        Ok(min) => LiteratureError::Infeasible { limit_bytes: budget_bytes, min_bytes: fixed + min, detail },
+        Err(e) => e,
     };
     if budget_bytes < fixed {
         return Err(infeasible(format!("the graph's outputs alone take {fixed} bytes")));
     }
     let mut limit = budget_bytes - fixed;
-    let exact_min = rotor::min_memory(&chain);
-    let mut slots = slots;
     // The chain model over-approximates the simulated memory; if it ever under-approximates,
     // tighten the limit by the excess and solve again.
     for _ in 0..8 {
-        let sol = match rotor::solve(&chain, limit, slots) {
+        let sol = match rotor::solve_refined(&chain, limit, slots, bounds) {
             Ok(sol) => sol,
-            Err(LiteratureError::Infeasible { detail, .. }) => {
-                // Rounding sizes up to slots can lose a budget that fits exactly: refine.
-                let cells = structure.len() * structure.len() * slots * 4;
-                if limit >= exact_min && cells <= MAX_TABLE_CELLS {
-                    slots *= 4;
-                    continue;
-                }
-                return Err(infeasible(detail));
-            }
+            Err(LiteratureError::Infeasible { detail, .. }) => return Err(infeasible(detail)),
             Err(other) => return Err(other),
         };
         let s = structure.schedule(g, &sol.ops);

@@ -17,6 +17,7 @@ pub mod treedec;
 pub mod twremat;
 
 use crate::graph::{Graph, OpId, TensorId};
+use crate::limits::{Stopped, TooLarge};
 use crate::schedule::{Schedule, Step};
 use crate::simulate::{simulate, SimResult};
 
@@ -39,6 +40,12 @@ pub enum LiteratureError {
     /// A parameter is out of range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The work would need more memory than its bound allows (Rotor's tables).
+    #[error(transparent)]
+    TooLarge(#[from] TooLarge),
+    /// The time limit ran out, or the caller cancelled the work.
+    #[error(transparent)]
+    Stopped(#[from] Stopped),
     /// The solver produced a schedule the simulator rejects (a bug: please report the graph).
     #[error("internal error, the produced schedule is invalid: {0}")]
     Internal(String),

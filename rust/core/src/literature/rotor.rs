@@ -25,9 +25,96 @@
 //! `a_{s-1}` and `δ_t`, either store the full state of `s` with one of its options and recurse
 //! on `s+1..=t`, or run the forward to a checkpoint `a_{s'-1}` (keeping only `a_{s-1}`),
 //! recurse on `s'..=t`, free the checkpoint and recurse on `s..=s'-1`.
-//! O(L^2 · (L + options) · slots) time, O(L^2 · slots) memory.
+//! O(L^2 · (L + options) · slots) time, O(L^2 · slots) memory: [`Bounds`] caps the tables
+//! (slots are reduced to fit, see [`fit_slots`]) and gives the time limit and cancellation flag
+//! the program polls.
+
+use crate::limits::{human_bytes, Stop, TooLarge, MAX_GRAPH_BYTES};
 
 use super::LiteratureError;
+
+/// Default bound on the bytes of the dynamic program's tables (1 GiB).
+pub const DEFAULT_MAX_TABLE_BYTES: u64 = 1 << 30;
+
+/// [`solve_refined`] refines the slots only while the tables stay within this (256 MiB), so that
+/// refining costs at most a few times the first solve.
+pub const REFINE_TABLE_BYTES: u64 = 256 << 20;
+
+/// The fewest slots the program is reduced to when its tables would exceed their bound (fewer
+/// only when the caller asks for fewer): below this, rounding sizes up to whole slots loses
+/// most budgets.
+pub const MIN_SLOTS: usize = 16;
+
+/// Bytes of one table cell: its cost (f64) and its choice (i32).
+const CELL_BYTES: u128 = 12;
+
+/// Bounds on one run of the program: the bytes its tables may take, and when to stop.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds<'a> {
+    pub max_table_bytes: u64,
+    pub stop: Stop<'a>,
+}
+
+impl Default for Bounds<'_> {
+    fn default() -> Self {
+        Bounds { max_table_bytes: DEFAULT_MAX_TABLE_BYTES, stop: Stop::never() }
+    }
+}
+
+/// Number of sub-chains `a..=b` of a chain of `stages` stages (the rows of the tables).
+fn sub_chains(stages: usize) -> u128 {
+    let l = stages as u128;
+    l * (l + 1) / 2
+}
+
+/// Bytes of the dynamic program's tables for `stages` stages and `slots` slots.
+pub fn table_bytes(stages: usize, slots: usize) -> u128 {
+    sub_chains(stages) * (slots as u128 + 1) * CELL_BYTES
+}
+
+/// The slots to run with: `slots`, reduced if needed so that the tables fit `max_table_bytes`,
+/// but not below [`MIN_SLOTS`] (or `slots` when that is smaller). `TooLarge`, naming the stage
+/// count and the bytes needed, when even that does not fit.
+pub fn fit_slots(stages: usize, slots: usize, max_table_bytes: u64) -> Result<usize, LiteratureError> {
+    if table_bytes(stages, slots) <= u128::from(max_table_bytes) {
+        return Ok(slots);
+    }
+    let floor = slots.min(MIN_SLOTS);
+    let per_slot = sub_chains(stages) * CELL_BYTES;
+    // table_bytes(stages, s) = per_slot * (s + 1) <= max  <=>  s <= max / per_slot - 1
+    let fitting = (u128::from(max_table_bytes) / per_slot).saturating_sub(1);
+    if fitting >= floor as u128 {
+        return Ok(fitting as usize);
+    }
+    Err(LiteratureError::TooLarge(TooLarge(format!(
+        "Rotor on {stages} stages needs {} for its tables even with {floor} memory slots (more \
+         than the {} allowed; its tables grow with stages^2 x slots): raise max_table_bytes, or \
+         plan this graph with a method that splits it (hrockmate, twremat)",
+        human_bytes(table_bytes(stages, floor)),
+        human_bytes(u128::from(max_table_bytes)),
+    ))))
+}
+
+/// A zero-filled table of `len` cells of `T`, or `TooLarge` when the allocation fails (instead
+/// of aborting the process).
+fn table<T: Clone>(len: usize, fill: T, what: &str) -> Result<Vec<T>, LiteratureError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        LiteratureError::TooLarge(TooLarge(format!(
+            "cannot allocate {} for Rotor's {what}: the machine is out of memory; lower \
+             max_table_bytes or the slots",
+            human_bytes(len as u128 * std::mem::size_of::<T>() as u128)
+        )))
+    })?;
+    v.resize(len, fill);
+    Ok(v)
+}
+
+/// Index of the sub-chain `a..=b` (1 <= a <= b <= l) in a triangular table.
+#[inline]
+fn sub_chain(l: usize, a: usize, b: usize) -> usize {
+    (a - 1) * (l + 1) - (a - 1) * a / 2 + (b - a)
+}
 
 /// One way to run a stage's forward while keeping everything its backward needs (its full
 /// state `ā_k`), with the backward that goes with it. Times in any unit; sizes in bytes.
@@ -108,11 +195,15 @@ pub struct ChainSolution {
     pub time: f64,
     /// Exact peak of `ops` in the chain model (bytes).
     pub peak_bytes: u64,
+    /// The memory slots the program ran with (fewer than asked when its tables had to fit
+    /// their bound).
+    pub slots: usize,
 }
 
 /// Simulate `ops` on `chain` in the chain model: `Ok((peak bytes, time))`, or an error naming
 /// the first operation whose requirements do not hold.
 pub fn peak_of(chain: &Chain, ops: &[ChainOp]) -> Result<(u64, f64), String> {
+    check_sizes(chain).map_err(|e| e.to_string())?;
     let l = chain.stages.len();
     let st = |k: usize| &chain.stages[k - 1];
     let x = |k: usize| if k == 0 { chain.input_bytes } else { st(k).out_bytes };
@@ -267,19 +358,38 @@ impl Slots {
 }
 
 /// The smallest memory (bytes) with which the chain can be processed in the model, over the
-/// strategies the dynamic program considers. Exact (no discretisation). `u64::MAX` when a stage
-/// has no state option.
-pub fn min_memory(chain: &Chain) -> u64 {
+/// strategies the dynamic program considers. Exact (no discretisation). Errors for an invalid
+/// chain, or when its table (stages² / 2 × 8 bytes) exceeds [`DEFAULT_MAX_TABLE_BYTES`].
+pub fn min_memory(chain: &Chain) -> Result<u64, LiteratureError> {
+    min_memory_within(chain, &Bounds::default())
+}
+
+/// [`min_memory`] within `bounds` (O(L³) time: it polls `bounds.stop`).
+pub fn min_memory_within(chain: &Chain, bounds: &Bounds) -> Result<u64, LiteratureError> {
+    check_chain(chain)?;
     let l = chain.stages.len();
     if l == 0 {
-        return chain.input_bytes + chain.final_grad_bytes;
+        return Ok(chain.input_bytes + chain.final_grad_bytes);
+    }
+    let needed = sub_chains(l) * 8;
+    if needed > u128::from(bounds.max_table_bytes) {
+        return Err(LiteratureError::TooLarge(TooLarge(format!(
+            "the smallest memory of a Rotor chain of {l} stages needs a table of {} (more than the \
+             {} allowed): raise max_table_bytes, or plan with a method that splits the graph",
+            human_bytes(needed),
+            human_bytes(u128::from(bounds.max_table_bytes))
+        ))));
     }
     let s = Slots::new(chain, 1);
-    let mut mm = vec![usize::MAX; (l + 1) * (l + 1)];
-    let idx = |a: usize, b: usize| a * (l + 1) + b;
+    let mut mm: Vec<usize> = table(sub_chains(l) as usize, usize::MAX, "minimum-memory table")?;
+    let idx = |a: usize, b: usize| sub_chain(l, a, b);
     for len in 0..l {
+        bounds.stop.check()?;
         for a in 1..=l - len {
             let b = a + len;
+            if a % 256 == 0 {
+                bounds.stop.check()?;
+            }
             let mut best = usize::MAX;
             for o in 0..s.opts[a].len() {
                 let mut need = s.store_all_need(a, b, o);
@@ -304,12 +414,7 @@ pub fn min_memory(chain: &Chain) -> u64 {
             mm[idx(a, b)] = best;
         }
     }
-    let m = mm[idx(1, l)];
-    if m == usize::MAX {
-        u64::MAX
-    } else {
-        m as u64
-    }
+    Ok(mm[idx(1, l)] as u64)
 }
 
 fn check_time(where_: &str, what: &str, v: f64) -> Result<(), LiteratureError> {
@@ -320,14 +425,36 @@ fn check_time(where_: &str, what: &str, v: f64) -> Result<(), LiteratureError> {
     }
 }
 
-/// Solve the chain for a memory limit with `slots` memory slots (`limit_bytes / slots` bytes
-/// each; sizes are rounded up to whole slots, so the result never exceeds the limit).
-/// The returned sequence is optimal for the discretised sizes, over every option of every
-/// stage (ties go to the lower option index).
-pub fn solve(chain: &Chain, limit_bytes: u64, slots: usize) -> Result<ChainSolution, LiteratureError> {
-    if slots == 0 {
-        return Err(LiteratureError::InvalidArgument("slots must be at least 1".into()));
+/// The sizes of a chain must add up to at most [`MAX_GRAPH_BYTES`] (as a graph's): then every
+/// memory figure of the model is exact in `u64`. The error names the stage where the running
+/// sum passes it.
+fn check_sizes(chain: &Chain) -> Result<(), LiteratureError> {
+    let past = |k: usize| {
+        LiteratureError::InvalidArgument(format!(
+            "the chain's sizes add up past 2^62-1 bytes (4 EiB) at stage {k} (the input and final \
+             gradient, then every stage's output, gradient, overhead and options), more than \
+             Rotor adds up exactly; check the units of the sizes"
+        ))
+    };
+    let mut total = u128::from(chain.input_bytes) + u128::from(chain.final_grad_bytes);
+    for (i, st) in chain.stages.iter().enumerate() {
+        total += u128::from(st.out_bytes) + u128::from(st.grad_bytes) + u128::from(st.fwd_overhead);
+        for o in &st.options {
+            total += u128::from(o.state_bytes) + u128::from(o.fwd_overhead) + u128::from(o.bwd_overhead);
+        }
+        if total > u128::from(MAX_GRAPH_BYTES) {
+            return Err(past(i + 1));
+        }
     }
+    if total > u128::from(MAX_GRAPH_BYTES) {
+        return Err(past(0));
+    }
+    Ok(())
+}
+
+/// A chain the program can run on: finite times >= 0, at least one option per stage, sizes
+/// within [`check_sizes`]. Errors name the stage and field.
+fn check_chain(chain: &Chain) -> Result<(), LiteratureError> {
     for (i, st) in chain.stages.iter().enumerate() {
         let k = i + 1;
         check_time(&format!("stage {k}"), "fwd_time", st.fwd_time)?;
@@ -344,30 +471,62 @@ pub fn solve(chain: &Chain, limit_bytes: u64, slots: usize) -> Result<ChainSolut
             check_time(&format!("stage {k} option {o}"), "bwd_time", opt.bwd_time)?;
         }
     }
+    check_sizes(chain)
+}
+
+/// Solve the chain for a memory limit with `slots` memory slots (`limit_bytes / slots` bytes
+/// each; sizes are rounded up to whole slots, so the result never exceeds the limit), within
+/// the default [`Bounds`].
+/// The returned sequence is optimal for the discretised sizes, over every option of every
+/// stage (ties go to the lower option index).
+pub fn solve(chain: &Chain, limit_bytes: u64, slots: usize) -> Result<ChainSolution, LiteratureError> {
+    solve_within(chain, limit_bytes, slots, &Bounds::default())
+}
+
+/// [`solve`] within `bounds`: the slots are reduced when the tables would exceed
+/// `bounds.max_table_bytes` ([`fit_slots`]; [`ChainSolution::slots`] says how many were used),
+/// and the program stops with `Stopped` when `bounds.stop` says so.
+pub fn solve_within(
+    chain: &Chain,
+    limit_bytes: u64,
+    slots: usize,
+    bounds: &Bounds,
+) -> Result<ChainSolution, LiteratureError> {
+    if slots == 0 {
+        return Err(LiteratureError::InvalidArgument("slots must be at least 1".into()));
+    }
+    check_chain(chain)?;
     let l = chain.stages.len();
-    let infeasible = |detail: String| LiteratureError::Infeasible {
-        limit_bytes,
-        min_bytes: min_memory(chain),
-        detail,
+    let infeasible = |detail: String| match min_memory_within(chain, bounds) {
+        Ok(min_bytes) => LiteratureError::Infeasible { limit_bytes, min_bytes, detail },
+        Err(e) => e,
     };
     if l == 0 {
         if chain.input_bytes + chain.final_grad_bytes > limit_bytes {
             return Err(infeasible("the chain input and gradient alone exceed it".into()));
         }
-        return Ok(ChainSolution { ops: Vec::new(), time: 0.0, peak_bytes: chain.input_bytes + chain.final_grad_bytes });
+        let peak_bytes = chain.input_bytes + chain.final_grad_bytes;
+        return Ok(ChainSolution { ops: Vec::new(), time: 0.0, peak_bytes, slots });
     }
+    let slots = fit_slots(l, slots, bounds.max_table_bytes)?;
     let slot = limit_bytes.div_ceil(slots as u64).max(1);
     let m_max = (limit_bytes / slot) as usize;
     let s = Slots::new(chain, slot);
     let w = m_max + 1;
-    let cell = |a: usize, b: usize, m: usize| ((a - 1) * l + (b - 1)) * w + m;
-    let mut cost = vec![f64::INFINITY; l * l * w];
-    let mut choice = vec![NO_CHOICE; l * l * w];
+    let cell = |a: usize, b: usize, m: usize| sub_chain(l, a, b) * w + m;
+    let cells = sub_chains(l) as usize * w;
+    let mut cost = table(cells, f64::INFINITY, "cost table")?;
+    let mut choice = table(cells, NO_CHOICE, "choice table")?;
     let st = |k: usize| &chain.stages[k - 1];
 
     for len in 0..l {
+        bounds.stop.check()?;
         for a in 1..=l - len {
             let b = a + len;
+            // A sub-chain costs O(len * slots): poll every few of them.
+            if a % 64 == 0 {
+                bounds.stop.check()?;
+            }
             let here = cell(a, b, 0);
             // Store the full state of stage a, with each of its options.
             for (o, opt) in st(a).options.iter().enumerate() {
@@ -449,28 +608,29 @@ pub fn solve(chain: &Chain, limit_bytes: u64, slots: usize) -> Result<ChainSolut
         }
     }
     let (peak_bytes, time) = peak_of(chain, &ops).map_err(LiteratureError::Internal)?;
-    Ok(ChainSolution { ops, time, peak_bytes })
+    Ok(ChainSolution { ops, time, peak_bytes, slots })
 }
 
-/// [`solve`], refining the slots (x4, while the table, stages² × slots cells, stays within
-/// `max_cells`) when rounding sizes up to slots makes a limit fail that the exact model meets
-/// (`limit_bytes >= min_memory`). With enough cells the limit then always succeeds, since one
-/// byte per slot is exact.
+/// [`solve_within`], refining the slots (x4, while the tables stay within
+/// [`REFINE_TABLE_BYTES`] and `bounds.max_table_bytes`) when rounding sizes up to slots makes a
+/// limit fail that the exact model meets (`limit_bytes >= min_memory`). With large enough
+/// tables the limit then always succeeds, since one byte per slot is exact.
 pub fn solve_refined(
     chain: &Chain,
     limit_bytes: u64,
     slots: usize,
-    max_cells: usize,
+    bounds: &Bounds,
 ) -> Result<ChainSolution, LiteratureError> {
     let l = chain.stages.len().max(1);
+    let refine_bytes = u128::from(REFINE_TABLE_BYTES.min(bounds.max_table_bytes));
     let mut slots = slots;
     loop {
-        match solve(chain, limit_bytes, slots) {
+        match solve_within(chain, limit_bytes, slots, bounds) {
             Err(LiteratureError::Infeasible { min_bytes, .. })
                 if limit_bytes >= min_bytes
                     // Beyond one byte per slot nothing changes.
                     && (slots as u64) < limit_bytes
-                    && l.saturating_mul(l).saturating_mul(slots.saturating_mul(4)) <= max_cells =>
+                    && table_bytes(l, slots.saturating_mul(4)) <= refine_bytes =>
             {
                 slots *= 4;
             }

@@ -8,6 +8,8 @@
 
 use std::collections::{BTreeSet, HashSet};
 
+use crate::limits::{Stop, Stopped};
+
 /// Vertices whose degree exceeds this are not eliminated: they all go into one final bag. This
 /// bounds the fill-in work on dense graphs (the result stays a valid tree decomposition).
 pub const MAX_ELIMINATION_DEGREE: usize = 128;
@@ -15,11 +17,12 @@ pub const MAX_ELIMINATION_DEGREE: usize = 128;
 /// A balanced separator of the subgraph induced by `verts` in the undirected graph `adj`
 /// (neighbour lists over global vertex ids; `verts` distinct). Every connected component of
 /// `verts` minus the returned set has at most `verts.len() / 2` vertices. Empty when `verts`
-/// already splits into such components (or has at most one vertex).
-pub fn balanced_separator(adj: &[Vec<usize>], verts: &[usize]) -> Vec<usize> {
+/// already splits into such components (or has at most one vertex). Polls `stop` while it
+/// eliminates vertices.
+pub fn balanced_separator(adj: &[Vec<usize>], verts: &[usize], stop: &Stop) -> Result<Vec<usize>, Stopped> {
     let n = verts.len();
     if n <= 1 {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let local: std::collections::HashMap<usize, usize> =
         verts.iter().enumerate().map(|(i, &v)| (v, i)).collect();
@@ -36,6 +39,9 @@ pub fn balanced_separator(adj: &[Vec<usize>], verts: &[usize]) -> Vec<usize> {
     while let Some(&(deg, v)) = queue.iter().next() {
         if deg > MAX_ELIMINATION_DEGREE {
             break;
+        }
+        if order.len() % 1024 == 1023 {
+            stop.check()?;
         }
         queue.remove(&(deg, v));
         eliminated[v] = true;
@@ -93,7 +99,7 @@ pub fn balanced_separator(adj: &[Vec<usize>], verts: &[usize]) -> Vec<usize> {
     };
     let mut out: Vec<usize> = sep.into_iter().map(|i| verts[i]).collect();
     out.sort_unstable();
-    out
+    Ok(out)
 }
 
 /// Connected components of the subgraph induced by `verts` (a subset of the vertices of `adj`),
@@ -145,7 +151,7 @@ mod tests {
     }
 
     fn check_balanced(adj: &[Vec<usize>], verts: &[usize]) -> Vec<usize> {
-        let sep = balanced_separator(adj, verts);
+        let sep = balanced_separator(adj, verts, &Stop::never()).unwrap();
         let rest: Vec<usize> = verts.iter().copied().filter(|v| !sep.contains(v)).collect();
         let mut mark = vec![0u8; adj.len()];
         for c in components(adj, &rest, &mut mark) {

@@ -17,9 +17,10 @@
 //! more, down to full recursion at [`TwRemat::height`].
 
 use crate::graph::{Graph, OpId, Phase, Role, TensorId};
+use crate::limits::{Stop, Stopped, MAX_SCHEDULE_STEPS};
 use crate::schedule::Schedule;
 use crate::schedules::execution_order;
-use crate::simulate::SimResult;
+use crate::simulate::{simulate_within, SimResult, SimulateError};
 
 use super::treedec::{balanced_separator, components};
 use super::{checked, Emitter, LiteratureError};
@@ -91,6 +92,11 @@ pub(crate) fn useful_order(g: &Graph, producer: &[Option<OpId>]) -> Vec<OpId> {
 impl TwRemat {
     /// Build the recursion tree of `g` (a validated graph).
     pub fn new(g: &Graph) -> TwRemat {
+        Self::new_within(g, &Stop::never()).expect("no stop was asked for")
+    }
+
+    /// [`Self::new`], polling `stop` while it splits regions.
+    pub fn new_within(g: &Graph, stop: &Stop) -> Result<TwRemat, Stopped> {
         let producer = g.producers();
         let order = useful_order(g, &producer);
         let n_ops = g.ops.len();
@@ -121,6 +127,7 @@ impl TwRemat {
         let mut mark = vec![0u8; n_ops];
         let mut todo = vec![0usize];
         while let Some(r) = todo.pop() {
+            stop.check()?;
             let ops = regions[r].ops.clone();
             if ops.len() <= 1 {
                 continue;
@@ -129,7 +136,7 @@ impl TwRemat {
             let (sep, comps) = if comps.len() > 1 {
                 (Vec::new(), comps)
             } else {
-                let sep = balanced_separator(&adj, &ops);
+                let sep = balanced_separator(&adj, &ops, stop)?;
                 let in_sep: std::collections::HashSet<OpId> = sep.iter().copied().collect();
                 let rest: Vec<OpId> = ops.iter().copied().filter(|o| !in_sep.contains(o)).collect();
                 (sep, components(&adj, &rest, &mut mark))
@@ -169,7 +176,7 @@ impl TwRemat {
         }
         let path: Vec<Vec<usize>> =
             home.iter().map(|&h| if h == usize::MAX { Vec::new() } else { region_path[h].clone() }).collect();
-        TwRemat { regions, path, home_is_sep, region_path, order, producer }
+        Ok(TwRemat { regions, path, home_is_sep, region_path, order, producer })
     }
 
     /// The deepest region depth: depth limits at or above it all give the full recursion.
@@ -196,6 +203,17 @@ impl TwRemat {
     /// As [`Self::schedule`], but gives up with `StepLimit` once the schedule exceeds
     /// `max_steps` steps (recomputation grows quickly with depth on graphs of large treewidth).
     pub fn schedule_capped(&self, g: &Graph, depth_limit: usize, max_steps: usize) -> Result<Schedule, LiteratureError> {
+        self.schedule_within(g, depth_limit, max_steps, &Stop::never())
+    }
+
+    /// [`Self::schedule_capped`], polling `stop` as it goes (`Stopped` when it says so).
+    pub fn schedule_within(
+        &self,
+        g: &Graph,
+        depth_limit: usize,
+        max_steps: usize,
+        stop: &Stop,
+    ) -> Result<Schedule, LiteratureError> {
         if g.ops.len() != self.path.len() {
             return Err(LiteratureError::InvalidArgument(format!(
                 "the recursion tree was built for a graph of {} ops, this one has {}; build it for this graph",
@@ -203,7 +221,7 @@ impl TwRemat {
                 g.ops.len()
             )));
         }
-        let mut run = Run::new(g, self, depth_limit);
+        let mut run = Run::new(g, self, depth_limit, stop);
         run.max_steps = max_steps;
         run.run()
     }
@@ -217,29 +235,55 @@ pub fn twremat(g: &Graph, depth_limit: Option<usize>) -> Result<(Schedule, SimRe
     Ok((s, sim))
 }
 
-/// The step cap [`twremat_points`] uses: a few hundred compute/free steps per op.
+/// The step cap [`twremat_points`] uses: a few hundred compute/free steps per op, and at most
+/// [`MAX_SCHEDULE_STEPS`].
 pub fn default_step_cap(g: &Graph) -> usize {
-    200 * g.ops.len() + 10_000
+    (200 * g.ops.len() + 10_000).min(MAX_SCHEDULE_STEPS)
 }
 
 /// TW-Remat at every depth limit from 0 (store-all) towards the full recursion, each
 /// simulated. Points are in depth order; identical schedules are reported once. Stops at the
 /// first depth whose schedule would exceed `max_steps` steps (`None`: [`default_step_cap`]).
 pub fn twremat_points(g: &Graph, max_steps: Option<usize>) -> Result<Vec<TwRematPoint>, LiteratureError> {
-    let tw = TwRemat::new(g);
-    let cap = max_steps.unwrap_or_else(|| default_step_cap(g));
+    twremat_points_within(g, None, max_steps, &Stop::never())
+}
+
+/// TW-Remat at `depth_limits` (values above [`TwRemat::height`] act as it; a schedule longer
+/// than `max_steps`, by default unlimited, is an error), or, with `None`, as
+/// [`twremat_points`], which also stops listing once its points hold more than
+/// [`MAX_SCHEDULE_STEPS`] steps in all. Polls `stop` throughout.
+pub fn twremat_points_within(
+    g: &Graph,
+    depth_limits: Option<&[usize]>,
+    max_steps: Option<usize>,
+    stop: &Stop,
+) -> Result<Vec<TwRematPoint>, LiteratureError> {
+    let tw = TwRemat::new_within(g, stop)?;
+    let all = depth_limits.is_none();
+    let every_depth: Vec<usize> = (0..=tw.height()).collect();
+    let cap = max_steps.unwrap_or_else(|| if all { default_step_cap(g) } else { usize::MAX });
     let mut points: Vec<TwRematPoint> = Vec::new();
-    for depth_limit in 0..=tw.height() {
-        let schedule = match tw.schedule_capped(g, depth_limit, cap) {
+    let mut total_steps = 0usize;
+    for &depth in depth_limits.unwrap_or(&every_depth) {
+        let schedule = match tw.schedule_within(g, depth, cap, stop) {
             Ok(s) => s,
-            Err(LiteratureError::StepLimit { .. }) if depth_limit > 0 => break,
+            // Listing every depth stops where schedules get too long.
+            Err(LiteratureError::StepLimit { .. }) if all && !points.is_empty() => break,
             Err(e) => return Err(e),
         };
-        if points.last().is_some_and(|p| p.schedule == schedule) {
+        // When listing every depth, a depth that changes nothing is reported once.
+        if all && points.last().is_some_and(|p| p.schedule == schedule) {
             continue;
         }
-        let sim = checked(g, &schedule)?;
-        points.push(TwRematPoint { depth_limit, schedule, sim });
+        total_steps += schedule.steps.len();
+        if all && total_steps > MAX_SCHEDULE_STEPS && !points.is_empty() {
+            break;
+        }
+        let sim = simulate_within(g, &schedule, stop).map_err(|e| match e {
+            SimulateError::Stopped(s) => LiteratureError::Stopped(s),
+            SimulateError::Schedule(e) => LiteratureError::Internal(e.to_string()),
+        })?;
+        points.push(TwRematPoint { depth_limit: depth.min(tw.height()), schedule, sim });
     }
     Ok(points)
 }
@@ -265,6 +309,9 @@ struct Run<'a> {
     mark: Vec<u32>,
     epoch: u32,
     max_steps: usize,
+    stop: &'a Stop<'a>,
+    /// Calls of [`Run::ensure`] so far (the stop is polled every few thousand).
+    ensured: u64,
 }
 
 fn internal(msg: String) -> LiteratureError {
@@ -272,7 +319,7 @@ fn internal(msg: String) -> LiteratureError {
 }
 
 impl<'a> Run<'a> {
-    fn new(g: &'a Graph, tw: &'a TwRemat, limit: usize) -> Run<'a> {
+    fn new(g: &'a Graph, tw: &'a TwRemat, limit: usize, stop: &'a Stop<'a>) -> Run<'a> {
         let nt = g.tensors.len();
         let order = &tw.order;
         let mut pos = vec![usize::MAX; g.ops.len()];
@@ -335,6 +382,8 @@ impl<'a> Run<'a> {
             mark: vec![0; g.ops.len()],
             epoch: 0,
             max_steps: usize::MAX,
+            stop,
+            ensured: 0,
         }
     }
 
@@ -533,6 +582,10 @@ impl<'a> Run<'a> {
     fn ensure(&mut self, r: usize, y: OpId) -> Result<(), LiteratureError> {
         if self.em.steps.len() > self.max_steps {
             return Err(LiteratureError::StepLimit { max_steps: self.max_steps });
+        }
+        self.ensured += 1;
+        if self.ensured & 4095 == 0 {
+            self.stop.check()?;
         }
         self.enter(r);
         let post = self.closure(r, y)?;

@@ -1,0 +1,152 @@
+"""Type stub of ``hrockmate._native``, the Rust core's Python bindings (rust/bindings/src).
+
+Graphs cross as keyword arguments holding the flat arrays of docs/graph-ir.md ("Flat array
+form"): pass ``**graph.to_arrays()``, optionally with ``tensor_names``/``op_names`` (used only in
+error messages). Schedules cross as ``(step_kind int8, step_id int64, forward_len)``.
+
+Every call runs on a worker thread: Ctrl-C stops it within a few milliseconds of the core's
+next poll and raises KeyboardInterrupt. ``time_limit`` (seconds, None for none) bounds the
+calls that take one. Errors raise the exception classes below.
+"""
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+__version__: str
+
+class InvalidGraphError(ValueError):
+    """A graph breaks a rule of the IR; the message names the op, tensor or field."""
+
+class InvalidScheduleError(ValueError):
+    """A schedule breaks a rule; the message starts with ``step N:`` when ``step`` is known."""
+
+    step: int | None
+
+class InvalidArgumentError(ValueError):
+    """A parameter of a native call is out of range; the message names it."""
+
+class NotAChainError(ValueError):
+    """The graph has no chain structure Rotor can use; the message names the op or tensor."""
+
+class InfeasibleError(ValueError):
+    """No schedule fits the memory limit."""
+
+    limit_bytes: int
+    min_bytes: int
+
+class TooLargeError(MemoryError):
+    """The work would need more memory than its bound allows; the message names the sizes."""
+
+class TimeLimitError(TimeoutError):
+    """The time limit given to the call ran out before the work finished."""
+
+class InternalError(RuntimeError):
+    """A bug in the core (a produced schedule failed its check, or a panic)."""
+
+# A graph as keyword arguments: its flat arrays, plus optional name lists.
+_GraphArg = NDArray[Any] | list[str] | None
+_ScheduleArrays = tuple[NDArray[np.int8], NDArray[np.int64], int]
+
+# ---- graph_api.rs ----------------------------------------------------------------------------
+
+def parse_graph(text: str) -> str:
+    """IR JSON or networkx node-link JSON in; the canonical, validated IR JSON out."""
+
+def check_graph(**graph: _GraphArg) -> None:
+    """Validate a graph given as flat arrays."""
+
+def simulate(
+    step_kind: NDArray[np.int8],
+    step_id: NDArray[np.int64],
+    forward_len: int,
+    **graph: _GraphArg,
+) -> dict[str, Any]:
+    """The simulation of a schedule: ``peak_bytes``, ``time``, ``forward_peak``,
+    ``backward_peak``, ``bytes_after_forward``, ``peak_step``, ``timeline`` (int64 array),
+    ``compute_count`` (int64 array)."""
+
+def store_all(**graph: _GraphArg) -> _ScheduleArrays:
+    """The store-all (plain autograd) schedule."""
+
+def recompute_all(**graph: _GraphArg) -> _ScheduleArrays:
+    """The recompute-all schedule; TooLargeError beyond 20 million steps."""
+
+def parse_schedule(text: str) -> _ScheduleArrays:
+    """Parse schedule JSON."""
+
+# ---- literature_api.rs -----------------------------------------------------------------------
+
+def twremat(
+    depth_limits: list[int] | None = None,
+    max_steps: int | None = None,
+    time_limit: float | None = None,
+    **graph: _GraphArg,
+) -> list[tuple[int, NDArray[np.int8], NDArray[np.int64], int, dict[str, Any]]]:
+    """TW-Remat points ``(depth_limit, step_kind, step_id, forward_len, sim)``."""
+
+def rotor(
+    budget_bytes: int,
+    slots: int = 500,
+    time_limit: float | None = None,
+    max_table_bytes: int = 1073741824,
+    **graph: _GraphArg,
+) -> tuple[NDArray[np.int8], NDArray[np.int64], int, dict[str, Any]]:
+    """Rotor on a chain-structured graph: ``(step_kind, step_id, forward_len, sim)``."""
+
+def chain_stages(**graph: _GraphArg) -> list[tuple[list[int], list[int]]]:
+    """Per chain stage: its forward op ids and backward op ids."""
+
+def rotor_chain(
+    input_bytes: int,
+    final_grad_bytes: int,
+    fwd_time: NDArray[np.float64],
+    out_bytes: NDArray[np.uint64],
+    grad_bytes: NDArray[np.uint64],
+    fwd_overhead: NDArray[np.uint64],
+    opt_ptr: NDArray[np.int64],
+    opt_fwd_time: NDArray[np.float64],
+    opt_state_bytes: NDArray[np.uint64],
+    opt_fwd_overhead: NDArray[np.uint64],
+    opt_bwd_time: NDArray[np.float64],
+    opt_bwd_overhead: NDArray[np.uint64],
+    limit_bytes: int,
+    slots: int,
+    time_limit: float | None = None,
+    max_table_bytes: int = 1073741824,
+) -> dict[str, Any]:
+    """Rotor's program on a chain given as arrays: ``op_kind``, ``op_stage``, ``op_option``
+    (arrays), ``time``, ``peak_bytes``, ``slots``."""
+
+# ---- solver_api.rs ---------------------------------------------------------------------------
+
+def build_hierarchy(
+    partitioner: str = "bottom_up",
+    max_size: int = 20,
+    top_max_size: int = 30,
+    alpha: float = 0.5,
+    options: bool = True,
+    max_options: int = 12,
+    exact_limit: int = 20,
+    max_evaluations: int = 1000000,
+    **graph: _GraphArg,
+) -> dict[str, Any]:
+    """The cluster hierarchy (and each leaf's options) as a dict of CSR arrays
+    (docs/hierarchy.md, "Arrays")."""
+
+def simplify(
+    fold_views: bool = True, merge_chains: bool = True, **graph: _GraphArg
+) -> dict[str, Any]:
+    """The simplified graph's arrays plus ``op_origin_ptr/idx``, ``tensor_origin``,
+    ``tensor_new``."""
+
+def expand_schedule(
+    step_kind: NDArray[np.int8],
+    step_id: NDArray[np.int64],
+    forward_len: int,
+    fold_views: bool = True,
+    merge_chains: bool = True,
+    **graph: _GraphArg,
+) -> _ScheduleArrays:
+    """A schedule of the simplified graph mapped back to the original graph."""
