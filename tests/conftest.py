@@ -14,6 +14,10 @@ settings.load_profile(os.environ.get("HROCKMATE_HYPOTHESIS_PROFILE", "default"))
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Tests plan afresh and never write to the user's cache: the plan cache (on by default) is off
+# for the whole session, subprocesses included, unless a test passes its own cache directory.
+os.environ["HROCKMATE_CACHE_DIR"] = "off"
+
 
 # The repository's own graphs (tests/data/make_graphs.py writes them): every core test uses these.
 DATA_GRAPHS = REPO / "tests" / "data" / "graphs"

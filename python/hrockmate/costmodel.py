@@ -4,9 +4,15 @@ Times (seconds):
 - ``"measure"``: each distinct op *signature* (target + shapes, strides, dtypes and devices of
   tensor arguments + the non-tensor arguments) is run on the sample's device on real tensors
   and timed; repeated layers are measured once. On CUDA with CUDA events, on CPU with
-  ``time.perf_counter``; one warm-up call, then repeats until ``MIN_MEASURE_S`` of run time or
-  ``MAX_REPEATS`` calls, and the median is kept. Once ``budget_s`` seconds have been spent
-  measuring, remaining new signatures are estimated instead (reported in ``CostReport``).
+  ``time.perf_counter``. The joint graph is run ``MEASURE_PASSES`` times; in each pass every
+  signature gets one warm-up call, then repeats until ``MIN_MEASURE_S`` of run time (at least
+  ``MIN_REPEATS``, at most ``MAX_REPEATS`` calls), and the fastest call over all passes is
+  kept (other processes only ever slow a call down; spreading the repeats over passes keeps a
+  burst of load from hitting all of one op's calls). Measured times are then rounded to a
+  geometric grid of ``TIME_GRID_STEPS`` steps per doubling, relative to the iteration's total
+  time, so that noise of a few percent, or a machine that is uniformly slower in one run, does
+  not change the plan (``round_times``). Once ``budget_s`` seconds have been spent measuring,
+  remaining new signatures are estimated instead (reported in ``CostReport``).
 - ``"estimate"``: ``launch + flops / peak_flops + bytes_moved / bandwidth`` with FLOPs from
   ``torch.utils.flop_counter``'s formulas (matmuls, convolutions, attention; 0 for other ops)
   and bytes moved = bytes of the tensor arguments read + bytes of the outputs written. The
@@ -30,7 +36,7 @@ bytes allocated and freed inside the op, peak minus its new outputs). ``"none"``
 
 from __future__ import annotations
 
-import statistics
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +49,7 @@ import torch.utils._pytree as pytree
 from hrockmate.tracing import (
     Traced,
     allocated_bytes,
+    one_trace_at_a_time,
     placeholder_values,
     preserved_rng,
     run_joint,
@@ -54,6 +61,7 @@ __all__ = [
     "annotate_costs",
     "estimate_time",
     "op_signature",
+    "round_times",
 ]
 
 #: (peak FLOP/s, memory bandwidth bytes/s, per-op launch overhead s) per device type.
@@ -61,9 +69,11 @@ DEVICE_SPEEDS: dict[str, tuple[float, float, float]] = {
     "cpu": (5.0e10, 1.0e10, 5.0e-6),
     "cuda": (5.0e13, 1.5e12, 5.0e-6),
 }
-MIN_MEASURE_S = 2e-3
-MAX_REPEATS = 25
-MIN_REPEATS = 3
+MEASURE_PASSES = 3
+MIN_MEASURE_S = 1e-3
+MAX_REPEATS = 50
+MIN_REPEATS = 5
+TIME_GRID_STEPS = 8
 
 
 @dataclass
@@ -137,6 +147,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _time_op(node: fx.Node, args: Any, kwargs: Any, device: torch.device) -> float:
+    """The fastest of a few timed calls of the op (seconds)."""
     fn = node.target
     fn(*args, **kwargs)  # warm-up
     samples: list[float] = []
@@ -156,7 +167,25 @@ def _time_op(node: fx.Node, args: Any, kwargs: Any, device: torch.device) -> flo
             dt = time.perf_counter() - t0
         samples.append(dt)
         total += dt
-    return statistics.median(samples)
+    return min(samples)
+
+
+def round_times(times: dict[Any, float], weights: dict[Any, int]) -> dict[Any, float]:
+    """``times`` (per signature) rounded to a geometric grid of ``TIME_GRID_STEPS`` steps per
+    doubling, anchored at the total time (each signature weighted by how many ops share it):
+    relative times, which alone decide the plan, do not move with a uniform change of speed,
+    and move only when an op's share of the total crosses a grid line."""
+    total = sum(t * weights.get(sig, 1) for sig, t in times.items())
+    if total <= 0:
+        return dict(times)
+    rounded = {}
+    for sig, t in times.items():
+        if t <= 0:
+            rounded[sig] = t
+            continue
+        step = round(math.log2(t / total) * TIME_GRID_STEPS)
+        rounded[sig] = total * 2.0 ** (step / TIME_GRID_STEPS)
+    return rounded
 
 
 def _correct_outputs(traced: Traced, op_id: int, args: Any, kwargs: Any, out: Any) -> int:
@@ -268,6 +297,7 @@ def _measure_workspace_cuda(
     return work, resized
 
 
+@one_trace_at_a_time
 def annotate_costs(
     traced: Traced,
     model: nn.Module,
@@ -275,8 +305,11 @@ def annotate_costs(
     *,
     mode: str = "measure",
     budget_s: float = 120.0,
+    workspace: bool = True,
 ) -> CostReport:
-    """Fill ``time`` and ``workspace`` of every op of ``traced.graph`` (see module docstring)."""
+    """Fill ``time`` and ``workspace`` of every op of ``traced.graph`` (see module docstring).
+    ``workspace=False`` keeps the workspaces and sizes an earlier call measured and only sets
+    the times."""
     if mode not in ("measure", "estimate"):
         raise ValueError(f"cost mode must be 'measure' or 'estimate', got {mode!r}")
     device = traced.device
@@ -285,13 +318,14 @@ def annotate_costs(
     ops = traced.graph.ops
 
     t0 = time.perf_counter()
-    with preserved_rng(device), torch.enable_grad():
-        if device.type == "cuda":
-            work, report.resized = _measure_workspace_cuda(traced, values)
-        else:
-            work, report.resized = _measure_workspace_cpu(traced, values)
-    for op, w in zip(ops, work):
-        op.workspace = int(w)
+    if workspace:
+        with preserved_rng(device), torch.enable_grad():
+            if device.type == "cuda":
+                work, report.resized = _measure_workspace_cuda(traced, values)
+            else:
+                work, report.resized = _measure_workspace_cpu(traced, values)
+        for op, w in zip(ops, work):
+            op.workspace = int(w)
     report.workspace_seconds = time.perf_counter() - t0
 
     sigs = [op_signature(n) for n in traced.op_nodes]
@@ -304,20 +338,32 @@ def annotate_costs(
         report.estimated = len(cache)
     else:
         t1 = time.perf_counter()
+        fastest: dict[Any, float] = {}  # measured signatures: fastest call so far
+        seen: set[Any] = set()  # signatures handled in the current pass
 
         def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
             sig = sigs[op_id]
-            if sig not in cache:
+            if sig not in seen and sig not in cache:
+                seen.add(sig)
                 if time.perf_counter() - t1 < budget_s:
-                    cache[sig] = _time_op(node, args, kwargs, device)
-                    report.measured += 1
-                else:
+                    dt = _time_op(node, args, kwargs, device)
+                    fastest[sig] = min(dt, fastest.get(sig, dt))
+                elif sig not in fastest:
                     cache[sig] = estimate_time(node, device.type)
                     report.estimated += 1
             return node.target(*args, **kwargs)
 
-        with preserved_rng(device), torch.enable_grad():
-            run_joint(traced, values, keep=set(), on_op=on_op)
+        for _ in range(MEASURE_PASSES):
+            seen.clear()
+            with preserved_rng(device), torch.enable_grad():
+                run_joint(traced, values, keep=set(), on_op=on_op)
+            if time.perf_counter() - t1 >= budget_s:
+                break
+        report.measured = len(fastest)
+        weights: dict[Any, int] = {}
+        for sig in sigs:
+            weights[sig] = weights.get(sig, 0) + 1
+        cache.update(round_times(fastest, weights))
         report.measure_seconds = time.perf_counter() - t1
     for op, sig in zip(ops, sigs):
         op.time = float(cache[sig])

@@ -62,9 +62,11 @@ def run_demo(
     setup_s = time.perf_counter() - t0
     plan = hmod.plan
     graph = hmod.traced.graph
+    done = "traced in" if plan.stats.get("cache") == "hit" else "traced and planned in"
+    source = ", plan from the cache" if plan.stats.get("cache") == "hit" else ""
     print(
-        f"plan      {graph.num_ops} ATen ops traced and planned in {setup_s:.1f} s "
-        f"(method {plan.method})"
+        f"plan      {graph.num_ops} ATen ops {done} {setup_s:.1f} s "
+        f"(method {plan.method}{source})"
     )
 
     # Same seed on both sides: dropout draws the same numbers, so gradients must match.

@@ -1492,17 +1492,35 @@ def _checkpoint_lowest(graph: Graph) -> int:
 
 
 def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
-          **options: Any) -> Plan:
+          cache: Any = None, **options: Any) -> Plan:
     """Trace one training iteration of ``model`` on ``sample`` and plan it within ``budget``.
 
     ``options`` are those of ``solve_graph`` (``method``, ``time_limit``, ...). The budget bounds
     activation memory: the peak, during forward and backward, of memory allocated by the
     iteration beyond what existed before it, not counting the parameters' ``.grad`` tensors.
+    ``cache``: the plan cache (``hrockmate.plan_cache``): ``None`` the default location, a
+    directory, or ``False`` to measure op times and solve afresh without reading or writing it.
     """
-    from hrockmate.tracing import trace
+    from hrockmate.plan_cache import device_kind, measured_times, open_cache
+    from hrockmate.schedule import simulate, store_all_schedule
+    from hrockmate.tracing import trace_model
 
-    graph = trace(model, sample) if loss_fn is None else trace(model, sample, loss_fn=loss_fn)
-    return solve_graph(graph, budget, **options)
+    store = open_cache(cache)
+    traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate")
+    graph = traced.graph
+    key = None
+    if store is not None:
+        baseline = int(simulate(graph, store_all_schedule(graph)).peak_bytes)
+        key = store.plan_key(graph, parse_budget(budget, baseline), options,
+                             device_kind(traced.device), purpose="solve")
+        cached = store.load_plan(key, graph)
+        if cached is not None:
+            return cached
+    measured_times(traced, model, sample, store)
+    plan = solve_graph(graph, budget, **options)
+    if store is not None:
+        store.save_plan(key, plan)
+    return plan
 
 
 

@@ -28,11 +28,17 @@ Semantics kept from eager PyTorch:
 
 A call whose inputs differ from the traced sample (structure, shape, dtype or device of a tensor,
 or the value of a non-tensor argument) raises ``InputMismatchError``; build a new ``HRockmate``
-for the new input (its plan depends on the shapes).
+for the new input (its plan depends on the shapes). Each call also compares the model with the
+model as traced (``_model_fingerprint``, no tensor data read): a changed ``requires_grad`` or
+training flag makes it trace and plan again; an edit (modules or tensors added, removed,
+replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times are cached on disk
+(``hrockmate.plan_cache``). Pickling keeps the model and the plan and rebuilds the trace and
+code at the first training call.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from dataclasses import dataclass
@@ -43,7 +49,10 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-__all__ = ["HRockmate", "InputMismatchError", "RuntimeScheduleError"]
+__all__ = ["HRockmate", "InputMismatchError", "ModelChangedError", "RuntimeScheduleError"]
+
+
+logger = logging.getLogger(__name__)
 
 
 class InputMismatchError(ValueError):
@@ -52,6 +61,11 @@ class InputMismatchError(ValueError):
 
 class RuntimeScheduleError(ValueError):
     """A schedule cannot be executed on the traced graph; the message names the step."""
+
+
+class ModelChangedError(RuntimeError):
+    """The model was edited after it was traced (modules or tensors added, removed, replaced,
+    reshaped or retied); the message names what changed."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -719,10 +733,151 @@ def _owner_slots(model: nn.Module, named: list[tuple[str, Any]]) -> list[tuple[n
     return slots
 
 
+@dataclass
+class _PlanRequest:
+    """The constructor's arguments that say what to plan for."""
+
+    budget: Any
+    plan: Any
+    cache: Any
+    solve_options: dict[str, Any]
+
+
+#: Left out when pickling (rebuilt by tracing again at the first training call).
+_NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_fingerprint", "_hr_snapshot",
+                "_hr_param_slots", "_hr_buffer_slots")
+_NOT_REBUILT = (
+    "HRockmate was unpickled and has not been traced again yet, so {what} is not available: "
+    "its first training call traces the model again and compiles the plan"
+)
+
+
+def _model_fingerprint(model: nn.Module) -> list[Any]:
+    """What the traced iteration depends on in the model, as far as it can be checked at every
+    call without reading tensor data (one flat list, cheap to build and compare): the module
+    tree (module identities and child names), each module's training flag, per parameter its
+    name, which earlier parameter it is tied to, shape, dtype, device and ``requires_grad``, per
+    buffer its name, shape, dtype and device. Parameters are compared by tying, not identity:
+    the runtime reads them from their modules at each call, so a same-shaped replacement (as
+    FSDP2 installs) is used correctly."""
+    first_use: dict[int, int] = {}
+    out: list[Any] = []
+    add = out.append
+    stack = [model]
+    while stack:
+        mod = stack.pop()
+        children = mod._modules
+        add(id(mod))
+        add(mod.training)
+        add(tuple(children))
+        add(len(mod._parameters))
+        for name, p in mod._parameters.items():
+            add(name)
+            if p is not None:
+                add(first_use.setdefault(id(p), len(first_use)))
+                add(p.shape)
+                add(p.dtype)
+                add(p.device)
+                add(p.requires_grad)
+        for name, b in mod._buffers.items():
+            add(name)
+            if b is not None:
+                add(b.shape)
+                add(b.dtype)
+                add(b.device)
+        stack.extend(c for c in reversed(children.values()) if c is not None)
+    return out
+
+
+@dataclass
+class _ModelSnapshot:
+    """The model's state as ``_model_fingerprint`` sees it, by name (to say what changed)."""
+
+    modules: dict[str, tuple[int, str, bool]]  # name -> (identity, type name, training)
+    #: name -> (name of the first parameter it is tied to, shape, dtype, device, requires_grad)
+    params: dict[str, tuple[Any, ...]]
+    buffers: dict[str, tuple[Any, ...]]  # name -> (shape, dtype, device)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "_ModelSnapshot":
+        modules, params, buffers = {}, {}, {}
+        first_name: dict[int, str] = {}
+        for prefix, mod in model.named_modules(remove_duplicate=False):
+            modules[prefix] = (id(mod), type(mod).__name__, mod.training)
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    qual = f"{prefix}.{name}" if prefix else name
+                    params[qual] = (first_name.setdefault(id(p), qual), tuple(p.shape), p.dtype,
+                                    p.device, p.requires_grad)
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    buffers[f"{prefix}.{name}" if prefix else name] = (tuple(b.shape), b.dtype,
+                                                                       b.device)
+        return cls(modules, params, buffers)
+
+
+def _model_changes(traced: _ModelSnapshot, now: _ModelSnapshot) -> tuple[list[str], list[str]]:
+    """(edits, mode changes) from the traced model to the model ``now``, in words. Edits
+    (modules or tensors added, removed, replaced, reshaped, retied) invalidate the trace; mode
+    changes (``requires_grad``, training flags) only call for tracing again."""
+
+    def module(prefix: str) -> str:
+        return f"module '{prefix}'" if prefix else "the model"
+
+    def tying(name: str, first: str) -> str:
+        return "not tied" if first == name else f"tied to '{first}'"
+
+    edits: list[str] = []
+    modes: list[str] = []
+    for prefix in traced.modules.keys() - now.modules.keys():
+        edits.append(f"{module(prefix)} ({traced.modules[prefix][1]}) was removed")
+    for prefix in now.modules.keys() - traced.modules.keys():
+        edits.append(f"{module(prefix)} ({now.modules[prefix][1]}) was added")
+    for prefix in traced.modules.keys() & now.modules.keys():
+        (old_id, old_type, old_training) = traced.modules[prefix]
+        (new_id, new_type, new_training) = now.modules[prefix]
+        if old_id != new_id:
+            edits.append(f"{module(prefix)} was replaced ({old_type} -> {new_type})")
+        elif old_training != new_training:
+            modes.append(f"{module(prefix)} is now in {'training' if new_training else 'eval'} "
+                         "mode")
+    for kind, old, new in (("parameter", traced.params, now.params),
+                           ("buffer", traced.buffers, now.buffers)):
+        for name in old.keys() - new.keys():
+            edits.append(f"{kind} '{name}' was removed (or set to None)")
+        for name in new.keys() - old.keys():
+            edits.append(f"{kind} '{name}' was added")
+        for name in old.keys() & new.keys():
+            before, after = old[name], new[name]
+            if kind == "parameter":
+                if before[0] != after[0]:
+                    edits.append(f"parameter '{name}' was {tying(name, before[0])} when traced "
+                                 f"and is {tying(name, after[0])} now")
+                if before[4] != after[4]:
+                    modes.append(f"parameter '{name}' "
+                                 + ("now requires grad" if after[4] else "no longer requires grad"))
+                before, after = before[1:4], after[1:4]
+            for what, b, a in zip(("shape", "dtype", "device"), before, after):
+                if b != a:
+                    edits.append(f"{kind} '{name}' changed {what} from {b} to {a}")
+    return sorted(edits), sorted(modes)
+
+
+def _listed(items: list[str], most: int = 3) -> str:
+    shown = ", ".join(items[:most])
+    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def _needs_grad(model: nn.Module, leaves: list[Any]) -> bool:
+    return any(p.requires_grad for p in model.parameters()) or any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in leaves
+    )
+
+
 class HRockmate(nn.Module):
     """``model`` trained within ``budget``, with gradients identical to plain PyTorch.
 
-    ``HRockmate(model, sample, budget=None, plan=None, **solve_options)``
+    ``HRockmate(model, sample, budget=None, plan=None, cache=None, **solve_options)``
 
     - ``sample``: what the model is called with (a tensor, a tuple of positional arguments or a
       dict of keyword arguments); every later call must have the same structure, tensor shapes,
@@ -731,6 +886,8 @@ class HRockmate(nn.Module):
       (float in (0, 1] or ``"50%"``), or ``None`` for store-all (plain autograd's memory).
     - ``plan``: a ``Plan`` (from ``hrockmate.solve`` or ``load_plan``) or a ``Schedule`` for this
       model and sample; when given, ``budget`` and ``solve_options`` are not used.
+    - ``cache``: the plan cache (``hrockmate.plan_cache``): ``None`` the default location, a
+      directory, or ``False`` to plan afresh without reading or writing it.
     - ``solve_options``: passed to ``hrockmate.solve`` when a budget below the store-all peak
       needs a plan.
 
@@ -744,6 +901,7 @@ class HRockmate(nn.Module):
         sample: Any,
         budget: Any = None,
         plan: Any = None,
+        cache: Any = None,
         **solve_options: Any,
     ) -> None:
         super().__init__()
@@ -757,9 +915,19 @@ class HRockmate(nn.Module):
         self._modules = model._modules
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self.training = model.training
+        # What to plan for: kept to plan again when the model's trainable parameters or
+        # training flags change, and after unpickling.
+        self._hr_request = _PlanRequest(budget, plan, cache, dict(solve_options))
+        self._build(sample)
 
+    def _build(self, sample: Any, plan: Any = None) -> None:
+        """Trace the model on ``sample``, then choose and compile its schedule: ``plan`` if
+        given, else what the constructor's arguments ask for."""
+        model: nn.Module = self.__dict__["_hr_model"]
+        request: _PlanRequest = self._hr_request
         from hrockmate.tracing import split_sample, trace_model
 
+        fingerprint = _model_fingerprint(model)
         args, kwargs = split_sample(sample)
         # "estimate" also measures each op's workspace, which the predicted peak includes.
         traced = trace_model(model, sample, cost="estimate")
@@ -796,8 +964,11 @@ class HRockmate(nn.Module):
         self._hr_device = traced.device
 
         self._install(*_choose_schedule(
-            model, sample, traced, budget, plan, solve_options, self._compile
+            model, sample, traced, request.budget, request.plan if plan is None else plan,
+            request.solve_options, self._compile, cache=request.cache,
         ))
+        self._hr_fingerprint = fingerprint
+        self._hr_snapshot = _ModelSnapshot.of(model)
 
     def use_plan(self, plan: Any) -> None:
         """Switch to another ``Plan`` or ``Schedule`` for the same traced graph (no re-tracing)."""
@@ -837,7 +1008,10 @@ class HRockmate(nn.Module):
     @property
     def traced(self) -> Any:
         """The ``Traced`` iteration (graph IR and joint graph) the schedule runs on."""
-        return self.__dict__["_hr_traced"]
+        traced = self.__dict__["_hr_traced"]
+        if traced is None:
+            raise RuntimeError(_NOT_REBUILT.format(what="its trace"))
+        return traced
 
     @property
     def wrapped_model(self) -> nn.Module:
@@ -847,11 +1021,19 @@ class HRockmate(nn.Module):
     @property
     def recomputed_ops(self) -> int:
         """How many compute steps of one iteration re-run an op (0 for store-all)."""
-        return self._hr_program.recomputed_ops
+        return self._compiled_program("the number of recomputed ops").recomputed_ops
 
     def generated_code(self) -> str:
-        """The Python source of the compiled forward and backward segments (for inspection)."""
-        return self._hr_program.forward.source + "\n" + self._hr_program.backward.source
+        """The Python source of the compiled forward segment and of each backward chunk (for
+        inspection)."""
+        program = self._compiled_program("its generated code")
+        return "\n".join(segment.source for segment in [program.forward, *program.chunks])
+
+    def _compiled_program(self, what: str) -> Program:
+        program = self.__dict__.get("_hr_program")
+        if program is None:
+            raise RuntimeError(_NOT_REBUILT.format(what=what))
+        return program
 
     # ---- nn.Module behaviour -------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -872,13 +1054,36 @@ class HRockmate(nn.Module):
         plan = self.__dict__.get("_hr_plan")
         peak = getattr(self, "predicted_peak_bytes", 0)
         how = plan.method if plan is not None else "?"
-        return f"{how}, predicted peak {peak} bytes, {self.recomputed_ops} recomputed ops"
+        program = self.__dict__.get("_hr_program")
+        code = (f"{program.recomputed_ops} recomputed ops" if program is not None
+                else "traced again at the first training call")
+        return f"{how}, predicted peak {peak} bytes, {code}"
+
+    # ---- pickling ------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """``torch.save(hmod)``, pickle and ``copy.deepcopy`` keep the model, the plan and
+        what calls are checked against; the trace and the compiled code (Python functions) are
+        left out and rebuilt at the first training call, which traces the model again on that
+        call's inputs and reuses the plan."""
+        state = dict(self.__dict__)
+        for name in _NOT_PICKLED:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__["_hr_traced"] = None
+        self.__dict__["_hr_program"] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model: nn.Module = self.__dict__["_hr_model"]
         if not (self.training and torch.is_grad_enabled()):
             return model(*args, **kwargs)
         leaves = self._check_inputs(args, kwargs)
+        if _model_fingerprint(model) != self.__dict__.get("_hr_fingerprint"):
+            if not _needs_grad(model, leaves):
+                return model(*args, **kwargs)  # nothing to differentiate: plain forward
+            self._follow_model(args, kwargs)
         program: Program = self._hr_program
         params = [owner._parameters[attr] for owner, attr in self._hr_param_slots]
         inputs = [leaves[j] for j in self._hr_tensor_leaf]
@@ -902,6 +1107,58 @@ class HRockmate(nn.Module):
         if self._hr_single_output:
             return outs[0]
         return _rebuild_outputs(self._hr_out_leaves, self._hr_out_spec, outs)
+
+    # ---- model checks ----------------------------------------------------------------------
+    def _follow_model(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The model differs from the traced one: raise ``ModelChangedError`` when it was
+        edited; trace and plan again when only trainable parameters or training flags changed,
+        or when the module was unpickled."""
+        from hrockmate.plan import PlanError
+
+        sample = self._sample_of_call(args, kwargs)
+        request: _PlanRequest = self._hr_request
+        if "_hr_fingerprint" not in self.__dict__:  # unpickled: trace again, keep the plan
+            try:
+                self._build(sample, plan=self._hr_plan)
+                return
+            except PlanError as exc:
+                if request.plan is not None:
+                    raise
+                logger.warning("HRockmate: the unpickled plan does not fit the model as traced "
+                               "now (%s); planning again", exc)
+            self._build(sample)
+            return
+        edits, modes = _model_changes(self._hr_snapshot,
+                                      _ModelSnapshot.of(self.__dict__["_hr_model"]))
+        if not edits and not modes:  # same names and tensors, in another order or nesting
+            edits = ["the order or nesting of its modules changed"]
+        if edits:
+            raise ModelChangedError(
+                f"the model changed since it was traced: {_listed(edits)}; rebuild HRockmate "
+                "(HRockmate(model, sample, ...)) after changing the model"
+            )
+        what = _listed(modes)
+        if request.plan is not None:
+            raise ModelChangedError(
+                f"{what} since the model was traced, and HRockmate was built with a fixed plan= "
+                "for the traced state; restore that state, or build a new HRockmate (with a "
+                "budget to plan for the new state)"
+            )
+        logger.warning("HRockmate: %s since the model was traced; tracing and planning again",
+                       what)
+        self._build(sample)
+
+    def _sample_of_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call's arguments as a sample of the traced form: detached tensors, those whose
+        gradient the trace has requiring grad."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        grads = self._hr_input_grad_leaves
+        leaves = [
+            x.detach().requires_grad_(j in grads) if isinstance(x, torch.Tensor) else x
+            for j, x in enumerate(leaves)
+        ]
+        new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
+        return dict(new_kwargs) if new_kwargs else tuple(new_args)
 
     # ---- input checks ----------------------------------------------------------------------
     def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -983,10 +1240,13 @@ def _choose_schedule(
     plan: Any,
     solve_options: dict[str, Any],
     compile_fn: Callable[[Any], Program],
+    cache: Any = None,
 ) -> tuple[Any, Any, int, Program]:
     """(schedule, plan, simulated peak, compiled program) for the given arguments. Without a
     solver plan (store-all, or a hand-given schedule) a ``Plan`` describing the schedule is made,
-    with ``stats["method"]`` "store-all" or "given"."""
+    with ``stats["method"]`` "store-all" or "given". A solver plan comes from the plan cache
+    (``hrockmate.plan_cache``) when it holds one for this graph, budget and options; otherwise
+    the op times are measured (or taken from the cache), the graph solved and the plan cached."""
     from hrockmate.schedule import simulate, store_all_schedule
 
     graph = traced.graph
@@ -1016,16 +1276,27 @@ def _choose_schedule(
     if budget_bytes >= baseline + program.extra_bytes:
         made = _describe(graph, store_all, base, base, budget_bytes, "store-all")
         return store_all, made, baseline, program
-    from hrockmate.costmodel import annotate_costs
     from hrockmate.plan import InfeasibleBudget
+    from hrockmate.plan_cache import device_kind, measured_times, open_cache
     from hrockmate.planner import solve_graph
 
     options = dict(solve_options)
     cost = options.pop("cost", "measure")
     if cost not in ("measure", "estimate"):
         raise ValueError(f"cost must be 'measure' or 'estimate', got {cost!r}")
+    store = open_cache(cache)
+    key = None
+    if store is not None:
+        key = store.plan_key(graph, budget_bytes, {**options, "cost": cost},
+                             device_kind(traced.device), purpose="runtime")
+        cached = store.load_plan(key, graph)
+        if cached is not None:
+            peak = int(simulate(graph, cached.schedule).peak_bytes)
+            program = compile_fn(cached.schedule)
+            if peak + program.extra_bytes <= budget_bytes:
+                return cached.schedule, cached, peak, program
     if cost == "measure":  # op times matter for choosing what to recompute
-        annotate_costs(traced, model, sample, mode="measure")
+        measured_times(traced, model, sample, store)
     # The graph does not contain what the runtime keeps besides its tensors (saved generator
     # states, old buffer values): solve, and if the plan plus that exceeds the budget, solve
     # again for a budget reduced by it (a few rounds).
@@ -1042,6 +1313,8 @@ def _choose_schedule(
         peak = int(simulate(graph, schedule).peak_bytes)
         program = compile_fn(schedule)
         if peak + program.extra_bytes <= budget_bytes:
+            if store is not None:
+                store.save_plan(key, new_plan)
             return schedule, new_plan, peak, program
         min_bytes = max(min_bytes, peak + program.extra_bytes)
         target = min(target, budget_bytes - program.extra_bytes) - 1

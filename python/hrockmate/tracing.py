@@ -50,13 +50,17 @@ Details of the mapping (see docs/graph-ir.md for the IR itself):
   backward needs only then (oneDNN's LSTM layer returns its workspace only in grad mode).
 - With ``cost`` other than ``"none"`` the joint graph is run once on the real sample and the
   IR's sizes are corrected where a fake kernel got an output's size wrong.
+- Thread safety: ``trace_model`` and ``annotate_costs`` hold one process-wide lock, so traces
+  started from several threads run one after another (and give the same graph as alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import operator
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -76,6 +80,22 @@ __all__ = [
 ]
 
 COST_MODES = ("measure", "estimate", "none")
+
+#: Tracing relies on process-wide state (AOTAutograd's and the dispatcher's, hooks registered on
+#: the model, the global random generators), so traces and cost measurements run one at a time:
+#: a thread that starts one while another runs waits for it.
+_TRACE_LOCK = threading.RLock()
+
+
+def one_trace_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run while holding the process-wide tracing lock."""
+
+    @functools.wraps(fn)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with _TRACE_LOCK:
+            return fn(*args, **kwargs)
+
+    return locked
 
 
 class TraceError(RuntimeError):
@@ -706,6 +726,7 @@ def _dtype(t: torch.Tensor) -> str:
 
 
 # ---- public API ---------------------------------------------------------------------------------
+@one_trace_at_a_time
 def trace_model(
     model: nn.Module,
     sample: Any,

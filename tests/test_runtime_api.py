@@ -1,0 +1,118 @@
+"""HRockmate's API around the schedule: generated code, pickling, tracing from several threads."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hrockmate import models
+from hrockmate.runtime import HRockmate
+from hrockmate.tracing import trace_model
+
+
+def _recompute_model() -> tuple[nn.Module, torch.Tensor]:
+    return models.mlp(batch=16, d_in=32, hidden=64, n_layers=4, d_out=8)
+
+
+# ---- generated_code ------------------------------------------------------------------------------
+def test_generated_code_shows_forward_and_every_backward_chunk() -> None:
+    model, x = _recompute_model()
+    h = HRockmate(model, x, budget=0.8, cache=False, progress=False)
+    assert h.recomputed_ops > 0
+    code = h.generated_code()
+    program = h._hr_program
+    assert code.count("def forward_segment(P, B, X, S):") == 1
+    for i in range(len(program.chunks)):
+        assert f"def backward_chunk_{i}(E, B, T, S, GP, GX):" in code
+    assert program.forward.source in code
+    assert all(chunk.source in code for chunk in program.chunks)
+    compile(code, "<generated>", "exec")  # the whole text is valid Python
+
+
+# ---- pickling ------------------------------------------------------------------------------------
+def _train(module: nn.Module, x: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        loss = module(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+def test_torch_save_round_trip_trains_identically() -> None:
+    model, x = _recompute_model()
+    h = HRockmate(model, x, budget=0.8, cache=False, progress=False)
+    buffer = io.BytesIO()
+    torch.save(h, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded, HRockmate)
+    assert loaded.plan.steps == h.plan.steps
+    assert "traced again at the first training call" in repr(loaded)
+    with pytest.raises(RuntimeError, match="unpickled and has not been traced again yet"):
+        loaded.generated_code()
+
+    # the loaded module's parameters are its model's (one set of objects, not copies)
+    assert [id(p) for p in loaded.parameters()] == [
+        id(p) for p in loaded.wrapped_model.parameters()
+    ]
+    losses = _train(h, x)
+    loaded_losses = _train(loaded, x)
+    assert [float(v) for v in losses] == [float(v) for v in loaded_losses]
+    for (name, p), (_, q) in zip(model.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(p, q), name
+    assert loaded.schedule.steps == h.schedule.steps  # the plan was reused, not solved again
+    assert loaded.recomputed_ops == h.recomputed_ops
+
+
+def test_pickle_and_deepcopy_keep_a_working_module() -> None:
+    model, sample = models.gpt2_tiny(n_layer=1, n_embd=16, seq=8, vocab=32)
+    h = HRockmate(model, sample, cache=False)
+    for other in (pickle.loads(pickle.dumps(h)), copy.deepcopy(h)):
+        torch.manual_seed(3)
+        loss = other(*sample)
+        loss.backward()
+        torch.manual_seed(3)
+        ref = h(*sample)
+        ref.backward()
+        assert torch.equal(loss.detach(), ref.detach())
+        for (name, p), (_, q) in zip(other.named_parameters(), h.named_parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        h.zero_grad(set_to_none=True)
+        # the copy checks its inputs against the traced sample before tracing again
+        with pytest.raises(ValueError, match="differs from the traced sample"):
+            other(sample[0][:1], sample[1][:1])
+
+
+# ---- tracing from several threads ----------------------------------------------------------------
+def test_tracing_from_several_threads() -> None:
+    shared, sample = models.gpt2_tiny(n_layer=1, n_embd=16, seq=8, vocab=32)
+    expected = trace_model(shared, sample, cost="none").graph.structure_hash()
+    hashes: list[str] = []
+    errors: list[BaseException] = []
+
+    def work(own_model: bool) -> None:
+        model = models.gpt2_tiny(n_layer=1, n_embd=16, seq=8, vocab=32)[0] if own_model else shared
+        for _ in range(2):
+            try:
+                hashes.append(trace_model(model, sample, cost="none").graph.structure_hash())
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i % 2 == 0,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert hashes == [expected] * 8
