@@ -256,6 +256,8 @@ def test_schedule_ids_past_int64_are_out_of_range() -> None:
     with pytest.raises(ValueError, match=r"step 0: id 9223372036854775808 is out of range") as info:
         Schedule.from_json(text)
     assert "negative" not in str(info.value) and ">= 0;" not in str(info.value)
+    with pytest.raises(ValueError, match=r"schedule step 0: id 9223372036854775808 is out of range"):
+        Schedule([("compute", 2**63)], 0)
 
 
 # ---- item 5: native exception classes and the stub ---------------------------------------------

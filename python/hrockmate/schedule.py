@@ -21,6 +21,7 @@ from hrockmate.graph import Graph, GraphError, load_json_file, write_atomic
 SCHEDULE_FORMAT = "hrockmate-schedule"
 SCHEDULE_VERSION = 1
 STEP_KINDS: tuple[str, ...] = ("compute", "free")
+MAX_ID = 2**63 - 1  # ids cross into the core as int64
 
 Step = tuple[str, int]
 
@@ -55,6 +56,10 @@ class Schedule:
                 )
             if isinstance(ident, bool) or not isinstance(ident, (int, np.integer)) or ident < 0:
                 raise ValueError(f"schedule step {i}: id must be an integer >= 0, got {ident!r}")
+            if ident > MAX_ID:
+                raise ValueError(
+                    f"schedule step {i}: id {ident} is out of range (ids are at most 2^63-1)"
+                )
             checked.append((kind, int(ident)))
         if isinstance(forward_len, bool) or not isinstance(forward_len, (int, np.integer)):
             raise ValueError(f"forward_len must be an integer, got {forward_len!r}")
