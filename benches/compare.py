@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from zoo import ZOO  # noqa: E402
-
-from hrockmate.bench import add_arguments, run_from_args  # noqa: E402
+from hrockmate.bench import add_arguments, run_from_args
+from hrockmate.zoo import ZOO
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def load_graph(model: str | None, size: str, graph: Path | None) -> Any:
     """The graph to plan: a graph file, or a zoo model traced (estimated op times)."""
@@ -28,7 +26,7 @@ def load_graph(model: str | None, size: str, graph: Path | None) -> Any:
 
     if graph is not None:
         return Graph.load(graph)
-    from zoo import ZOO
+    from hrockmate.zoo import ZOO
 
     if model not in ZOO:
         raise SystemExit(f"unknown model {model!r}; choose from {', '.join(ZOO)}")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
+from hrockmate.budget import format_bytes
 from hrockmate.cli import main
+from hrockmate.graph import Graph
+from hrockmate.plan import load_plan
 
 SUBCOMMANDS = ("demo", "solve", "simulate", "bench")
 
@@ -125,3 +129,129 @@ def test_solve_with_solvers_per_level(data_graphs: Path, tmp_path: Path,
     line = _one_line_error(capsys, ["solve", str(data_graphs / "vgg_like_train.json"),
                                     "--budget", "0.9", "--solvers", "chains=magic"])
     assert "magic" in line and "rotor" in line
+
+
+# ---- budgets: one grammar in every command ------------------------------------------------
+
+def test_budget_one_is_the_store_all_peak_in_solve(data_graphs: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``--budget 1`` means 100% in ``solve`` as in ``bench``, not one byte."""
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(data_graphs / "vgg_like_train.json"), "--budget", "1",
+                 "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["budget_bytes"] == plan["baseline_peak_bytes"] == plan["peak_bytes"]
+
+
+def test_budget_not_a_fraction_nor_whole_bytes(data_graphs: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line_error(capsys, ["solve", str(data_graphs / "vgg_like_train.json"),
+                                    "--budget", "1.5"])
+    assert "1.5" in line and "not a whole number" in line and "(0, 1]" in line
+
+
+def test_bench_budgets_use_the_same_grammar(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line_error(capsys, ["bench", "--budgets", "1,6GiB", "--models", "gpt2"])
+    assert "'6GiB'" in line and "size in bytes" in line
+
+
+def test_too_small_byte_budget_fails_at_once_naming_the_minimum(
+        data_graphs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    line = _one_line_error(capsys, ["solve", str(data_graphs / "resnet_like_train.json"),
+                                    "--budget", "2"])
+    # no solver ran: the graph's cheap lower bound refused the budget
+    assert time.perf_counter() - start < 5
+    from hrockmate.schedule import peak_lower_bound
+
+    graph = Graph.load(data_graphs / "resnet_like_train.json")
+    floor, _why = peak_lower_bound(graph)
+    assert f"at least {floor} bytes" in line and "alone needs" in line
+
+
+@pytest.mark.parametrize("limit", ["-1", "0", "nan", "inf", "soon"])
+def test_time_limit_must_be_positive_seconds(data_graphs: Path, limit: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["solve", str(data_graphs / "vgg_like_train.json"), "--budget", "0.9",
+              f"--time-limit={limit}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--time-limit" in err and "seconds above 0" in err and repr(limit) in err
+
+
+# ---- simulate reads the plan files solve writes ----------------------------------------------
+
+def test_simulate_a_plan_written_by_solve(data_graphs: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    graph_file = data_graphs / "vgg_like_train.json"
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(graph_file), "--budget", "0.9", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(graph_file), "--schedule", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert f"peak         {format_bytes(plan['peak_bytes'])}" in text
+    # a plan made for another graph is refused, naming both hashes
+    line = _one_line_error(capsys, ["simulate", str(data_graphs / "resnet_like_train.json"),
+                                    "--schedule", str(out)])
+    assert plan["graph_hash"] in line and "solve again" in line
+
+
+# ---- reports -------------------------------------------------------------------------------
+
+def test_solve_a_graph_whose_ops_take_no_time(data_graphs: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    graph = Graph.load(data_graphs / "vgg_like_train.json")
+    for op in graph.ops:
+        op.time = 0.0
+    graph_file, out = tmp_path / "timeless.json", tmp_path / "plan.json"
+    graph.save(graph_file)
+    assert main(["solve", str(graph_file), "--budget", "0.9", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted time   0 units" in text and "solve time" in text
+    assert "no overhead" in text and f"plan written to  {out}" in text
+    plan = load_plan(out, graph)
+    assert plan.time == plan.baseline_time == 0 and plan.peak_bytes <= plan.budget_bytes
+
+
+
+# ---- the zoo: built in, or named explicitly ----------------------------------------------------
+
+_HOSTILE_ZOO = """
+from pathlib import Path
+Path(__file__).with_name("EXECUTED").write_text("the zoo in the current directory ran")
+"""
+
+
+def test_bench_never_runs_a_zoo_from_the_current_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import hrockmate.bench as bench
+    from hrockmate.zoo import ZOO
+
+    (tmp_path / "benches").mkdir()
+    (tmp_path / "benches" / "zoo.py").write_text(_HOSTILE_ZOO)
+    monkeypatch.chdir(tmp_path)
+    # as installed from a wheel: no benches/ folder beside the package
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "site-packages" / "hrockmate" /
+                                               "bench.py"))
+    assert main(["bench", "--models", "list"]) == 0
+    assert not (tmp_path / "benches" / "EXECUTED").exists()
+    out = capsys.readouterr().out
+    assert all(name in out for name in ZOO)
+    assert bench.load_zoo() is ZOO
+
+
+def test_bench_loads_a_zoo_named_with_zoo(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    mine = tmp_path / "my_zoo.py"
+    mine.write_text(
+        "from hrockmate.bench import ModelSpec\n"
+        "ZOO = {'mine': ModelSpec('mine', 'my own model', lambda size: None, lambda m: [])}\n")
+    assert main(["bench", "--zoo", str(mine), "--models", "list"]) == 0
+    assert "my own model" in capsys.readouterr().out
+    # the checkout's benches/zoo.py still serves scripts and --zoo
+    repo_zoo = Path(__file__).resolve().parents[1] / "benches" / "zoo.py"
+    assert main(["bench", "--zoo", str(repo_zoo), "--models", "list"]) == 0
+    assert "mlp_mixer" in capsys.readouterr().out

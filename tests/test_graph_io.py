@@ -96,6 +96,70 @@ def test_bad_input_names_the_item_and_field(edit: Any, expected: str) -> None:
     assert expected in load_error(doc)
 
 
+# A Python-built graph gets the checks and messages of the JSON reader: (edit of the Python
+# objects, the same edit of the JSON document).
+PYTHON_AND_JSON_EDITS = [
+    (lambda g: setattr(g.tensors[2], "role", "evil"), lambda d: d["tensors"][2].update(role="evil")),
+    (lambda g: setattr(g.ops[1], "inputs", ["2"]), lambda d: d["ops"][1].update(inputs=["2"])),
+    (lambda g: setattr(g.tensors[2], "bytes", 10.5), lambda d: d["tensors"][2].update(bytes=10.5)),
+    (lambda g: setattr(g.tensors[2], "bytes", -1), lambda d: d["tensors"][2].update(bytes=-1)),
+    (lambda g: setattr(g.tensors[2], "bytes", 2**64), lambda d: d["tensors"][2].update(bytes=2**64)),
+    (lambda g: setattr(g.ops[2], "phase", "sideways"), lambda d: d["ops"][2].update(phase="sideways")),
+    (lambda g: setattr(g.ops[2], "random", 1), lambda d: d["ops"][2].update(random=1)),
+    (lambda g: setattr(g.ops[2], "time", "fast"), lambda d: d["ops"][2].update(time="fast")),
+    (lambda g: setattr(g.ops[2], "workspace", 0.5), lambda d: d["ops"][2].update(workspace=0.5)),
+    (lambda g: setattr(g.tensors[3], "alias_of", -1), lambda d: d["tensors"][3].update(alias_of=-1)),
+    (lambda g: setattr(g.ops[4], "differentiates", "relu"),
+     lambda d: d["ops"][4].update(differentiates="relu")),
+    # a rule between items, which the core checks on the arrays too
+    (lambda g: setattr(g.ops[1], "inputs", [7]), lambda d: d["ops"][1].update(inputs=[7])),
+]
+
+
+@pytest.mark.parametrize(("python_edit", "json_edit"), PYTHON_AND_JSON_EDITS)
+def test_python_built_graphs_are_checked_like_json(python_edit: Any, json_edit: Any) -> None:
+    doc = mlp_graph().to_dict()
+    json_edit(doc)
+    expected = load_error(doc)
+    g = mlp_graph()
+    python_edit(g)
+    for use in (store_all_schedule, Graph.validate):
+        with pytest.raises(GraphError) as info:
+            use(g)
+        assert str(info.value) == expected, use
+
+
+def test_python_built_graph_errors_name_the_item() -> None:
+    g = mlp_graph()
+    g.ops[2].phase = "sideways"
+    with pytest.raises(GraphError, match="op 2 'sum': field 'phase'"):
+        store_all_schedule(g)
+    g = mlp_graph()
+    g.tensors[3].bytes = object()
+    with pytest.raises(GraphError, match="tensor 3 'r': .*not JSON serializable"):
+        store_all_schedule(g)
+
+
+def test_python_built_graphs_keep_numpy_and_integral_values() -> None:
+    g = mlp_graph()
+    g.tensors[2].bytes = np.int64(64)
+    g.ops[1].time = np.float32(1e-6)
+    g.ops[1].random = np.bool_(False)
+    g.ops[1].inputs = (2,)
+    g.tensors[3].bytes = 64.0  # an integral float, as the JSON reader accepts it
+    arrays = g.to_arrays()
+    assert arrays["tensor_bytes"].tolist() == [t.bytes for t in mlp_graph().tensors]
+    assert simulate(g, store_all_schedule(g)).peak_bytes == simulate(
+        mlp_graph(), store_all_schedule(mlp_graph())).peak_bytes
+
+
+def test_graph_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "g.json"
+    path.write_bytes(b'{"name": "\xff"}')
+    with pytest.raises(GraphError, match=r"g.json is not UTF-8 text \(byte 0xff at offset 10\)"):
+        Graph.load(path)
+
+
 def test_a_cycle_names_an_op_on_it() -> None:
     doc = mlp_graph().to_dict()
     # relu reads r, its own output's consumer chain: linear -> relu -> linear.

@@ -16,6 +16,7 @@ import hrockmate
 from hrockmate import solvers
 from hrockmate.graph import Graph, Op, Tensor
 from hrockmate.plan import InfeasibleBudget, Plan
+from hrockmate.schedule import peak_lower_bound
 
 solve_mod = importlib.import_module("hrockmate.planner")
 METHODS = ("hrockmate", "checkmate", "checkpoint", "recompute-all", "store-all")
@@ -117,9 +118,20 @@ def test_infeasible_budget_of_reference_methods() -> None:
     with pytest.raises(InfeasibleBudget) as info:
         hrockmate.solve_graph(g, base - 1, method="store-all")
     assert info.value.min_bytes == base
+    floor, _why = peak_lower_bound(g)
     with pytest.raises(InfeasibleBudget) as info:
-        hrockmate.solve_graph(g, 1, method="checkpoint")
-    assert 1 < info.value.min_bytes < base
+        hrockmate.solve_graph(g, floor, method="checkpoint")
+    assert floor < info.value.min_bytes < base
+
+
+def test_budget_below_the_graphs_floor_is_refused_before_solving() -> None:
+    g = training_graph(6, 8)
+    floor, why = peak_lower_bound(g)
+    with pytest.raises(InfeasibleBudget) as info:
+        hrockmate.solve_graph(g, 2, method="checkmate", time_limit=0.001)
+    assert info.value.min_bytes == floor and why in str(info.value)
+    # the floor is a true lower bound: the exact minimum is not below it
+    assert floor <= _min_peak(g)
 
 
 def test_time_limit_returns_best_plan_with_warning(data_graphs: Path) -> None:
@@ -285,10 +297,14 @@ def test_literature_methods_plan_within_budget(data_graphs, method: str) -> None
 
 def test_rotor_method_reports_its_minimum_when_infeasible(data_graphs) -> None:
     graph = hrockmate.Graph.load(data_graphs / "vgg_like_train.json")
-    with pytest.raises(hrockmate.InfeasibleBudget) as info:
+    with pytest.raises(hrockmate.InfeasibleBudget) as far:
         hrockmate.solve_graph(graph, 0.5, method="rotor", progress=False)
-    assert 0.5 * info.value.min_bytes < info.value.budget_bytes < info.value.min_bytes
-    # the stated minimum is reachable
+    # far below: the graph's floor refuses it before Rotor runs
+    assert far.value.why and far.value.budget_bytes < far.value.min_bytes
+    with pytest.raises(hrockmate.InfeasibleBudget) as info:
+        hrockmate.solve_graph(graph, far.value.min_bytes, method="rotor", progress=False)
+    assert not info.value.why and far.value.min_bytes < info.value.min_bytes
+    # the minimum Rotor states is reachable
     plan = hrockmate.solve_graph(graph, info.value.min_bytes, method="rotor", progress=False)
     assert plan.peak_bytes <= info.value.min_bytes
 

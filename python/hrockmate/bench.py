@@ -50,7 +50,6 @@ __all__ = [
     "ModelSpec",
     "ModelUnavailable",
     "add_arguments",
-    "default_zoo_path",
     "format_summary",
     "format_table",
     "load_zoo",
@@ -332,7 +331,8 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
                     try:
                         with warnings.catch_warnings():
                             warnings.simplefilter("ignore")
-                            plan = solve_graph(graph, max(target, 1), **kw)
+                            # bytes, and at least 2: a bare 1 would mean 100%
+                            plan = solve_graph(graph, max(target, 2), **kw)
                     except InfeasibleBudget as exc:
                         return _failed(method, f"budget {frac:g}", "infeasible", str(exc),
                                        budget_fraction=frac, budget_bytes=budget,
@@ -751,31 +751,22 @@ def _why_none(points: list[dict[str, Any]], method: str, budget: int) -> str:
 # command line (shared by ``hrockmate bench`` and ``benches/compare.py``)
 
 
-def default_zoo_path() -> Path | None:
-    """``benches/zoo.py`` of a source checkout: beside the package's source tree, else in the
-    current directory."""
-    here = Path(__file__).resolve()
-    for root in (here.parents[2], Path.cwd()):
-        p = root / "benches" / "zoo.py"
-        if p.is_file():
-            return p
-    return None
-
-
 def load_zoo(path: str | os.PathLike[str] | None = None) -> dict[str, ModelSpec]:
-    """The ``ZOO`` dict (name -> ModelSpec) of a zoo module file (default: benches/zoo.py)."""
+    """The ``ZOO`` dict (name -> ModelSpec): the built-in one (``hrockmate.zoo``), or that of
+    the zoo module file ``path``. Only a file named here is executed: nothing is looked up in
+    the current directory."""
+    if path is None:
+        from hrockmate.zoo import ZOO
+
+        return ZOO
     import importlib.util
 
-    p = Path(path) if path is not None else default_zoo_path()
-    if p is None:
-        raise FileNotFoundError(
-            "model zoo benches/zoo.py not found; run from a hrockmate source checkout or pass "
-            "--zoo PATH"
-        )
+    p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"model zoo {p} does not exist; pass --zoo with a zoo module file")
-    spec = importlib.util.spec_from_file_location("hrockmate_bench_zoo", p)
-    assert spec is not None and spec.loader is not None
+    spec = importlib.util.spec_from_file_location("hrockmate_user_zoo", p)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"model zoo {p} is not a Python module file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     zoo = getattr(module, "ZOO", None)
@@ -784,13 +775,12 @@ def load_zoo(path: str | os.PathLike[str] | None = None) -> dict[str, ModelSpec]
     return zoo
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated fractions like 1,0.5,0.3, got {text!r}") from None
-    return values
+def _fraction_list(text: str) -> tuple[float, ...]:
+    """``1,0.5,30%``: fractions of the store-all peak, read as every budget is
+    (``hrockmate.budget``); BudgetError naming a bad item."""
+    from hrockmate.budget import parse_fraction
+
+    return tuple(parse_fraction(x.strip()) for x in text.split(",") if x.strip())
 
 
 def _name_list(text: str) -> tuple[str, ...]:
@@ -799,10 +789,13 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (one definition for both entry points)."""
+    from hrockmate.cli import seconds
+
     parser.add_argument("--models", type=_name_list, default=None,
                         help="comma-separated zoo names (default: all; 'list' prints them)")
-    parser.add_argument("--budgets", type=_float_list, default=DEFAULT_BUDGETS,
-                        help="fractions of the store-all peak (default 1,0.8,0.6,0.5,0.4,0.3)")
+    parser.add_argument("--budgets", default=None,
+                        help="fractions of the store-all peak, as numbers in (0, 1] or "
+                        "percentages (default 1,0.8,0.6,0.5,0.4,0.3)")
     parser.add_argument("--methods", type=_name_list, default=METHODS,
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
     parser.add_argument("--iterations", type=int, default=5,
@@ -816,10 +809,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="output directory for bench.json and plots (default bench-results)")
     parser.add_argument("--zoo", type=Path, default=None,
-                        help="model zoo module (default: benches/zoo.py of the checkout)")
-    parser.add_argument("--time-limit", type=float, default=120.0,
+                        help="a model zoo module of your own, a Python file defining ZOO (it is "
+                        "executed; default: the built-in zoo, hrockmate.zoo)")
+    parser.add_argument("--time-limit", type=seconds, default=120.0,
                         help="seconds per hrockmate MILP (default 120)")
-    parser.add_argument("--checkmate-time-limit", type=float, default=60.0,
+    parser.add_argument("--checkmate-time-limit", type=seconds, default=60.0,
                         help="seconds for Checkmate's exact MILP per budget (default 60)")
     parser.add_argument("--checkmate-max-ops", type=int, default=300,
                         help="run the exact MILP only on graphs of at most this many ops "
@@ -848,7 +842,8 @@ def run_from_args(args: argparse.Namespace, zoo: dict[str, ModelSpec] | None = N
             raise ValueError(f"--device {args.device}: CUDA is not available here; use cpu")
     elif args.device != "cpu":
         raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
-    cfg = BenchConfig(budgets=tuple(args.budgets), methods=tuple(args.methods),
+    budgets = DEFAULT_BUDGETS if args.budgets is None else _fraction_list(args.budgets)
+    cfg = BenchConfig(budgets=budgets, methods=tuple(args.methods),
                       iterations=args.iterations, size=args.size, device=args.device,
                       threads=args.threads or None, seed=args.seed,
                       solve_time_limit=args.time_limit,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -16,17 +17,22 @@ from pathlib import Path
 from hrockmate.budget import format_bytes
 
 
-def budget_from_text(text: str) -> int | float | str:
-    """A budget typed on the command line: ``123`` is bytes, ``0.5`` a fraction of the
-    store-all peak, anything else (``6GiB``, ``50%``) is parsed by ``hrockmate.parse_budget``."""
+BUDGET_HELP = (
+    "a number in (0, 1] or a percentage (50%%) is that fraction of the store-all peak; a whole "
+    "number above 1 is bytes; or a size with a unit (6GiB, 500MB)"
+)
+
+
+def seconds(text: str) -> float:
+    """A time limit typed on the command line: a finite number of seconds above 0."""
     try:
-        return int(text)
+        value = float(text)
     except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return text
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds above 0 (e.g. 60), got {text!r}")
+    return value
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -37,7 +43,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         n_embd=args.embd,
         seq=args.seq,
         batch=args.batch,
-        budget=budget_from_text(args.budget),
+        budget=args.budget,
         iterations=args.iterations,
     )
     return 0
@@ -62,10 +68,14 @@ def _cmd_solve(args: argparse.Namespace) -> int:
 
     graph = hrockmate.Graph.load(args.graph)
     plan = hrockmate.solve_graph(
-        graph, budget_from_text(args.budget), method=args.method, time_limit=args.time_limit,
+        graph, args.budget, method=args.method, time_limit=args.time_limit,
         solvers=_parse_solvers(args.solvers),
     )
+    if args.output:
+        plan.save(args.output)
     unit = plan.time_unit
+    overhead = f"overhead {100 * plan.overhead:.1f}%" if plan.baseline_time > 0 else (
+        "no overhead: the graph's ops take no time")
     print(f"graph            {args.graph} ({graph.num_ops} ops, {graph.num_tensors} tensors)")
     print(f"budget           {format_bytes(plan.budget_bytes)}")
     print(
@@ -74,11 +84,10 @@ def _cmd_solve(args: argparse.Namespace) -> int:
     )
     print(
         f"predicted time   {plan.time:.6g} {unit}   (store-all {plan.baseline_time:.6g} {unit}, "
-        f"overhead {100 * (plan.time / plan.baseline_time - 1):.1f}%)"
+        f"{overhead})"
     )
     print(f"solve time       {plan.stats.get('solve_seconds', float('nan')):.2f} s")
     if args.output:
-        plan.save(args.output)
         print(f"plan written to  {args.output}")
     return 0
 
@@ -88,7 +97,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     graph = hrockmate.Graph.load(args.graph)
     if args.schedule:
-        schedule = hrockmate.Schedule.load(args.schedule)
+        from hrockmate.plan import load_schedule_or_plan
+
+        schedule = load_schedule_or_plan(args.schedule, graph)
     elif args.reference == "recompute-all":
         schedule = hrockmate.recompute_all_schedule(graph)
     else:
@@ -129,8 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--budget",
         default="0.5",
-        help="memory budget: bytes, a size like 200MiB, or a fraction of the store-all peak "
-        "(default 0.5)",
+        help=f"memory budget: {BUDGET_HELP} (default 0.5)",
     )
     demo.add_argument("--iterations", type=int, default=3, help="timed iterations (default 3)")
     demo.set_defaults(func=_cmd_demo)
@@ -142,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         "peak memory and time.",
     )
     solve.add_argument("graph", type=Path, help="graph file")
-    solve.add_argument("--budget", required=True, help="bytes, a size like 6GiB, or a fraction")
+    solve.add_argument("--budget", required=True, help=f"memory budget: {BUDGET_HELP}")
     solve.add_argument(
         "--method",
         default="hrockmate",
@@ -151,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="solver (default hrockmate; checkmate: exact ILP, for small graphs)",
     )
     solve.add_argument(
-        "--time-limit", type=float, default=300.0, help="seconds for the solver (default 300)"
+        "--time-limit", type=seconds, default=300.0, help="seconds for the solver (default 300)"
     )
     solve.add_argument(
         "--solvers",
@@ -167,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check a schedule against a graph and print its peak memory and time.",
     )
     sim.add_argument("graph", type=Path, help="graph file")
-    sim.add_argument("--schedule", type=Path, help="schedule JSON (default: a reference one)")
+    sim.add_argument("--schedule", type=Path,
+                     help="schedule JSON, or a plan file written by 'hrockmate solve -o' "
+                     "(default: a reference schedule)")
     sim.add_argument(
         "--reference",
         choices=["store-all", "recompute-all"],
@@ -184,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the exact MILP",
         description="Run zoo models side by side with every method at budgets given as "
         "fractions of the store-all peak; write bench.json, a Pareto plot per model and print "
-        "tables. Models come from benches/zoo.py of a source checkout (or --zoo).",
+        "tables. Models come from the built-in zoo (hrockmate.zoo), or from the zoo module "
+        "named by --zoo.",
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)

@@ -10,12 +10,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import re
+import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; abandoned temporary files are found by age
+    fcntl = None  # type: ignore[assignment]
 
 FORMAT_NAME = "hrockmate-graph"
 FORMAT_VERSION = 1
@@ -56,14 +63,14 @@ class Tensor:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "name": self.name,
-            "bytes": int(self.bytes),
+            "bytes": _plain(self.bytes),
             "role": self.role,
-            "alias_of": self.alias_of,
-            "grad_of": self.grad_of,
-            "updates": self.updates,
+            "alias_of": _plain(self.alias_of),
+            "grad_of": _plain(self.grad_of),
+            "updates": _plain(self.updates),
         }
         if self.shape is not None:
-            d["shape"] = [int(s) for s in self.shape]
+            d["shape"] = _plain_list(self.shape)
         if self.dtype is not None:
             d["dtype"] = self.dtype
         return d
@@ -88,13 +95,13 @@ class Op:
             "name": self.name,
             "target": self.target,
             "phase": self.phase,
-            "time": float(self.time),
-            "workspace": int(self.workspace),
-            "inputs": [int(i) for i in self.inputs],
-            "outputs": [int(i) for i in self.outputs],
-            "differentiates": self.differentiates,
-            "random": bool(self.random),
-            "mutates_buffer": bool(self.mutates_buffer),
+            "time": _plain(self.time),
+            "workspace": _plain(self.workspace),
+            "inputs": _plain_list(self.inputs),
+            "outputs": _plain_list(self.outputs),
+            "differentiates": _plain(self.differentiates),
+            "random": _plain(self.random),
+            "mutates_buffer": _plain(self.mutates_buffer),
             "module": self.module,
         }
 
@@ -191,9 +198,23 @@ class Graph:
         from hrockmate import _native
 
         try:
-            _native.parse_graph(self.to_json())
+            _native.parse_graph(self._json_for_reader())
         except ValueError as exc:
             raise GraphError(str(exc)) from None
+
+    def _json_for_reader(self) -> str:
+        """``to_json()``; a value JSON cannot hold raises GraphError naming its op or tensor."""
+        try:
+            return self.to_json()
+        except (TypeError, ValueError) as exc:
+            problem = exc
+        for kind, items in (("tensor", self.tensors), ("op", self.ops)):
+            for i, item in enumerate(items):
+                try:
+                    json.dumps(item.to_dict())
+                except (TypeError, ValueError) as exc:
+                    raise GraphError(f"{kind} {i} {item.name!r}: {exc}") from None
+        raise GraphError(f"graph {self.name!r}: {problem}") from None
 
     def structure_hash(self) -> str:
         """Hash of everything a plan depends on except measured times (stable across runs)."""
@@ -209,41 +230,124 @@ class Graph:
 
     # ---- flat arrays for Rust ----------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """The flat array form of docs/graph-ir.md."""
-        n_ops = len(self.ops)
-        in_ptr = np.zeros(n_ops + 1, dtype=np.int64)
-        out_ptr = np.zeros(n_ops + 1, dtype=np.int64)
-        in_ptr[1:] = np.cumsum([len(o.inputs) for o in self.ops], dtype=np.int64)
-        out_ptr[1:] = np.cumsum([len(o.outputs) for o in self.ops], dtype=np.int64)
-        return {
-            "tensor_bytes": np.array([t.bytes for t in self.tensors], dtype=np.int64),
-            "tensor_alias": np.array(
-                [-1 if t.alias_of is None else t.alias_of for t in self.tensors], dtype=np.int64
-            ),
-            "tensor_role": np.array([ROLE_CODE[t.role] for t in self.tensors], dtype=np.int8),
-            "tensor_grad_of": np.array(
-                [-1 if t.grad_of is None else t.grad_of for t in self.tensors], dtype=np.int64
-            ),
-            "tensor_updates": np.array(
-                [-1 if t.updates is None else t.updates for t in self.tensors], dtype=np.int64
-            ),
-            "op_time": np.array([o.time for o in self.ops], dtype=np.float64),
-            "op_workspace": np.array([o.workspace for o in self.ops], dtype=np.int64),
-            "op_phase": np.array(
-                [0 if o.phase == "forward" else 1 for o in self.ops], dtype=np.int8
-            ),
-            "op_differentiates": np.array(
-                [-1 if o.differentiates is None else o.differentiates for o in self.ops],
-                dtype=np.int64,
-            ),
-            "op_flags": np.array(
-                [int(o.random) | (int(o.mutates_buffer) << 1) for o in self.ops], dtype=np.uint8
-            ),
-            "op_in_ptr": in_ptr,
-            "op_in_idx": np.array([i for o in self.ops for i in o.inputs], dtype=np.int64),
-            "op_out_ptr": out_ptr,
-            "op_out_idx": np.array([i for o in self.ops for i in o.outputs], dtype=np.int64),
-        }
+        """The flat array form of docs/graph-ir.md.
+
+        A graph built in Python is checked by the same rules, with the same messages, as a JSON
+        graph: a field the arrays cannot carry as it is (a role or phase the IR does not know, a
+        size or id that is not an integer >= 0, a flag that is not a bool, a time that is not a
+        number) sends the graph through the Rust JSON reader, which raises ``GraphError`` naming
+        the op or tensor and the field (or reads an integral float such as ``4096.0`` as JSON
+        does). Everything else is checked by the Rust core when it receives the arrays.
+        """
+        arrays = _exact_arrays(self)
+        if arrays is None:
+            arrays = _exact_arrays(Graph.from_json(self._json_for_reader()))
+            if arrays is None:
+                raise GraphError(f"graph '{self.name}': the reader's canonical form does not "
+                                 "convert to arrays (internal error)")
+        return arrays
+
+
+_INTEGERS = (int, np.integer)
+_NUMBERS = (int, float, np.integer, np.floating)
+_BOOLS = (bool, np.bool_)
+_PHASE_CODE: dict[str, int] = {p: i for i, p in enumerate(PHASES)}
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars as Python values (for JSON); anything else unchanged, so that the JSON
+    reader sees, and names, a value of the wrong type instead of a silently converted one."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _plain_list(values: Any) -> Any:
+    return [_plain(v) for v in values] if isinstance(values, (list, tuple, np.ndarray)) else values
+
+
+def _all_of(values: list[Any], kinds: tuple[type, ...], refused: tuple[type, ...] = ()) -> bool:
+    return all(issubclass(k, kinds) and not issubclass(k, refused) for k in set(map(type, values)))
+
+
+def _counts(values: list[Any]) -> np.ndarray | None:
+    """int64 array when every value is an integer >= 0 that int64 holds (not a bool), else None."""
+    if not _all_of(values, _INTEGERS, _BOOLS):
+        return None
+    try:
+        arr = np.array(values, dtype=np.int64)
+    except OverflowError:
+        return None
+    return None if arr.size and int(arr.min()) < 0 else arr
+
+
+def _optional_ids(values: list[Any]) -> np.ndarray | None:
+    """Like ``_counts`` with None allowed (as -1, the arrays' "none")."""
+    given = [i for i, v in enumerate(values) if v is not None]
+    ids = _counts([values[i] for i in given])
+    if ids is None:
+        return None
+    out = np.full(len(values), -1, dtype=np.int64)
+    out[given] = ids
+    return out
+
+
+def _times(values: list[Any]) -> np.ndarray | None:
+    """float64 array when every value is a number (not a bool); the core checks the range."""
+    if not _all_of(values, _NUMBERS, _BOOLS):
+        return None
+    try:
+        return np.array(values, dtype=np.float64)
+    except OverflowError:
+        return None
+
+
+def _flags(random: list[Any], mutates_buffer: list[Any]) -> np.ndarray | None:
+    """Bit 0 random, bit 1 mutates_buffer, when both are bools."""
+    if not _all_of(random + mutates_buffer, _BOOLS):
+        return None
+    return np.array(random, dtype=np.uint8) | (np.array(mutates_buffer, dtype=np.uint8) << 1)
+
+
+def _codes(values: list[Any], table: dict[str, int]) -> np.ndarray | None:
+    try:
+        codes = [table.get(v) if isinstance(v, str) else None for v in values]
+    except TypeError:
+        return None
+    return None if None in codes else np.array(codes, dtype=np.int8)
+
+
+def _exact_arrays(graph: Graph) -> dict[str, np.ndarray] | None:
+    """The flat arrays, or None when some field does not convert exactly."""
+    ts, ops = graph.tensors, graph.ops
+    try:
+        in_lists = [list(o.inputs) for o in ops]
+        out_lists = [list(o.outputs) for o in ops]
+    except TypeError:
+        return None
+    arrays = {
+        "tensor_bytes": _counts([t.bytes for t in ts]),
+        "tensor_alias": _optional_ids([t.alias_of for t in ts]),
+        "tensor_role": _codes([t.role for t in ts], ROLE_CODE),
+        "tensor_grad_of": _optional_ids([t.grad_of for t in ts]),
+        "tensor_updates": _optional_ids([t.updates for t in ts]),
+        "op_time": _times([o.time for o in ops]),
+        "op_workspace": _counts([o.workspace for o in ops]),
+        "op_phase": _codes([o.phase for o in ops], _PHASE_CODE),
+        "op_differentiates": _optional_ids([o.differentiates for o in ops]),
+        "op_flags": _flags([o.random for o in ops], [o.mutates_buffer for o in ops]),
+        "op_in_ptr": _csr_ptr(in_lists),
+        "op_in_idx": _counts([i for ins in in_lists for i in ins]),
+        "op_out_ptr": _csr_ptr(out_lists),
+        "op_out_idx": _counts([i for outs in out_lists for i in outs]),
+    }
+    if any(a is None for a in arrays.values()):
+        return None
+    return arrays  # type: ignore[return-value]
+
+
+def _csr_ptr(lists: list[list[Any]]) -> np.ndarray:
+    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum([len(x) for x in lists], dtype=np.int64)
+    return ptr
 
 
 def load_json_file(
@@ -254,33 +358,112 @@ def load_json_file(
 ) -> T:
     """Read a file and ``parse`` its text; errors (``error``) name the file."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise error(f"cannot read {what} file {p}: {exc.strerror or exc}") from None
+    text = read_text_file(p, what, error)
     try:
         return parse(text)
     except error as exc:
         raise error(f"{p}: {exc}") from None
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write text to path via a temporary file in the same folder and an atomic rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def read_text_file(path: Path, what: str, error: type[ValueError]) -> str:
+    """The UTF-8 text of a file; ``error`` naming the file when it cannot be read or decoded."""
     try:
-        with os.fdopen(fd, "w") as f:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise error(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(
+            f"{what} file {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}): it is corrupt or not a {what} file"
+        ) from None
+
+
+# Temporary files of write_atomic: ".<target name>.<8 random characters>.tmp" beside the target.
+# Older versions used tempfile.mkstemp, whose random part has the same form.
+_TEMP_RANDOM = re.compile(r"[a-z0-9_]{8}")
+# Without file locks (Windows), a temporary file this old is taken as abandoned.
+_ABANDONED_AFTER_S = 3600.0
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write text to path via a temporary file in the same folder and an atomic rename.
+
+    The temporary file is locked while it is written. Temporary files of the same target left
+    behind by a writer that was killed (SIGKILL, power loss: nothing holds their lock any more)
+    are removed first; a concurrent writer's file is left alone.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_temps(path)
+    fd, tmp = _new_locked_temp(path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp creates the file private (0600); give it the permissions of a normal file.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # while the lock is held, so no cleaner removes it first
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+
+
+def _is_temp_of(name: str, target: Path) -> bool:
+    prefix = f".{target.name}."
+    return (name.startswith(prefix) and name.endswith(".tmp")
+            and _TEMP_RANDOM.fullmatch(name[len(prefix):-len(".tmp")]) is not None)
+
+
+def _new_locked_temp(path: Path) -> tuple[int, Path]:
+    """A new temporary file beside ``path`` (permissions as for a normal file), locked."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        if fcntl is None:
+            return fd, tmp
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink > 0:
+            return fd, tmp
+        # a cleaner took it for abandoned between its creation and our lock: start again
+        os.close(fd)
+
+
+def _remove_abandoned_temps(path: Path) -> None:
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        if _is_temp_of(name, path):
+            _remove_if_abandoned(path.parent / name)
+
+
+def _remove_if_abandoned(tmp: Path) -> None:
+    if fcntl is None:
+        try:
+            if time.time() - tmp.stat().st_mtime > _ABANDONED_AFTER_S:
+                tmp.unlink()
+        except OSError:
+            pass
+        return
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # its writer is alive and holds the lock
+        os.close(fd)
+        return
+    try:
+        tmp.unlink()
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -34,6 +34,7 @@ from hrockmate import solvers as reference
 from hrockmate.budget import BudgetLike, parse_budget
 from hrockmate.graph import PREEXISTING_ROLES, Graph
 from hrockmate.plan import InfeasibleBudget, Plan
+from hrockmate.schedule import peak_lower_bound
 
 logger = logging.getLogger("hrockmate")
 
@@ -1191,6 +1192,9 @@ def solve_graph(
         return plan_of(c, base_peak, base_time)
     if method == "store-all":
         raise InfeasibleBudget(budget_bytes, base_peak, graph.name)
+    floor, why = peak_lower_bound(graph)  # refuses a budget far too small at once
+    if budget_bytes < floor:
+        raise InfeasibleBudget(budget_bytes, floor, graph.name, why=why)
 
     kw = dict(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
               leaf_size=leaf_size, group_size=group_size, top_size=top_size,
@@ -1216,14 +1220,11 @@ def solve_graph(
         raise InfeasibleBudget(budget_bytes, lowest, graph.name)
     peak, t = _validate(graph, cand, budget_bytes)
     plan = plan_of(cand, peak, t)
-    if not plan.optimal and method in ("hrockmate", "checkmate"):
+    shortfall = plan.shortfall(time_limit)
+    if shortfall:
         import warnings
 
-        warnings.warn(
-            f"solving '{graph.name}' stopped at the time limit ({time_limit} s) or fell back to a "
-            "heuristic: the plan is valid but may be suboptimal (raise time_limit for a better one)",
-            stacklevel=2,
-        )
+        warnings.warn(shortfall, stacklevel=2)
     logger.info("%s", plan.summary())
     return plan
 

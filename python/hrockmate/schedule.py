@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from hrockmate.graph import Graph, GraphError, load_json_file, write_atomic
+from hrockmate.graph import PREEXISTING_ROLES, Graph, GraphError, load_json_file, write_atomic
 
 SCHEDULE_FORMAT = "hrockmate-schedule"
 SCHEDULE_VERSION = 1
@@ -257,3 +257,55 @@ def recompute_all_schedule(graph: Graph) -> Schedule:
     from hrockmate import _native
 
     return Schedule.from_arrays(*_call(_native.recompute_all, graph, graph.to_arrays()))
+
+
+# Roles every schedule must produce (docs/graph-ir.md, schedule rules).
+_REQUIRED_ROLES = frozenset({"output", "param_grad", "input_grad", "buffer_update"})
+
+
+def peak_lower_bound(graph: Graph) -> tuple[int, str]:
+    """A peak no valid schedule of ``graph`` goes below, and why, in words.
+
+    Every schedule computes the backward ops, the ops producing the required results and,
+    transitively, the ops whose outputs those read. While one of them runs, what it reads is
+    alive and what it produces is allocated, with its workspace (the simulator's rule); the
+    largest such sum is the bound. It costs one pass over the graph, so a budget far too small
+    is refused at once; the smallest feasible peak is often higher. ``graph`` must be valid.
+    """
+    tensors, ops = graph.tensors, graph.ops
+    root = [-1] * len(tensors)  # storage owner of each tensor (-1: not known yet)
+    for t in range(len(tensors)):
+        chain, x = [t], t  # alias chains are acyclic in a valid graph
+        while root[x] < 0 and (up := tensors[x].alias_of) is not None:
+            chain.append(up)
+            x = up
+        owner = x if root[x] < 0 else root[x]
+        for c in chain:
+            root[c] = owner
+
+    def counted(t: int) -> int:
+        owner = tensors[root[t]]
+        return 0 if owner.role in PREEXISTING_ROLES else int(owner.bytes)
+
+    producer = graph.producers()
+    todo = [i for i, op in enumerate(ops) if op.phase == "backward"]
+    todo += [p for t, p in enumerate(producer)
+             if p is not None and tensors[t].role in _REQUIRED_ROLES]
+    needed: set[int] = set()
+    while todo:
+        i = todo.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        todo += [p for t in ops[i].inputs if (p := producer[t]) is not None]
+    best, best_op = 0, None
+    for i in sorted(needed):
+        op = ops[i]
+        need = (int(op.workspace) + sum(counted(r) for r in {root[t] for t in op.inputs})
+                + sum(counted(t) for t in op.outputs if tensors[t].alias_of is None))
+        if need > best:
+            best, best_op = need, i
+    if best_op is None:
+        return 0, "nothing has to be computed"
+    return best, (f"op {best_op} '{ops[best_op].name}' alone needs that much while it runs: "
+                  "what it reads, what it produces and its workspace")
