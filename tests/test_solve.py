@@ -121,7 +121,11 @@ def test_infeasible_budget_of_reference_methods() -> None:
     floor, _why = peak_lower_bound(g)
     with pytest.raises(InfeasibleBudget) as info:
         hrockmate.solve_graph(g, floor, method="checkpoint")
-    assert floor < info.value.min_bytes < base
+    lowest = info.value.min_bytes
+    assert floor < lowest < base
+    # the stated minimum is reached by checkpointing itself, not by a fallback
+    plan = hrockmate.solve_graph(g, lowest, method="checkpoint")
+    assert plan.peak_bytes <= lowest and not plan.stats.get("fallback")
 
 
 def test_budget_below_the_graphs_floor_is_refused_before_solving() -> None:
@@ -136,7 +140,7 @@ def test_budget_below_the_graphs_floor_is_refused_before_solving() -> None:
 
 def test_time_limit_returns_best_plan_with_warning(data_graphs: Path) -> None:
     g = Graph.load(data_graphs / "resnet_like_train.json")
-    with pytest.warns(UserWarning, match="may be suboptimal"):
+    with pytest.warns(UserWarning, match="may be suboptimal|may be slower"):
         plan = hrockmate.solve_graph(g, 0.9, method="checkmate", time_limit=0.5)
     assert plan.stats["optimal"] is False
     _check(plan, g)
@@ -415,10 +419,12 @@ def test_rotor_top_on_a_non_chain_uses_the_ilp(caplog: pytest.LogCaptureFixture)
 
 
 def test_small_graph_whose_hierarchy_falls_back_tries_the_op_level(data_graphs: Path) -> None:
-    g = Graph.load(data_graphs / "unet_tiny_oplog.json")  # 78 ops: above flat_ops
-    hier = hrockmate.solve_graph(g, 0.7, progress=False, exact_ops=0)
-    assert hier.stats.get("fallback")  # the hierarchy alone falls back at this budget
-    plan = hrockmate.solve_graph(g, 0.7, progress=False)
+    # long skips: the hierarchy alone falls back at this budget, the op-level MILP does not
+    g = Graph.load(data_graphs / "unet_like_train.json")
+    hier = hrockmate.solve_graph(g, 0.55, progress=False, flat_ops=0, exact_ops=0)
+    assert hier.stats.get("fallback")
+    plan = hrockmate.solve_graph(g, 0.55, progress=False, flat_ops=0, exact_ops=100,
+                                 time_limit=30)
     _check(plan, g)
     assert not plan.stats.get("fallback")
     assert plan.time <= hier.time

@@ -5,8 +5,9 @@ The hierarchical solver (method ``"hrockmate"``) follows H-Rockmate:
 1. the forward ops, in a topological order, are cut into contiguous blocks of a few ops, with
    cuts where few bytes cross; blocks are grouped again into larger blocks, level by level,
    until the top has at most ``top_size`` blocks; every backward op joins the block of the
-   forward op it differentiates, but never a later block than a backward op it reads from
-   (so the blocks' backward parts form a DAG);
+   forward op it differentiates (without that link: the latest block whose forward values it
+   reads), but never a later block than a backward op it reads from (so the blocks' backward
+   parts form a DAG);
 2. bottom-up, each block is a level problem (``hrockmate.ilp``) over its children (ops at the
    bottom, blocks above), whose *options* come from solving that level at several limits on its
    peak and on what it saves between forward and backward; each solution gives a forward and a
@@ -20,6 +21,7 @@ returned. docs/solver.md describes the models and options.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -40,7 +42,8 @@ logger = logging.getLogger("hrockmate")
 
 Step = tuple[str, int]
 
-METHODS = ("hrockmate", "checkmate", "checkpoint", "twremat", "rotor", "recompute-all", "store-all")
+METHODS = ("hrockmate", "checkmate", "checkpoint", "selective", "twremat", "rotor", "recompute-all",
+           "store-all")
 
 
 class SolveError(RuntimeError):
@@ -258,20 +261,9 @@ def build_hierarchy(graph: Graph, leaf_size: int = 6, group_size: int = 8,
     for i, leaf in enumerate(leaves):
         for j in leaf.fwd_ops:
             block_of_fwd[j] = i
-    # backward ops: the block of the forward op they differentiate (the last block when they
-    # differentiate none), but never a later block than a backward op they read from. Block
-    # indices then never increase along backward data flow, so the blocks' backward parts form
-    # a DAG at every level.
-    owner: dict[int, int] = {}
-    last = len(leaves) - 1
-    for j in ctx.bwd:  # topological order
-        d = g.ops[j].differentiates
-        want = block_of_fwd.get(d, last) if d is not None else last
-        for x in g.ops[j].inputs:
-            p = ctx.prod[x]
-            if p is not None and p in owner:
-                want = min(want, owner[p])
-        owner[j] = want
+    # backward ops: the rule of ``solvers.backward_owners`` (their blocks' backward parts form
+    # a DAG at every level)
+    owner = reference.backward_owners(g, ctx.order, block_of_fwd, len(leaves) - 1)
     loose: list[int] = []
     for j in ctx.bwd:
         if owner[j] >= 0:
@@ -764,6 +756,16 @@ def _pareto_filter(options: list[BlockOption]) -> list[BlockOption]:
     return sorted(keep, key=lambda o: o.saved_bytes)
 
 
+class HierarchyTimeout(ilp.LevelNoSolution):
+    """The blocks' options were not all solved before the hierarchy's share of the time limit
+    ran out (the caller then uses the simple strategies)."""
+
+
+# Share of a solve's time limit the blocks' options may use: the top level and the simple
+# strategies need the rest.
+HIERARCHY_TIME_SHARE = 0.75
+
+
 @dataclass
 class _Settings:
     time_limit: float | None
@@ -772,6 +774,7 @@ class _Settings:
     saved_fractions: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
     peak_fractions: tuple[float, ...] = (0.5,)
     solvers: dict[str, str] = field(default_factory=dict)  # level kind -> solver
+    deadline: float | None = None  # perf_counter time by which every block must be solved
 
 
 def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
@@ -809,6 +812,12 @@ def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
         # the fastest option is solved closely; the memory-limited ones, which are only
         # choices offered to the parent and much harder, to 1%
         limited = a.get("budget") is not None or a.get("boundary_limit") is not None
+        if st.deadline is not None:
+            left = st.deadline - _time.perf_counter()
+            if left <= 0:
+                raise HierarchyTimeout(f"the time limit ran out while solving the blocks of "
+                                       f"'{ctx.graph.name}'")
+            limit = min(limit, left)
         try:
             sp = ilp.solve_level(lvl.problem, **a, time_limit=limit,  # type: ignore[arg-type]
                                  mip_rel_gap=max(st.mip_rel_gap, 1e-2 if limited else 1e-3))
@@ -817,6 +826,9 @@ def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
         return _make_option(ctx, block, lvl, sp)
 
     first = attempt(easy, budget=None)
+    if first is None and st.deadline is not None and _time.perf_counter() >= st.deadline:
+        raise HierarchyTimeout(f"the time limit ran out while solving the blocks of "
+                               f"'{ctx.graph.name}'")
     if first is None:
         raise SolveError(f"internal error: a block of '{ctx.graph.name}' has no schedule even "
                          "without a memory limit")
@@ -955,7 +967,9 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
     from hrockmate.level_solvers import check_solvers
 
     chosen = check_solvers(solvers)
-    st = _Settings(time_limit, sub_time_limit, mip_rel_gap, solvers=chosen)
+    st = _Settings(time_limit, sub_time_limit, mip_rel_gap, solvers=chosen,
+                   deadline=None if time_limit is None
+                   else t0 + HIERARCHY_TIME_SHARE * time_limit)
     by_height: dict[int, list[Block]] = {}
 
     def post(b: Block) -> int:
@@ -1202,13 +1216,18 @@ def solve_graph(
               deadline=None if time_limit is None else t0 + time_limit)
     cand, lowest = _run_method(graph, method, budget_bytes, hierarchy, kw)
     if (method == "hrockmate" and flat_ops < graph.num_ops <= exact_ops
-            and (cand is None or cand.stats.get("fallback"))):
-        # the hierarchy's own plan lost to a fallback or there is none: on a graph this small
-        # the op-level MILP often does better, within a short limit
-        logger.info("the hierarchy of '%s' fell back; trying the op-level MILP", graph.name)
+            and (cand is None or cand.stats.get("fallback")
+                 or _simulate(graph, cand.steps, cand.forward_len)[1] > 1.1 * base_time)):
+        # the hierarchy's own plan lost to a fallback, there is none, or it recomputes much:
+        # on a graph this small the op-level MILP often does better, within a short limit
+        # (long skips, as in U-Nets, are where the hierarchy's blocks hold the most)
+        logger.info("the hierarchy of '%s' fell back or recomputes over 10%%; trying the "
+                    "op-level MILP", graph.name)
         # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
         # fallbacks are already known)
-        flat_kw = {**kw, "flat_ops": graph.num_ops, "time_limit": min(time_limit or 60.0, 60.0),
+        left = _time_left(kw)
+        flat_kw = {**kw, "flat_ops": graph.num_ops,
+                   "time_limit": min(60.0 if left is None else left, 60.0),
                    "lowest_peak": False}
         alt, alt_lowest = _run_method(graph, method, budget_bytes, None, flat_kw)
         if alt is not None and not alt.stats.get("fallback") and (
@@ -1326,14 +1345,15 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
     if method == "recompute-all":
         spares[0][0].stats.pop("fallback")
         return _pick(spares, budget, method, graph)
-    if method == "checkpoint":
+    if method in ("checkpoint", "selective"):
         try:
-            r = reference.solve_checkpoint(graph, budget, _simulate)
+            r = reference.solve_checkpoint(graph, budget, _simulate,
+                                           selective=method == "selective")
         except reference.SolverInfeasible:
             # keeping no block at all is recompute-all, the checkpointing with least memory
             cand, lowest = _pick(spares, budget, method, graph)
             return cand, int(min(lowest, _checkpoint_lowest(graph)))
-        return _Candidate(r.steps, r.forward_len, False, {"method": "checkpoint", **r.stats}), 0
+        return _Candidate(r.steps, r.forward_len, False, {"method": method, **r.stats}), 0
 
     if method in ("twremat", "rotor"):
         return _run_literature(graph, method, budget, _time_left(kw))
@@ -1356,97 +1376,118 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
         except (ilp.LevelInfeasible, ilp.LevelNoSolution):
             pass
     else:
-        h = hierarchy if hierarchy is not None else prepare(
-            graph, flat_ops=kw["flat_ops"], leaf_size=kw["leaf_size"],
-            group_size=kw["group_size"], top_size=kw["top_size"], time_limit=kw["time_limit"],
-            sub_time_limit=kw["sub_time_limit"], mip_rel_gap=kw["mip_rel_gap"],
-            progress=kw["progress"], solvers=kw["solvers"])
-        stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks,
-                   "solved_blocks": h.solved_blocks, "solvers": dict(h.solvers),
-                   "block_solvers": h.solver_counts(),
-                   "hierarchy_seconds": round(h.seconds, 4)}
-
-        def top(b: int) -> reference.SolverResult:
-            steps, fl, optimal, stats = solve_top(h, b, time_limit=kw["time_limit"],
-                                                  mip_rel_gap=kw["mip_rel_gap"])
-            return reference.SolverResult(steps, fl, optimal, stats)
-
-        # an op-level MILP cut short by the time limit may lose to the hierarchy
-        flat = not h.root.children and kw["flat_ops"] > 0
         try:
-            r = top(budget)
-            cand = _retighten(graph, budget, _Candidate(
-                r.steps, r.forward_len, r.optimal, {**stats_h, **r.stats}), top)
-            if flat and not cand.optimal:
-                alt, _ = _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
-                if alt is not None and (_simulate(graph, alt.steps, alt.forward_len)[1]
-                                        < _simulate(graph, cand.steps, cand.forward_len)[1]):
-                    return alt, 0
-            if h.root.children:
-                # the hierarchy's memory model is conservative; near its lowest budgets block
-                # checkpointing, or Rotor on a chain-shaped graph, can be faster, and both cost
-                # little to check
-                best, best_time = cand, _simulate(graph, cand.steps, cand.forward_len)[1]
-                for alt in _cheap_alternatives(graph, budget, stats_h, _time_left(kw)):
-                    alt_time = _simulate(graph, alt.steps, alt.forward_len)[1]
-                    if alt_time < best_time:
-                        best, best_time = alt, alt_time
-                return best, 0
-            return cand, 0
-        except ilp.LevelInfeasible:
-            pass
-        except ilp.LevelNoSolution:
-            if flat:
-                logger.info("no op-level schedule for '%s' in %s s; solving hierarchically",
-                            graph.name, kw["time_limit"])
-                return _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
-        try:
-            if kw.get("lowest_peak", True):
-                steps, fl, _, _ = solve_top(h, None, time_limit=kw["time_limit"],
-                                            mip_rel_gap=1e-3, minimize_peak=True)
-                spare("lowest-peak H-ILP", steps, fl, **stats_h)
-        except (ilp.LevelInfeasible, ilp.LevelNoSolution):
-            pass
-    try:
-        r = reference.solve_checkpoint(graph, budget, _simulate)
-        spare("checkpoint", r.steps, r.forward_len, **r.stats)
-    except reference.SolverInfeasible:
-        pass
+            h = hierarchy if hierarchy is not None else prepare(
+                graph, flat_ops=kw["flat_ops"], leaf_size=kw["leaf_size"],
+                group_size=kw["group_size"], top_size=kw["top_size"],
+                time_limit=_time_left(kw), sub_time_limit=kw["sub_time_limit"],
+                mip_rel_gap=kw["mip_rel_gap"], progress=kw["progress"], solvers=kw["solvers"])
+        except HierarchyTimeout as exc:
+            logger.warning("%s; using the simple strategies (raise time_limit to let the "
+                           "hierarchy finish)", exc)
+            h = None
+        if h is not None:
+            stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks,
+                       "solved_blocks": h.solved_blocks, "solvers": dict(h.solvers),
+                       "block_solvers": h.solver_counts(),
+                       "hierarchy_seconds": round(h.seconds, 4)}
+
+            def top(b: int) -> reference.SolverResult:
+                steps, fl, optimal, stats = solve_top(h, b, time_limit=_time_left(kw),
+                                                      mip_rel_gap=kw["mip_rel_gap"])
+                return reference.SolverResult(steps, fl, optimal, stats)
+
+            # an op-level MILP cut short by the time limit may lose to the hierarchy
+            flat = not h.root.children and kw["flat_ops"] > 0
+            try:
+                r = top(budget)
+                cand = _retighten(graph, budget, _Candidate(
+                    r.steps, r.forward_len, r.optimal, {**stats_h, **r.stats}), top)
+                if flat and not cand.optimal:
+                    alt, _ = _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
+                    if alt is not None and (_simulate(graph, alt.steps, alt.forward_len)[1]
+                                            < _simulate(graph, cand.steps, cand.forward_len)[1]):
+                        return alt, 0
+                if h.root.children:
+                    # the hierarchy's memory model is conservative; near its lowest budgets block
+                    # checkpointing, or Rotor on a chain-shaped graph, can be faster, and both cost
+                    # little to check
+                    best, best_time = cand, _simulate(graph, cand.steps, cand.forward_len)[1]
+                    simple, _ = _simple_strategies(graph, budget, method, _time_left(kw))
+                    for alt, _peak, alt_time in simple:
+                        if alt_time < best_time:
+                            alt.stats = {**stats_h, **alt.stats, "beats_hierarchy_plan": True}
+                            best, best_time = alt, alt_time
+                    return best, 0
+                return cand, 0
+            except ilp.LevelInfeasible:
+                pass
+            except ilp.LevelNoSolution:
+                if flat:
+                    logger.info("no op-level schedule for '%s' in %s s; solving hierarchically",
+                                graph.name, kw["time_limit"])
+                    return _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
+            try:
+                if kw.get("lowest_peak", True):
+                    steps, fl, _, _ = solve_top(h, None, time_limit=_time_left(kw),
+                                                mip_rel_gap=1e-3, minimize_peak=True)
+                    spare("lowest-peak H-ILP", steps, fl, **stats_h)
+            except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+                pass
+    simple, minima = _simple_strategies(graph, budget, method, _time_left(kw))
+    spares.extend(simple)
     cand, lowest = _pick(spares, budget, method, graph)
     if cand is None:
-        lowest = min(lowest, _checkpoint_lowest(graph))
+        lowest = min([lowest, *minima.values()])
+    elif cand.stats["fallback"] == "recompute-all":
+        logger.warning(
+            "%s found no schedule for '%s' within %d bytes and only recompute-all fits (the "
+            "lowest peaks reached: %s)", method, graph.name, budget,
+            ", ".join(f"{k} {v} bytes" for k, v in minima.items()) or "none")
     else:
         logger.warning("%s found no schedule for '%s' within %d bytes; using %s", method,
                        graph.name, budget, cand.stats["fallback"])
     return cand, lowest
 
 
-def _cheap_alternatives(graph: Graph, budget: int, stats: dict[str, Any],
-                        time_limit: float | None = None) -> list[_Candidate]:
-    """Block checkpointing and whole-graph Rotor (when the graph is a chain, within
-    ``time_limit`` seconds) within the budget, marked as fallbacks that compete with a plan the
-    hierarchy did find."""
+def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float | None = None
+                       ) -> tuple[list[tuple[_Candidate, int, float]], dict[str, int]]:
+    """The simple strategies no plan may lose to, each at its fastest setting within the
+    budget: block checkpointing, selective checkpointing and whole-graph Rotor (chain-shaped
+    graphs only, within ``time_limit`` seconds). Returns them as (candidate, peak, time),
+    marked as fallbacks, and the lowest peak each one reaches (for the log and the error
+    when nothing fits)."""
     from hrockmate.literature import NotAChainError
 
-    out = []
+    out: list[tuple[_Candidate, int, float]] = []
+    lowest: dict[str, int] = {}
+    deadline = None if time_limit is None else _time.perf_counter() + time_limit
+    for share, (label, selective) in ((3, ("checkpoint", False)), (2, ("selective", True))):
+        left = None if deadline is None else max(0.0, deadline - _time.perf_counter()) / share
+        points = reference.checkpoint_points(graph, _simulate, selective, left)
+        lowest[label] = min(p[0] for p in points)
+        fits = [p for p in points if p[0] <= budget]
+        if fits:
+            peak, t, blocks, steps, fl = min(fits, key=lambda p: p[1])
+            out.append((_Candidate(steps, fl, False, {"method": method, "fallback": label,
+                                                      "blocks": blocks}), peak, t))
     try:
-        ck = reference.solve_checkpoint(graph, budget, _simulate)
-        out.append(_Candidate(ck.steps, ck.forward_len, False,
-                              {**stats, "fallback": "checkpoint", **ck.stats,
-                               "beats_hierarchy_plan": True}))
-    except reference.SolverInfeasible:
-        pass
-    try:
-        rotor, _ = _run_literature(graph, "rotor", budget, time_limit)
+        rotor, rotor_lowest = _run_literature(
+            graph, "rotor", budget,
+            None if deadline is None else max(0.0, deadline - _time.perf_counter()))
     except NotAChainError:
         rotor = None
     except (TimeoutError, MemoryError) as exc:  # out of time, or tables too large
         logger.info("whole-graph Rotor skipped for '%s': %s", graph.name, exc)
         rotor = None
-    if rotor is not None:
-        rotor.stats = {**stats, "fallback": "rotor", "beats_hierarchy_plan": True}
-        out.append(rotor)
-    return out
+    else:
+        if rotor is None:
+            lowest["rotor"] = rotor_lowest
+        else:
+            rotor.stats = {"method": method, "fallback": "rotor"}
+            peak, t = _simulate(graph, rotor.steps, rotor.forward_len)
+            out.append((rotor, peak, t))
+    return out, lowest
 
 
 def _pick(spares: list[tuple[_Candidate, int, float]], budget: int, method: str, graph: Graph
@@ -1484,12 +1525,7 @@ def _retighten(graph: Graph, budget: int, cand: _Candidate,
 
 
 def _checkpoint_lowest(graph: Graph) -> int:
-    lowest = math.inf
-    n_forward = sum(1 for o in graph.ops if o.phase == "forward")
-    for blocks in reference.checkpoint_candidates(n_forward):
-        steps, fl = reference.keep_set_schedule(graph, reference._block_keep(graph, blocks))
-        lowest = min(lowest, _simulate(graph, steps, fl)[0])
-    return int(lowest)
+    return min(p[0] for p in reference.checkpoint_points(graph, _simulate))
 
 
 def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
@@ -1544,6 +1580,20 @@ class ParetoPoint:
         return None if self.plan is None else self.plan.time
 
 
+def with_hierarchy(graph: Graph, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``solve_graph`` options for several solves of ``graph`` (other budgets): with method
+    ``"hrockmate"`` the hierarchy and its block options are built once here and reused, so
+    each solve only solves the top level."""
+    options = dict(options)
+    if options.get("method", "hrockmate") == "hrockmate" and options.get("hierarchy") is None:
+        keys = ("flat_ops", "leaf_size", "group_size", "top_size", "time_limit",
+                "sub_time_limit", "mip_rel_gap", "progress", "solvers")
+        defaults = inspect.signature(solve_graph).parameters  # as solve_graph would prepare it
+        options["hierarchy"] = prepare(
+            graph, **{k: options.get(k, defaults[k].default) for k in keys})
+    return options
+
+
 def pareto(
     graph_or_model: Any,
     budgets: Sequence[BudgetLike],
@@ -1562,12 +1612,8 @@ def pareto(
             graph_or_model, sample, loss_fn=loss_fn)
     else:
         graph = _as_graph(graph_or_model)
-    method = options.get("method", "hrockmate")
-    _check_method(method)
-    if method == "hrockmate" and options.get("hierarchy") is None:
-        keys = ("flat_ops", "leaf_size", "group_size", "top_size", "time_limit",
-                "sub_time_limit", "mip_rel_gap", "progress", "solvers")
-        options["hierarchy"] = prepare(graph, **{k: options[k] for k in keys if k in options})
+    _check_method(options.get("method", "hrockmate"))
+    options = with_hierarchy(graph, options)
     points = []
     for b in budgets:
         try:

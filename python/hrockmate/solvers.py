@@ -6,9 +6,12 @@ validates every result with the simulator and picks among them with ``method=``:
 
 - ``store-all``: plain autograd, keeps every activation until its backward use;
 - ``recompute-all``: keeps nothing, recomputes every forward value from the inputs when needed;
-- ``checkpoint``: per-block checkpointing (sqrt(n)-style): the forward op order is cut into
-  contiguous blocks, only tensors crossing a block boundary are kept and a block is recomputed
-  when its backward needs it; the number of blocks is the fastest one that fits the budget;
+- ``checkpoint``: per-block checkpointing as ``torch.utils.checkpoint`` does it: the forward
+  op order is cut into contiguous blocks, only tensors crossing a block boundary are kept, and a
+  block runs forward again when its backward needs what it dropped; the number of blocks is the
+  fastest one that fits the budget;
+- ``selective``: the same, but also keeping the outputs of matmuls, convolutions and attention
+  (torchtitan-style selective checkpointing);
 - ``checkmate``: Checkmate's exact MILP over the whole op graph (only for small graphs: HiGHS
   stalls around 75 ops, so it runs under a time limit).
 """
@@ -16,6 +19,7 @@ validates every result with the simulator and picks among them with ``method=``:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,64 +45,132 @@ class SolverInfeasible(Exception):
         self.proven = proven
 
 
-def keep_set_schedule(graph: Graph, keep: set[int]) -> tuple[list[Step], int]:
-    """A schedule that keeps the forward tensors in ``keep`` and recomputes the others on demand.
+def backward_owners(graph: Graph, order: list[int], block_of_fwd: dict[int, int],
+                    last: int) -> dict[int, int]:
+    """The block each backward op belongs to, given the blocks of the forward ops.
 
-    Forward: every forward op runs once in order; a tensor outside ``keep`` is freed after its
-    last forward use. Backward: before each backward op, missing inputs are recomputed from the
-    kept tensors (walking producers); a recomputed tensor lives until its last direct backward
-    use; a kept tensor lives until the last backward op that needs it directly or as a source
-    of a recomputation. ``keep`` = all forward tensors gives store-all, ``keep`` = {} gives
-    recompute-all.
-    """
-    order = ilp.topological_ops(graph)
+    A backward op joins the block of the forward op it differentiates; without that link
+    (operator logs of other tools carry none) it joins the latest block whose forward values it
+    reads, or ``last`` when it reads none. Never a later block than a backward op it reads
+    from: block indices then never increase along backward data flow, so the blocks' backward
+    parts form a DAG. The hierarchy and block checkpointing both use this rule."""
     prod = graph.producers()
-    ops = graph.ops
-    tensors = graph.tensors
+    roots = [_storage_root(graph, x) for x in range(len(graph.tensors))]
+    owner: dict[int, int] = {}
+    for j in order:
+        op = graph.ops[j]
+        if op.phase != "backward":
+            continue
+        if op.differentiates is not None:
+            want = block_of_fwd.get(op.differentiates, last)
+        else:
+            read = [block_of_fwd[q] for q in (prod[roots[x]] for x in op.inputs)
+                    if q is not None and q in block_of_fwd]
+            want = max(read, default=last)
+        for x in op.inputs:
+            q = prod[x]
+            if q is not None and q in owner:
+                want = min(want, owner[q])
+        owner[j] = want
+    return owner
+
+
+def _storage_root(graph: Graph, x: int) -> int:
+    while graph.tensors[x].alias_of is not None:
+        x = graph.tensors[x].alias_of  # type: ignore[assignment]
+    return x
+
+
+def contiguous_blocks(graph: Graph, blocks: int) -> dict[int, int]:
+    """Forward ops cut into ``blocks`` contiguous runs of the topological order (equal op
+    counts): forward op -> block index."""
+    order = [j for j in ilp.topological_ops(graph) if graph.ops[j].phase == "forward"]
+    n = max(len(order), 1)
+    return {j: (k * blocks) // n for k, j in enumerate(order)}
+
+
+# Ops whose outputs selective checkpointing keeps (matmuls, convolutions, attention), matched
+# against the ATen target name.
+_HEAVY_TARGETS = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution",
+                  "conv1d", "conv2d", "conv3d", "scaled_dot_product", "_flash_attention",
+                  "_efficient_attention", "_cudnn_attention")
+
+
+def heavy_outputs(graph: Graph) -> set[int]:
+    """Outputs of the forward ops that selective checkpointing keeps: matmul, convolution and
+    attention ops by target name; in graphs without targets (node-link files), the ops whose
+    time per output byte is in the top third (expensive to recompute, cheap to keep)."""
+    fwd = [j for j, o in enumerate(graph.ops) if o.phase == "forward"]
+    if any(graph.ops[j].target for j in fwd):
+        chosen = [j for j in fwd if any(
+            graph.ops[j].target.split(".")[-2 if graph.ops[j].target.count(".") >= 2 else -1]
+            .strip("_") == h.strip("_") or graph.ops[j].target.split("::")[-1].split(".")[0]
+            .strip("_") == h.strip("_") for h in _HEAVY_TARGETS)]
+    else:
+        def density(j: int) -> float:
+            b = sum(graph.tensors[x].bytes for x in graph.ops[j].outputs)
+            return graph.ops[j].time / max(b, 1)
+        ranked = sorted(fwd, key=density, reverse=True)
+        chosen = ranked[:len(ranked) // 3]
+    out: set[int] = set()
+    for j in chosen:
+        for x in graph.ops[j].outputs:
+            out.add(x)
+            out.add(_storage_root(graph, x))
+    return out
+
+
+def block_checkpoint_schedule(graph: Graph, block_of_fwd: dict[int, int],
+                              keep_extra: set[int] = frozenset()) -> tuple[list[Step], int]:
+    """Per-block checkpointing as ``torch.utils.checkpoint`` runs it.
+
+    Forward: every op runs once; only the values that cross blocks (read by a forward op of
+    another block, or by a backward op of another block), the model outputs and ``keep_extra``
+    are kept. Backward: when a backward op reads a dropped value, that value's block is run
+    forward again (only the ops the block's backward still needs), and the recomputed values
+    live until their last backward use. ``keep_extra`` = matmul/attention outputs gives
+    selective checkpointing."""
+    order = ilp.topological_ops(graph)
+    ops, tensors = graph.ops, graph.tensors
+    prod = graph.producers()
     fwd = [j for j in order if ops[j].phase == "forward"]
     bwd = [j for j in order if ops[j].phase == "backward"]
+    n_blocks = 1 + max(block_of_fwd.values(), default=0)
+    owner = backward_owners(graph, order, block_of_fwd, n_blocks - 1)
     fixed = {x for x, t in enumerate(tensors) if t.role in PREEXISTING_ROLES}
-    is_fwd_tensor = [
-        prod[x] is not None and ops[prod[x]].phase == "forward" and x not in fixed  # type: ignore[index]
-        for x in range(len(tensors))
-    ]
     never_free = {x for x, t in enumerate(tensors) if t.role == "output"} | fixed
+    block_of_tensor = {x: block_of_fwd[j] for j in fwd for x in ops[j].outputs}
 
-    # kept tensors needed by backward op q, directly or as recomputation sources
-    def sources(y: int, memo: dict[int, frozenset[int]]) -> frozenset[int]:
-        if y in memo:
-            return memo[y]
-        stack = [y]
-        while stack:
-            z = stack[-1]
-            if z in memo:
-                stack.pop()
-                continue
-            if z in keep or not is_fwd_tensor[z] or z in never_free:
-                memo[z] = frozenset([z]) if is_fwd_tensor[z] else frozenset()
-                stack.pop()
-                continue
-            pending = [w for w in ops[prod[z]].inputs if w not in memo]  # type: ignore[index]
-            if pending:
-                stack.extend(pending)
-                continue
-            acc: set[int] = set()
-            for w in ops[prod[z]].inputs:  # type: ignore[index]
-                acc |= memo[w]
-            memo[z] = frozenset(acc)
-            stack.pop()
-        return memo[y]
+    keep: set[int] = set()
+    for x in keep_extra:
+        if x in block_of_tensor:
+            keep.add(x)
+    for j in order:
+        mine = block_of_fwd[j] if ops[j].phase == "forward" else owner[j]
+        for x in ops[j].inputs:
+            if x in block_of_tensor and block_of_tensor[x] != mine:
+                keep.add(x)
+    keep |= {_storage_root(graph, x) for x in list(keep)}
+    keep &= set(block_of_tensor)
 
-    memo: dict[int, frozenset[int]] = {}
-    horizon: dict[int, int] = {}
+    # when each block is recomputed (the first backward op reading a dropped value of it) and
+    # which of its values the backward reads from then on
     last_direct: dict[int, int] = {}
+    trigger: dict[int, int] = {}
     for q, j in enumerate(bwd):
         for y in ops[j].inputs:
             last_direct[y] = q
-            if is_fwd_tensor[y]:
-                for s in sources(y, memo) | ({y} if y in keep else set()):
-                    if s in keep:
-                        horizon[s] = q
+            if y in block_of_tensor and y not in keep and y not in never_free:
+                trigger.setdefault(block_of_tensor[y], q)
+    # the recomputation of block m reads its kept values and other blocks' values: they must
+    # live until then
+    horizon: dict[int, int] = {x: last_direct.get(x, -1) for x in keep}
+    for j in fwd:
+        m = block_of_fwd[j]
+        if m in trigger:
+            for x in ops[j].inputs:
+                if x in keep or (x in block_of_tensor and block_of_tensor[x] != m):
+                    horizon[x] = max(horizon.get(x, -1), trigger[m])
     last_fwd_use: dict[int, int] = {}
     for p, j in enumerate(fwd):
         for y in ops[j].inputs:
@@ -108,6 +180,9 @@ def keep_set_schedule(graph: Graph, keep: set[int]) -> tuple[list[Step], int]:
 
     steps: list[Step] = []
     alive: set[int] = set(fixed)
+
+    def needed_later(x: int, q: int) -> bool:
+        return last_direct.get(x, -1) > q or horizon.get(x, -1) > q
 
     def free(x: int) -> None:
         alive.discard(x)
@@ -124,59 +199,48 @@ def keep_set_schedule(graph: Graph, keep: set[int]) -> tuple[list[Step], int]:
             free(x)
     forward_len = len(steps)
 
+    block_ops: dict[int, list[int]] = {}
+    block_values: dict[int, list[int]] = {}
+    for j in fwd:
+        block_ops.setdefault(block_of_fwd[j], []).append(j)
+        block_values.setdefault(block_of_fwd[j], []).extend(ops[j].outputs)
     for q, j in enumerate(bwd):
-        recomputed: list[int] = []
-        for y in ops[j].inputs:
-            if y in alive:
-                continue
-            # recompute y: post-order walk over producers of missing tensors
-            stack: list[tuple[int, bool]] = [(y, False)]
-            while stack:
-                z, expanded = stack.pop()
-                if z in alive:
-                    continue
-                op = prod[z]
-                if expanded:
-                    steps.append(("compute", op))  # type: ignore[arg-type]
-                    alive.update(ops[op].outputs)  # type: ignore[index]
-                    recomputed.extend(ops[op].outputs)  # type: ignore[index]
-                    continue
-                stack.append((z, True))
-                stack.extend((w, False) for w in ops[op].inputs if w not in alive)  # type: ignore[index]
+        missing = [y for y in ops[j].inputs if y not in alive]
+        touched: set[int] = set()
+        while missing:
+            m = block_of_tensor.get(missing[0])
+            if m is None:
+                raise ValueError(f"backward op '{ops[j].name}' reads a value nobody produces")
+            # the values of block m still read by the backward, and what they are made from
+            want = {y for y in block_values[m] if y not in alive and last_direct.get(y, -1) >= q}
+            run: list[int] = []
+            for k in reversed(block_ops[m]):
+                if any(x in want for x in ops[k].outputs):
+                    run.append(k)
+                    want.update(x for x in ops[k].inputs
+                                if x not in alive and block_of_tensor.get(x) == m)
+            run.reverse()
+            last_use = {x: i for i, k in enumerate(run) for x in ops[k].inputs}
+            for i, k in enumerate(run):
+                steps.append(("compute", k))
+                alive.update(ops[k].outputs)
+                touched.update(ops[k].outputs)
+                for x in sorted({*ops[k].inputs, *ops[k].outputs}):
+                    if (x in alive and x not in never_free and x in block_of_tensor
+                            and block_of_tensor[x] == m and x not in keep
+                            and last_use.get(x, -1) <= i and last_direct.get(x, -1) < q):
+                        free(x)
+            missing = [y for y in ops[j].inputs if y not in alive]
+            if missing and block_of_tensor.get(missing[0]) == m:
+                raise ValueError(f"block {m} recomputation left '{tensors[missing[0]].name}' "
+                                 "missing")
         steps.append(("compute", j))
         alive.update(ops[j].outputs)
-        for x in sorted({*ops[j].inputs, *ops[j].outputs, *recomputed}):
-            if x in never_free or x not in alive:
-                continue
-            if x in keep and is_fwd_tensor[x]:
-                if horizon.get(x, -1) > q or last_direct.get(x, -1) > q:
-                    continue
-            elif last_direct.get(x, -1) > q:
+        for x in sorted({*ops[j].inputs, *ops[j].outputs, *touched}):
+            if x in never_free or x not in alive or needed_later(x, q):
                 continue
             free(x)
     return steps, forward_len
-
-
-def _block_keep(graph: Graph, blocks: int) -> set[int]:
-    """Tensors crossing a boundary between contiguous blocks of the forward op order."""
-    order = [j for j in ilp.topological_ops(graph) if graph.ops[j].phase == "forward"]
-    n = len(order)
-    block_of: dict[int, int] = {}
-    for k, j in enumerate(order):
-        block_of[j] = (k * blocks) // max(n, 1)
-    prod = graph.producers()
-    keep: set[int] = set()
-    for j in order:
-        for x in graph.ops[j].inputs:
-            p = prod[x]
-            if p is not None and p in block_of and block_of[p] != block_of[j]:
-                keep.add(x)
-                # a view's storage owner must stay with it
-                r = graph.tensors[x].alias_of
-                while r is not None:
-                    keep.add(r)
-                    r = graph.tensors[r].alias_of
-    return keep
 
 
 def checkpoint_candidates(n_forward: int) -> list[int]:
@@ -194,23 +258,44 @@ def checkpoint_candidates(n_forward: int) -> list[int]:
 Simulate = Callable[[Graph, list[Step], int], tuple[int, float]]
 
 
-def solve_checkpoint(graph: Graph, budget: int, simulate: Simulate, **_: Any) -> SolverResult:
+def checkpoint_points(graph: Graph, simulate: Simulate, selective: bool = False,
+                      time_limit: float | None = None
+                      ) -> list[tuple[int, float, int, list[Step], int]]:
+    """Block checkpointing (``selective``: also keeping matmul/attention outputs) at every
+    candidate block count: (peak, time, blocks, steps, forward_len) each. With ``time_limit``
+    (seconds), the counts nearest sqrt(n) come first and the rest stop when time runs out."""
     n_forward = sum(1 for o in graph.ops if o.phase == "forward")
-    best: tuple[float, int, list[Step], int, int] | None = None
-    lowest = math.inf
-    for blocks in checkpoint_candidates(n_forward):
-        steps, fl = keep_set_schedule(graph, _block_keep(graph, blocks))
+    extra = heavy_outputs(graph) if selective else set()
+    counts = checkpoint_candidates(n_forward)
+    deadline = None
+    if time_limit is not None:
+        deadline = time.perf_counter() + time_limit
+        root = math.sqrt(max(n_forward, 1))
+        counts.sort(key=lambda b: abs(math.log(b / root)))
+    out = []
+    for blocks in counts:
+        if deadline is not None and out and time.perf_counter() > deadline:
+            break
+        steps, fl = block_checkpoint_schedule(graph, contiguous_blocks(graph, blocks), extra)
         peak, t = simulate(graph, steps, fl)
-        lowest = min(lowest, peak)
-        if peak <= budget and (best is None or t < best[0]):
-            best = (t, blocks, steps, fl, peak)
-    if best is None:
+        out.append((int(peak), float(t), blocks, steps, fl))
+    return out
+
+
+def solve_checkpoint(graph: Graph, budget: int, simulate: Simulate, *, selective: bool = False,
+                     **_: Any) -> SolverResult:
+    """The fastest block count whose per-block checkpointing fits the budget."""
+    points = checkpoint_points(graph, simulate, selective)
+    fits = [p for p in points if p[0] <= budget]
+    kind = "selective checkpointing" if selective else "block checkpointing"
+    if not fits:
         raise SolverInfeasible(
-            f"no block checkpointing of '{graph.name}' fits {budget} bytes "
-            f"(its lowest peak is {int(lowest)} bytes)",
+            f"no {kind} of '{graph.name}' fits {budget} bytes "
+            f"(its lowest peak is {min(p[0] for p in points)} bytes)",
             proven=False,
         )
-    return SolverResult(best[2], best[3], False, {"blocks": best[1]})
+    peak, t, blocks, steps, fl = min(fits, key=lambda p: p[1])
+    return SolverResult(steps, fl, False, {"blocks": blocks})
 
 
 def solve_checkmate(
