@@ -138,3 +138,10 @@ def test_the_time_limit_covers_the_blocks_and_the_simple_strategies(
     assert plan.stats["fallback"] in ("checkpoint", "selective", "rotor")
     assert hrockmate.simulate(g, plan.schedule).peak_bytes == plan.peak_bytes <= plan.budget_bytes
     assert elapsed < 10  # 0.5 s asked; generous for loaded machines
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), float("inf"), "10"])
+def test_solve_graph_rejects_bad_time_limits(data_graphs: Path, bad: object) -> None:
+    g = Graph.load(data_graphs / "vgg_like_train.json")
+    with pytest.raises(ValueError, match="time_limit must be a positive number"):
+        hrockmate.solve_graph(g, 0.9, time_limit=bad)  # type: ignore[arg-type]

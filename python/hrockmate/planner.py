@@ -1155,25 +1155,41 @@ def solve_graph(
 ) -> Plan:
     """Plan one training iteration given as a graph (IR JSON or a node-link file).
 
-    ``budget``: bytes (int), a string with a unit (``"6GiB"``) or a fraction of the store-all
-    peak (float in (0, 1]); see ``hrockmate.parse_budget``. ``method``: ``"hrockmate"``
-    (hierarchical H-ILP; graphs of at most ``flat_ops`` ops are solved at the op level, i.e.
-    exactly), ``"checkmate"`` (exact MILP over all ops), ``"checkpoint"``, ``"twremat"`` (the
-    fastest of TW-Remat's recursion depths that fits), ``"rotor"`` (Rotor's dynamic program;
-    the graph must split into a chain of stages), ``"recompute-all"`` or ``"store-all"``. ``time_limit`` (seconds) bounds the top-level MILP: when it runs out
-    the best plan found is returned with a warning and ``plan.stats["optimal"] = False``.
-    Graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose hierarchy plan is
-    beaten by a fallback (or that have none) are also tried at the op level, for at most 60 s. ``solvers`` (method ``"hrockmate"``) picks the solver of each kind of level:
-    ``{"leaves": "ilp" | "twremat", "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
-    (missing keys: ``"ilp"``). Rotor takes a level only when its children form a chain and
-    TW-Remat a leaf only when it can schedule it; the ILP solves the others.
-    ``plan.stats["block_solvers"]`` counts the blocks each solver gave options to and
-    ``plan.stats["top_solver"]`` says which solved the top.
+    Args:
+        budget: a number in (0, 1] or a percentage (a fraction of the store-all peak), a whole
+            number above 1 (bytes) or a string with a unit (``"6GiB"``); see
+            ``hrockmate.parse_budget``.
+        method: ``"hrockmate"`` (hierarchical H-ILP; graphs of at most ``flat_ops`` ops are
+            solved at the op level, i.e. exactly), ``"checkmate"`` (exact MILP over all ops),
+            ``"checkpoint"`` (per-block checkpointing), ``"selective"`` (the same, keeping
+            matmul/conv/attention outputs), ``"twremat"`` (the fastest of TW-Remat's recursion
+            depths that fits), ``"rotor"`` (Rotor's dynamic program; the graph must split into
+            a chain of stages), ``"recompute-all"`` or ``"store-all"``.
+        time_limit: seconds (positive, or None for no limit) for the whole solve: the blocks'
+            options get 75% of it, then the top level and the simple strategies the rest.
+            When it runs out the best plan found is returned with a warning and
+            ``plan.stats["optimal"] = False``.
+        exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose
+            hierarchy plan is beaten by a fallback, is missing, or recomputes over 10% are
+            also tried at the op level, for at most 60 s.
+        solvers: (method ``"hrockmate"``) the solver of each kind of level:
+            ``{"leaves": "ilp" | "twremat", "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
+            (missing keys: ``"ilp"``). Rotor takes a level only when its children form a chain
+            and TW-Remat a leaf only when it can schedule it; the ILP solves the others.
+            ``plan.stats["block_solvers"]`` counts the blocks each solver gave options to and
+            ``plan.stats["top_solver"]`` says which solved the top.
 
-    Raises ``hrockmate.InfeasibleBudget`` (stating the smallest peak reached) when no schedule
-    fits. A budget at or above the store-all peak returns the store-all schedule.
+    The plan never costs more than block checkpointing, selective checkpointing or (on
+    chain-shaped graphs) whole-graph Rotor at the same budget: when one of them is faster it
+    is returned (``plan.stats["fallback"]`` names it). Raises ``hrockmate.InfeasibleBudget``
+    (stating the smallest peak reached) when no schedule fits. A budget at or above the
+    store-all peak returns the store-all schedule.
     """
     _check_method(method)
+    if time_limit is not None and not (isinstance(time_limit, (int, float))
+                                       and math.isfinite(time_limit) and time_limit > 0):
+        raise ValueError(f"time_limit must be a positive number of seconds or None, "
+                         f"got {time_limit!r}")
     from hrockmate.level_solvers import check_solvers
 
     chosen = check_solvers(solvers)
