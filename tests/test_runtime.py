@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import pytest
 import torch
@@ -335,6 +337,195 @@ def test_keyword_inputs_and_structured_outputs() -> None:
         hm(**{**sample, "scale": 2.0})
 
 
+# ---- loss_fn, structured outputs, tensors the model closes over ---------------------------------
+class _ScaledByAttribute(nn.Module):
+    """Keeps a plain tensor attribute (neither parameter nor buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = torch.tensor([1.0, 2.0, 3.0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) * self.scale)
+
+
+def test_closed_over_tensors_run_in_every_schedule() -> None:
+    """A plain tensor attribute and a target tensor ``loss_fn`` closes over are constants of
+    the graph: read at every call from the same objects (in-place changes are seen)."""
+    model = _ScaledByAttribute()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 4)
+    target = torch.randint(0, 3, (5,))
+    with pytest.warns(UserWarning, match=r"closes over 1 tensor.*copy_"):
+        hm = HRockmate(model, x, loss_fn=lambda out: nn.functional.cross_entropy(out, target))
+    assert any(kind == "constant" for kind, _ in hm.traced.sources.values())
+    for step, sched in enumerate([None, hrockmate.recompute_all_schedule(hm.traced.graph)]):
+        if sched is not None:
+            hm.use_plan(sched)
+            assert hm.recomputed_ops > 0
+        loss = hm(x)
+        assert loss.shape == () and loss.requires_grad
+        loss.backward()
+        ref_loss = nn.functional.cross_entropy(ref(x), target)
+        ref_loss.backward()
+        _assert_same(loss.detach(), ref_loss.detach(), f"step {step}: loss")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            _assert_same(p.grad, q.grad, f"step {step}: grad of {name}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        model.scale.mul_(2.0)  # changed in place: both see the new values
+        ref.scale.mul_(2.0)
+        target.copy_((target + 1) % 3)
+
+
+def test_closed_over_tensor_requiring_grad_is_rejected() -> None:
+    model = _ScaledByAttribute()
+    model.scale.requires_grad_()
+    with pytest.raises(hrockmate.TraceError, match="register it as an nn.Parameter"):
+        HRockmate(model, torch.randn(2, 4))
+
+
+@dataclasses.dataclass
+class _Output:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    note: str = "dataclass"
+
+
+class _WithLoss(nn.Module):
+    """Returns its loss among other outputs, as dict, dataclass or named tuple."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
+        hidden = torch.relu(self.lin(x))
+        logits = self.head(hidden)
+        loss = nn.functional.cross_entropy(logits, labels)
+        if self.kind == "dict":
+            return {"loss": loss, "logits": logits, "hidden": hidden}
+        if self.kind == "dataclass":
+            return _Output(loss, logits)
+        return _LossAndLogits(loss, logits)
+
+
+class _LossAndLogits(NamedTuple):
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+@pytest.mark.parametrize("kind", ["dict", "dataclass", "namedtuple"])
+def test_loss_member_is_the_only_planned_gradient(kind: str) -> None:
+    """``loss_fn="loss"`` keeps the output's structure; only the loss gets a gradient in the
+    plan, the other tensors are returned without one; memory is as predicted (no zero
+    gradients made for unused outputs)."""
+    model = _WithLoss(kind)
+    ref = copy.deepcopy(model)
+    sample = {"x": torch.randn(16, 6), "labels": torch.randint(0, 4, (16,))}
+    hm = HRockmate(model, sample, loss_fn="loss")
+    tangents = [key for kind_, key in hm.traced.sources.values() if kind_ == "tangent"]
+    assert len(tangents) == 1 and len(hm.traced.output_ids) >= 2
+    out, ref_out = hm(**sample), ref(**sample)
+    assert type(out) is type(ref_out)
+    loss = out["loss"] if kind == "dict" else out.loss
+    logits = out["logits"] if kind == "dict" else out.logits
+    ref_loss = ref_out["loss"] if kind == "dict" else ref_out.loss
+    ref_logits = ref_out["logits"] if kind == "dict" else ref_out.logits
+    assert loss.requires_grad and not logits.requires_grad
+    _assert_same(logits, ref_logits.detach(), "logits")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "received no gradient" warning
+        loss.backward()
+    ref_loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _assert_same(p.grad, q.grad, f"grad of {name}")
+    model.zero_grad(set_to_none=True)
+
+    def step() -> Any:
+        res = hm(**sample)
+        (res["loss"] if kind == "dict" else res.loss).backward()
+        return res
+
+    step()
+    got = hrockmate.measure_peak_memory(step, params=list(model.parameters()))
+    pred = hm.predicted_peak_bytes
+    assert abs(got.peak_bytes - pred) <= 0.05 * pred, f"measured {got.peak_bytes} vs {pred}"
+
+
+def test_unused_planned_outputs_get_zeros_and_a_warning() -> None:
+    """Without loss_fn every output is planned with a gradient; backward through the loss alone
+    still gives plain PyTorch's gradients, and a warning says to pass loss_fn."""
+    model = _WithLoss("dict")
+    ref = copy.deepcopy(model)
+    sample = {"x": torch.randn(4, 6), "labels": torch.randint(0, 4, (4,))}
+    hm = HRockmate(model, sample)
+    with pytest.warns(UserWarning, match="loss_fn"):
+        hm(**sample)["loss"].backward()
+    ref(**sample)["loss"].backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _assert_same(p.grad, q.grad, f"grad of {name}")
+
+
+def test_loss_fn_naming_no_tensor_is_a_clear_error() -> None:
+    model = _WithLoss("dict")
+    sample = {"x": torch.randn(4, 6), "labels": torch.randint(0, 4, (4,))}
+    with pytest.raises(hrockmate.TraceError, match="names no member"):
+        HRockmate(model, sample, loss_fn="los")
+    with pytest.raises(hrockmate.TraceError, match="selects a str"):
+        HRockmate(_WithLoss("dataclass"), sample, loss_fn="note")
+
+
+class _Layer:
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.name = "layer"
+
+
+class _Cache:
+    """Like a transformers cache: an object holding per-layer objects holding tensors."""
+
+    def __init__(self, n: int) -> None:
+        self.layers = [_Layer() for _ in range(n)]
+        self.seen = 0
+
+
+class _ReturnsCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Cache]:
+        cache = _Cache(len(self.layers))
+        for lin, slot in zip(self.layers, cache.layers):
+            x = torch.tanh(lin(x))
+            slot.keys = torch.cat([torch.tensor([]).reshape(0, 4), x * 2])
+        cache.seen = x.shape[0]
+        return x.sum(), cache
+
+
+def test_output_objects_holding_tensors_are_rebuilt_per_call() -> None:
+    model = _ReturnsCache()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    hm = HRockmate(model, x, loss_fn=0)
+    loss, cache = hm(x)
+    loss2, cache2 = hm(x)
+    ref_loss, ref_cache = ref(x)
+    assert cache is not cache2 and cache.layers[0] is not cache2.layers[0]
+    assert cache.seen == 3 and cache.layers[1].name == "layer"
+    for got, want in zip(cache.layers, ref_cache.layers):
+        assert type(got.keys) is torch.Tensor and not got.keys.requires_grad
+        _assert_same(got.keys, want.keys.detach(), "cached keys")
+    (loss + loss2).backward()
+    (2 * ref_loss).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _assert_same(p.grad, q.grad, f"grad of {name}")
+
+
 # ---- module behaviour ----------------------------------------------------------------------------
 def test_module_surface_is_the_original_models() -> None:
     model, sample = models.cnn_bn(batch=2, image=8, width=4)
@@ -521,6 +712,24 @@ def _check_memory(name: str, device: torch.device) -> None:
         )
         if sched is not None:
             assert hm.recomputed_ops > 0 and pred != store_all_peak
+
+
+def test_generator_states_of_replays_are_in_the_predicted_peak() -> None:
+    """Recompute-all replays every dropout in the backward while the states of all of them are
+    kept, and each replay also holds the current state: the prediction counts both."""
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(32, 32), nn.Dropout(0.2)]
+    model = nn.Sequential(*layers, nn.Linear(32, 4))
+    x = torch.randn(8, 32)
+    hm = HRockmate(model, x)
+    hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+    assert hm._hr_program.num_rng_slots == 4
+    step = _measured_step(hm, x, torch.device("cpu"))
+    step()
+    got = hrockmate.measure_peak_memory(step, params=list(model.parameters())).peak_bytes
+    pred = hm.predicted_peak_bytes
+    assert pred - 0.02 * pred <= got <= pred, f"measured {got} vs predicted {pred}"
 
 
 @pytest.mark.parametrize("name", ["gpt2_tiny", "cnn_bn", "densenet_tiny"])

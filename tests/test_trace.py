@@ -363,6 +363,65 @@ def test_data_dependent_control_flow_names_the_module() -> None:
         trace_model(model, torch.randn(2, 4), cost="none")
 
 
+class _SharedModule(nn.Module):
+    """One embedding module under three paths and its weight tied to a head (as T5 in
+    transformers 4.x shares its embedding with the encoder, decoder and LM head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(10, 6)
+        self.encoder = nn.ModuleDict({"embed": self.shared})
+        self.decoder = nn.ModuleDict({"embed": self.shared})
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.encoder["embed"](ids) + 2 * self.decoder["embed"](ids)
+        return self.head(h).logsumexp(-1).mean()
+
+
+def test_module_shared_under_several_paths_stays_intact() -> None:
+    model = _SharedModule()
+    weight = model.shared.weight
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    traced = trace_model(model, ids, cost="none")
+    assert model.shared.weight is weight and model.head.weight is weight
+    assert model.decoder["embed"] is model.shared
+    assert list(traced.param_grads) == ["shared.weight"]
+    assert not any(kind == "constant" for kind, _ in traced.sources.values())
+    assert_reproduces_autograd(copy.deepcopy(model), ids, traced)
+
+
+class _MaskFastPath(nn.Module):
+    """Skips the mask when it is all ones, unless a compiler traces it (as transformers' mask
+    helpers do): the value test cannot be traced, the compiler path can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if torch.compiler.is_compiling() or not bool(mask.all()):
+            h = h.masked_fill(~mask[:, :, None], 0.0)
+        return h.square().mean()
+
+
+def test_value_checks_with_a_compiler_path_take_it() -> None:
+    model = _MaskFastPath()
+    x = torch.randn(2, 3, 4)
+    padded = torch.tensor([[True, True, True], [True, True, False]])
+    traced = trace_model(model, {"x": x, "mask": padded}, cost="none")
+    assert traced.graph.meta["compiling_paths"] is True
+    assert not torch.compiler.is_compiling()  # restored after tracing
+    assert any(op.target == "aten.masked_fill.Scalar" for op in traced.graph.ops)
+    # one graph serves padded and unpadded batches alike
+    for mask in (padded, torch.ones(2, 3, dtype=torch.bool)):
+        assert_reproduces_autograd(copy.deepcopy(model), {"x": x, "mask": mask}, traced)
+    plain = trace_model(nn.Linear(4, 4), x, cost="none")
+    assert plain.graph.meta["compiling_paths"] is False
+
+
 @torch.library.custom_op("hrockmate_test::no_fake", mutates_args=())
 def _no_fake(x: torch.Tensor) -> torch.Tensor:
     return x.clone()

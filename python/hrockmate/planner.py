@@ -1599,14 +1599,18 @@ class ParetoPoint:
 def with_hierarchy(graph: Graph, options: Mapping[str, Any]) -> dict[str, Any]:
     """``solve_graph`` options for several solves of ``graph`` (other budgets): with method
     ``"hrockmate"`` the hierarchy and its block options are built once here and reused, so
-    each solve only solves the top level."""
+    each solve only solves the top level. When the time limit runs out while building it, the
+    options are returned as they are (each solve then falls back as it would alone)."""
     options = dict(options)
     if options.get("method", "hrockmate") == "hrockmate" and options.get("hierarchy") is None:
         keys = ("flat_ops", "leaf_size", "group_size", "top_size", "time_limit",
                 "sub_time_limit", "mip_rel_gap", "progress", "solvers")
         defaults = inspect.signature(solve_graph).parameters  # as solve_graph would prepare it
-        options["hierarchy"] = prepare(
-            graph, **{k: options.get(k, defaults[k].default) for k in keys})
+        try:
+            options["hierarchy"] = prepare(
+                graph, **{k: options.get(k, defaults[k].default) for k in keys})
+        except HierarchyTimeout:
+            pass
     return options
 
 

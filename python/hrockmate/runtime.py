@@ -38,9 +38,11 @@ code at the first training call.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -48,6 +50,8 @@ import torch
 import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+
+from hrockmate.tracing import rebuild_output
 
 __all__ = ["HRockmate", "InputMismatchError", "ModelChangedError", "RuntimeScheduleError"]
 
@@ -117,12 +121,16 @@ class Program:
     num_rng_slots: int
     output_ids: list[int]
     tangent_contiguous: list[bool]  # per output: traced gradient layout was contiguous
+    #: per output: (shape, strides, dtype) of its gradient in the plan, None for outputs
+    #: without one (returned as non-differentiable tensors)
+    tangent_layout: list[tuple[Any, ...] | None]
     num_param_slots: int
     num_input_slots: int
     recomputed_ops: int  # compute steps that re-run an op already run in this iteration
     modelled_peak_bytes: int  # peak of the runtime's own memory model (gradients as handed over)
-    #: memory the runtime holds beyond the graph's tensors (at most): saved generator states of
-    #: replayed random ops, and old values of buffers that recomputations read after write-back
+    #: what the runtime adds to the graph's peak: the saved generator states of replayed random
+    #: ops (by how much they raise the modelled peak), and old values of buffers that
+    #: recomputations read after write-back (at most)
     extra_bytes: int
 
 
@@ -294,6 +302,8 @@ class _Compiler:
                 head_fwd.append(f"E[{tid}] = X[{slot}]")
             elif kind == "tangent":
                 head_bwd.append(f"E[{tid}] = T[{int(key)}]")
+            elif kind == "constant":  # a tensor the model closes over: the same object each call
+                head_fwd.append(f"E[{tid}] = {self._const(getattr(tr.gm, key))}")
             else:
                 raise RuntimeScheduleError(f"unknown source kind {kind!r} for tensor {tid}")
 
@@ -355,15 +365,15 @@ class _Compiler:
         random_ops = [k for k in range(g.num_ops) if g.ops[k].random or _is_random(tr.op_nodes[k])]
         self._check_random_order(random_ops)
         rng_slot: dict[int, int] = {}
-        rng_bytes = 0
+        state_bytes: dict[int, int] = {}
         for k in random_ops:
             if runs[k] > 1:  # only ops that run again need their generator state kept
                 rng_slot[k] = len(rng_slot)
                 gen = _resolve_generator(tr.op_nodes[k])
                 self.namespace[f"RG{rng_slot[k]}"] = gen
-                rng_bytes += _state_nbytes(gen)
+                state_bytes[k] = _state_nbytes(gen)
 
-        cuts = self._chunk_cuts(grad_slot)
+        cuts, rng_bytes = self._chunk_cuts(grad_slot, state_bytes, runs)
 
         # Second pass: emit code.
         extra_bytes = 0
@@ -462,6 +472,12 @@ class _Compiler:
             if isinstance(val, (tuple, list)) and idx is not None:
                 val = val[idx]
             tangent_contig.append(not isinstance(val, torch.Tensor) or val.is_contiguous())
+        # The layout the backward expects of each output gradient (None: the output has none).
+        tangent_layout: list[tuple[Any, ...] | None] = [None] * len(tr.output_ids)
+        for tid, (kind, key) in tr.sources.items():
+            if kind == "tangent":
+                meta = tr.tensor_nodes[int(tid)][0].meta["val"]
+                tangent_layout[int(key)] = (tuple(meta.shape), meta.stride(), meta.dtype)
         return Program(
             forward=_Segment(self._exec(fwd_src, "forward_segment"), fwd_src),
             chunks=chunks,
@@ -471,6 +487,7 @@ class _Compiler:
             num_rng_slots=len(rng_slot),
             output_ids=list(tr.output_ids),
             tangent_contiguous=tangent_contig,
+            tangent_layout=tangent_layout,
             num_param_slots=n_params,
             num_input_slots=len(self.input_slot),
             recomputed_ops=sum(max(0, r - 1) for r in runs),
@@ -502,12 +519,16 @@ class _Compiler:
                     "time in the backward segment; it must first run in the forward segment"
                 )
 
-    def _chunk_cuts(self, grad_slot: dict[int, tuple[str, int]]) -> set[int]:
+    def _chunk_cuts(self, grad_slot: dict[int, tuple[str, int]], state_bytes: dict[int, int],
+                    runs: list[int]) -> tuple[set[int], int]:
         """Step positions (in the backward segment) before which the finished gradients are
-        handed to autograd. Memory model of docs/graph-ir.md (storages of alive tensors, plus
-        new outputs and workspace at a compute step); first the schedule as written (gradients
-        gone when freed), then with freed gradients held until the next cut, cutting as late
-        as possible without exceeding the first peak."""
+        handed to autograd, and how much the saved generator states raise the peak. Memory
+        model of docs/graph-ir.md (storages of alive tensors, plus new outputs and workspace at
+        a compute step); first the schedule as written (gradients gone when freed), then with
+        freed gradients held until the next cut, cutting as late as possible without exceeding
+        the first peak; last with those cuts and the generator states of the replayed random
+        ops ``state_bytes`` (op -> bytes): each saved from its first run to its last, plus the
+        current state held during a replay."""
         g = self.graph
         roles = [t.role for t in g.tensors]
         root = list(range(g.num_tensors))
@@ -521,13 +542,16 @@ class _Compiler:
         counted = [roles[root[t]] not in _PREEXISTING for t in range(g.num_tensors)]
         nbytes = [g.tensors[t].bytes for t in range(g.num_tensors)]
 
-        def run(hold: bool, limit: int | None) -> tuple[int, set[int]]:
+        def run(hold: bool, limit: int | None, fixed_cuts: set[int] | None = None,
+                states: bool = False) -> tuple[int, set[int]]:
             refs: dict[int, int] = {}
             live = 0
             alive = [r in _PREEXISTING for r in roles]
             held: list[int] = []
             cuts: set[int] = set()
             peak = 0
+            saved_states = 0
+            done: dict[int, int] = {}
 
             def ref(t: int) -> None:
                 nonlocal live
@@ -552,13 +576,27 @@ class _Compiler:
                     extra = sum(nbytes[r] for r in new_roots if refs.get(r, 0) == 0 or any(
                         alive[t] and root[t] == r for t in op.outputs))
                     mem = live + extra + op.workspace
-                    if hold and limit is not None and held and mem > limit and pos >= self.forward_len:
+                    if fixed_cuts is not None:
+                        cut = pos in fixed_cuts
+                    else:
+                        cut = (hold and limit is not None and held and mem > limit
+                               and pos >= self.forward_len)
+                    if cut:
                         cuts.add(pos)
                         for t in held:
                             unref(t)
                         held = []
                         mem = live + extra + op.workspace
-                    peak = max(peak, mem)
+                    nb = state_bytes.get(ident, 0) if states else 0
+                    if nb:
+                        done[ident] = done.get(ident, 0) + 1
+                        if done[ident] == 1:
+                            saved_states += nb  # saved right before the first run
+                        else:
+                            mem += nb  # the current state, kept while the op replays
+                    peak = max(peak, mem + saved_states)
+                    if nb and done[ident] == runs[ident]:
+                        saved_states -= nb  # dropped after the last replay
                     for t in op.outputs:
                         if not alive[t]:
                             alive[t] = True
@@ -575,8 +613,9 @@ class _Compiler:
 
         base_peak, _ = run(False, None)
         held_peak, cuts = run(True, base_peak)
-        self._modelled_peak = held_peak
-        return cuts
+        with_states, _ = run(True, None, fixed_cuts=cuts, states=True)
+        self._modelled_peak = with_states
+        return cuts, with_states - held_peak
 
     @staticmethod
     def _stash(t: int, slot: tuple[str, int], uses: dict[tuple[str, int], int]) -> str:
@@ -660,6 +699,28 @@ class _IterationState:
         self.rng = []
 
 
+def _zero_missing_gradients(grads: list[torch.Tensor | None], program: Program,
+                            device: torch.device) -> None:
+    """Zeros (in the planned layout) for the outputs planned with a gradient that received
+    none, as autograd would materialize them; warns, since they cost memory the plan did not
+    expect (pass loss_fn to plan for the loss alone)."""
+    missing = []
+    for i, layout in enumerate(program.tangent_layout):
+        if layout is not None and grads[i] is None:
+            shape, stride, dtype = layout
+            grads[i] = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+            missing.append(i)
+    if missing:
+        warnings.warn(
+            f"HRockmate: {len(missing)} of the model's outputs (positions {missing} among its "
+            "tensors) were planned with a gradient but received none in backward; zeros were "
+            "made for them, which costs memory and time the plan did not count. Pass "
+            "loss_fn (a function, or the loss's key such as loss_fn='loss') to HRockmate so "
+            "that only the loss is planned for",
+            stacklevel=2,
+        )
+
+
 class _ForwardSegment(torch.autograd.Function):
     """Runs the forward segment; its backward runs the first backward chunk."""
 
@@ -676,25 +737,29 @@ class _ForwardSegment(torch.autograd.Function):
         ctx.state = state
         ctx.has_token = token is not None
         ctx.save_for_backward(*outputs)
-        nondiff = [o for o in outputs if not (o.is_floating_point() or o.is_complex())]
+        # outputs the plan has no gradient for (see Program.tangent_layout)
+        nondiff = [o for o, layout in zip(outputs, program.tangent_layout) if layout is None]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
+        ctx.set_materialize_grads(False)
+        ctx.device = outputs[0].device
         return tuple(outputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         state: _IterationState = ctx.state
         program = state.program
         if state.env is not None:
             for t, saved in zip(program.output_ids, ctx.saved_tensors):
                 state.env[t] = saved
         grads_out = [
-            g if not contig or g.is_contiguous() else g.contiguous()
+            g if g is None or not contig or g.is_contiguous() else g.contiguous()
             for g, contig in zip(grad_outputs, program.tangent_contiguous)
         ]
-        device = grads_out[0].device if grads_out else None
+        _zero_missing_gradients(grads_out, program, ctx.device)
         grads = state.run_chunk(0, grads_out)
+        device = ctx.device
         del grads_out
         token_grad = torch.empty(0, device=device) if ctx.has_token else None
         return (None, token_grad, *grads)
@@ -725,6 +790,32 @@ class _BackwardChunk(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # The module
 # ---------------------------------------------------------------------------------------------
+def _warn_of_captured_tensors(loss_fn: Any, traced: Any) -> None:
+    """Warn when ``loss_fn`` closes over tensors (typically a batch's targets): the graph reads
+    them from the same objects at every call, so another batch's values are not seen unless
+    they are copied into those tensors."""
+    if not callable(loss_fn) or isinstance(loss_fn, nn.Module):
+        return
+    try:
+        seen = inspect.getclosurevars(loss_fn)
+    except TypeError:  # not a Python function (a builtin, a functools.partial, ...)
+        return
+    captured = {id(v) for v in (*seen.nonlocals.values(), *seen.globals.values())
+                if isinstance(v, torch.Tensor)}
+    used = {id(t): t for t in (getattr(traced.gm, key) for kind, key in traced.sources.values()
+                               if kind == "constant") if id(t) in captured}
+    shapes = [tuple(t.shape) for t in used.values()]
+    if shapes:
+        warnings.warn(
+            f"HRockmate: loss_fn closes over {len(shapes)} tensor(s) (shapes {shapes}); every "
+            "call reads them from these same objects, so the targets of another batch are "
+            "used only if copied into them in place (targets.copy_(y)). To pass per-batch "
+            "tensors, make them arguments of the model, e.g. a module whose forward(x, y) "
+            "returns criterion(model(x), y)",
+            stacklevel=3,
+        )
+
+
 def _owner_slots(model: nn.Module, named: list[tuple[str, Any]]) -> list[tuple[nn.Module, str]]:
     slots = []
     for name, _ in named:
@@ -741,6 +832,7 @@ class _PlanRequest:
     plan: Any
     cache: Any
     solve_options: dict[str, Any]
+    loss_fn: Any = None  # see hrockmate.tracing.trace_model
 
 
 #: Left out when pickling (rebuilt by tracing again at the first training call).
@@ -877,13 +969,14 @@ def _needs_grad(model: nn.Module, leaves: list[Any]) -> bool:
 class HRockmate(nn.Module):
     """``model`` trained within ``budget``, with gradients identical to plain PyTorch.
 
-    ``HRockmate(model, sample, budget=None, plan=None, cache=None, **solve_options)``
+    ``HRockmate(model, sample, budget=None, plan=None, cache=None, loss_fn=None, **solve_options)``
 
     - ``sample``: what the model is called with (a tensor, a tuple of positional arguments or a
       dict of keyword arguments); every later call must have the same structure, tensor shapes,
       dtypes and devices, and the same non-tensor values.
-    - ``budget``: bytes (int), a size string (``"6GiB"``), a fraction of the store-all peak
-      (float in (0, 1] or ``"50%"``), or ``None`` for store-all (plain autograd's memory).
+    - ``budget``: a fraction of the store-all peak (a number in (0, 1] or ``"50%"``), bytes (a
+      whole number above 1, or a size string such as ``"6GiB"``), or ``None`` for store-all
+      (plain autograd's memory).
     - ``plan``: a ``Plan`` (from ``hrockmate.solve`` or ``load_plan``) or a ``Schedule`` for this
       model and sample; when given, ``budget`` and ``solve_options`` are not used.
     - ``cache``: the plan cache (``hrockmate.plan_cache``): ``None`` the default location, a
@@ -902,6 +995,7 @@ class HRockmate(nn.Module):
         budget: Any = None,
         plan: Any = None,
         cache: Any = None,
+        loss_fn: Any = None,
         **solve_options: Any,
     ) -> None:
         super().__init__()
@@ -917,7 +1011,7 @@ class HRockmate(nn.Module):
         self.training = model.training
         # What to plan for: kept to plan again when the model's trainable parameters or
         # training flags change, and after unpickling.
-        self._hr_request = _PlanRequest(budget, plan, cache, dict(solve_options))
+        self._hr_request = _PlanRequest(budget, plan, cache, dict(solve_options), loss_fn)
         self._build(sample)
 
     def _build(self, sample: Any, plan: Any = None) -> None:
@@ -930,7 +1024,8 @@ class HRockmate(nn.Module):
         fingerprint = _model_fingerprint(model)
         args, kwargs = split_sample(sample)
         # "estimate" also measures each op's workspace, which the predicted peak includes.
-        traced = trace_model(model, sample, cost="estimate")
+        traced = trace_model(model, sample, loss_fn=request.loss_fn, cost="estimate")
+        _warn_of_captured_tensors(request.loss_fn, traced)
         object.__setattr__(self, "_hr_traced", traced)
 
         # Slots: the unique parameters and buffers in the model's order, and tensor inputs.
@@ -1217,19 +1312,13 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def _output_structure(traced: Any) -> tuple[list[Any], Any]:
-    """(leaf template, spec): the template holds the non-tensor leaves of the model's output
-    and ``None`` where a tensor output goes, in order."""
+    """(leaf template, spec): see ``output_spec`` in ``hrockmate.tracing``."""
     spec, leaves = traced.output_spec
     return list(leaves), spec
 
 
 def _rebuild_outputs(template: list[Any], spec: Any, outs: Sequence[torch.Tensor]) -> Any:
-    leaves = list(template)
-    it = iter(outs)
-    for j, v in enumerate(leaves):
-        if v is None:
-            leaves[j] = next(it)
-    return pytree.tree_unflatten(leaves, spec)
+    return rebuild_output((spec, template), outs)
 
 
 def _choose_schedule(
@@ -1278,7 +1367,7 @@ def _choose_schedule(
         return store_all, made, baseline, program
     from hrockmate.plan import InfeasibleBudget
     from hrockmate.plan_cache import device_kind, measured_times, open_cache
-    from hrockmate.planner import solve_graph
+    from hrockmate.planner import solve_graph, with_hierarchy
 
     options = dict(solve_options)
     cost = options.pop("cost", "measure")
@@ -1302,6 +1391,7 @@ def _choose_schedule(
     # again for a budget reduced by it (a few rounds).
     target = budget_bytes
     min_bytes = budget_bytes + 1
+    options = with_hierarchy(graph, options)  # block options are shared by every round
     for _ in range(4):
         try:
             new_plan = solve_graph(graph, target, **options)

@@ -17,10 +17,11 @@ CONTRACT (shared by the tracer and the runtime; keep this docstring true):
 - ``sources``: for pre-existing tensors, ``tensor_id -> (kind, key)`` with kind ``"param"``
   (key = parameter name), ``"buffer"`` (buffer name), ``"input"`` (index into the flattened
   sample leaves), ``"tangent"`` (index into ``output_ids``), ``"constant"`` (key = attribute
-  name on ``gm``: a real tensor the model or ``loss_fn`` closes over, e.g. targets; its fx node
-  is a ``get_attr`` node, its IR role ``buffer``).
+  name on ``gm``: a real tensor the model or ``loss_fn`` closes over, e.g. targets or a plain
+  tensor attribute; the same object, not a copy, so in-place changes to it are seen; its fx
+  node is a ``get_attr`` node, its IR role ``buffer``).
 - ``output_ids``: IR tensor ids of the model's tensor outputs, in pytree-flattened order;
-  ``output_spec``: the pytree spec (and constants for non-tensor leaves) to rebuild the structure.
+  ``output_spec``: what rebuilds the output's structure around them (see below).
 - ``param_grads``: parameter name -> IR tensor id of its gradient.
 - ``input_grads``: flat input index -> IR tensor id of its gradient.
 - ``buffer_updates``: buffer name -> IR tensor id of its new value (written back once).
@@ -35,8 +36,12 @@ Details of the mapping (see docs/graph-ir.md for the IR itself):
   the op schema's alias annotations) has ``alias_of`` set and ``bytes`` 0; other tensors own a
   storage of ``untyped_storage().nbytes()`` bytes (on CUDA rounded up to the caching
   allocator's 512-byte blocks, as ``torch.cuda.memory_allocated`` counts them).
-- ``output_spec`` is ``(treespec, leaves)`` where ``leaves`` holds the non-tensor leaves of the
-  model's output and ``None`` where a tensor goes (in order ``output_ids``).
+- ``output_spec`` is ``(treespec, leaves)`` where ``leaves`` holds ``None`` where a tensor leaf
+  goes, a ``TensorHolder`` for a non-tensor leaf that holds tensors computed by the iteration
+  (e.g. a transformers cache: its tensors are outputs too, in the order it rebuilds from), and
+  the other non-tensor leaves as they are; ``rebuild_output(output_spec, tensors)`` rebuilds.
+- Outputs without a gradient (not requiring grad, or not the member ``loss_fn`` names) have no
+  tangent; ``sources`` holds tangents only for the others.
 - ``input_spec`` is the treespec of ``(args, kwargs)``; ``sample`` given as a tensor means
   ``args = (sample,)``, a tuple or list means positional arguments, a dict keyword arguments.
 - Where a required result would otherwise be a pre-existing tensor or the same tensor as another
@@ -52,16 +57,22 @@ Details of the mapping (see docs/graph-ir.md for the IR itself):
   IR's sizes are corrected where a fake kernel got an output's size wrong.
 - Thread safety: ``trace_model`` and ``annotate_costs`` hold one process-wide lock, so traces
   started from several threads run one after another (and give the same graph as alone).
+- A model that reads a tensor's value while tracing is traced a second time with
+  ``torch.compiler.is_compiling()`` answering True (``graph.meta["compiling_paths"]``), so
+  that code with a value-independent path for compilers (transformers' mask helpers) takes it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import operator
 import threading
 import time
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -75,7 +86,8 @@ from torch.fx import traceback as fx_traceback
 from hrockmate.graph import Graph, Op, Tensor
 
 __all__ = [
-    "COST_MODES", "TraceError", "Traced", "coerce_like", "placeholder_values", "run_joint",
+    "COST_MODES", "LossFn", "TensorHolder", "TraceError", "Traced", "coerce_like",
+    "flatten_output", "placeholder_values", "rebuild_output", "run_joint", "select_member",
     "split_sample", "trace", "trace_graph", "trace_model",
 ]
 
@@ -144,6 +156,176 @@ def _leaf_meta(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), x.dtype, x.device)
     return x
+
+
+# ---- model outputs ------------------------------------------------------------------------------
+#: What ``loss_fn`` may be: a function of the model's output, or the key / attribute name (str)
+#: or position (int) of the loss in it (``"loss"`` for a transformers ``ModelOutput``).
+LossFn = Callable[[Any], Any] | str | int
+
+
+def select_member(out: Any, key: str | int) -> Any:
+    """``out[key]`` for mappings and sequences, else the attribute ``key`` (dataclasses,
+    named tuples, ``ModelOutput``)."""
+    if isinstance(key, str) and not isinstance(out, Mapping) and hasattr(out, key):
+        return getattr(out, key)
+    try:
+        return out[key]
+    except (KeyError, IndexError, TypeError):
+        pass
+    raise TraceError(
+        f"loss_fn={key!r} names no member of the model's output ({type(out).__name__}); name "
+        "the key or attribute that holds the loss (e.g. loss_fn='loss'), or pass a function "
+        "of the output"
+    )
+
+
+#: Objects never looked into for tensors: their tensors (if any) are not the iteration's.
+_OPAQUE = (nn.Module, torch.device, torch.dtype, type, types.ModuleType, types.FunctionType,
+           types.MethodType, types.BuiltinFunctionType, str, bytes, int, float, complex, bool)
+#: How deep a non-tensor output object (a cache holding layers holding tensors...) is searched.
+_HOLDER_DEPTH = 6
+_SLOT = ("tensor",)
+
+
+class TensorHolder:
+    """A non-tensor leaf of the model's output that holds tensors computed by the iteration
+    (e.g. a transformers cache object with the keys and values of each layer). Those tensors
+    are outputs of the traced graph; ``rebuild`` makes a fresh shallow copy of the object
+    around the tensors of one call, leaving everything else shared with the traced one."""
+
+    __slots__ = ("recipe",)
+
+    def __init__(self, recipe: tuple[Any, ...]) -> None:
+        self.recipe = recipe
+
+    @staticmethod
+    def find(obj: Any, is_traced: Callable[[torch.Tensor], bool],
+             found: list[torch.Tensor]) -> "TensorHolder | None":
+        """A holder for ``obj`` if it holds traced tensors (appended to ``found`` in the order
+        ``rebuild`` consumes them), else None."""
+        recipe = _holder_recipe(obj, is_traced, found, _HOLDER_DEPTH, set())
+        return None if recipe is None else TensorHolder(recipe)
+
+    def rebuild(self, tensors: Iterator[Any]) -> Any:
+        return _holder_build(self.recipe, tensors)
+
+
+def _holder_recipe(obj: Any, is_traced: Callable[[torch.Tensor], bool],
+                   found: list[torch.Tensor], depth: int, active: set[int]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if not is_traced(obj):
+            return None
+        found.append(obj)
+        return _SLOT
+    if depth == 0 or id(obj) in active or isinstance(obj, _OPAQUE) or obj is None:
+        return None
+    if isinstance(obj, (list, tuple)):
+        items: list[tuple[Any, Any]] = list(enumerate(obj))
+        kind = "sequence"
+    elif isinstance(obj, dict):
+        items = list(obj.items())
+        kind = "dict"
+    else:
+        names = list(getattr(obj, "__dict__", {}))
+        names += [n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())
+                  if isinstance(n, str) and n not in ("__dict__", "__weakref__")]
+        items = [(n, getattr(obj, n)) for n in dict.fromkeys(names) if hasattr(obj, n)]
+        kind = "object"
+    active.add(id(obj))
+    try:
+        parts = []
+        for key, value in items:
+            sub = _holder_recipe(value, is_traced, found, depth - 1, active)
+            if sub is not None:
+                parts.append((key, sub))
+    finally:
+        active.discard(id(obj))
+    return (kind, obj, parts) if parts else None
+
+
+def _holder_build(recipe: tuple[Any, ...], tensors: Iterator[Any]) -> Any:
+    if recipe is _SLOT:
+        return next(tensors)
+    kind, template, parts = recipe
+    if kind == "sequence":
+        items = list(template)
+        for i, sub in parts:
+            items[i] = _holder_build(sub, tensors)
+        if isinstance(template, list):
+            return type(template)(items) if type(template) is not list else items
+        return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
+    new = copy.copy(template)
+    for key, sub in parts:
+        value = _holder_build(sub, tensors)
+        if kind == "dict":
+            new[key] = value
+        elif key in getattr(new, "__dict__", {}):
+            new.__dict__[key] = value  # bypasses properties and frozen dataclasses' __setattr__
+        else:
+            object.__setattr__(new, key, value)
+    return new
+
+
+def _is_traced(x: torch.Tensor) -> bool:
+    """Whether ``x`` was computed while tracing (not a real tensor the model closes over)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(x, (FunctionalTensor, FakeTensor))
+
+
+def flatten_output(out: Any, is_traced: Callable[[torch.Tensor], bool]
+                   ) -> tuple[list[torch.Tensor], tuple[pytree.TreeSpec, list[Any]]]:
+    """The tensors of a model output in order, and ``(treespec, leaves)`` to rebuild it:
+    ``leaves`` holds ``None`` where a tensor leaf goes, a ``TensorHolder`` for a non-tensor
+    leaf holding traced tensors, and other leaves as they are."""
+    out_leaves, spec = pytree.tree_flatten(out)
+    tensors: list[torch.Tensor] = []
+    template: list[Any] = []
+    for x in out_leaves:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            template.append(None)
+        else:
+            holder = TensorHolder.find(x, is_traced, tensors)
+            template.append(x if holder is None else holder)
+    return tensors, (spec, template)
+
+
+def rebuild_output(output_spec: tuple[pytree.TreeSpec, list[Any]],
+                   tensors: Sequence[torch.Tensor]) -> Any:
+    """The model's output structure around ``tensors`` (in ``output_ids`` order)."""
+    spec, template = output_spec
+    it = iter(tensors)
+    leaves = [next(it) if x is None else x.rebuild(it) if isinstance(x, TensorHolder) else x
+              for x in template]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _state_slots(model: nn.Module, kinds: list[tuple[str, Any]]) -> list[tuple[str, int]]:
+    """(name, index into ``kinds``) for every place the model holds a parameter or buffer,
+    each place named once: tied tensors (one tensor in several modules) get the value of their
+    first name, and a module registered under several paths (a shared embedding) is named by
+    its first path only. ``functional_call``'s own tying swaps such a module's tensor once per
+    path and restores it wrongly, leaving the traced value in the model."""
+    index = {kind_key: i for i, kind_key in enumerate(kinds)}
+    first_name: dict[int, tuple[str, str]] = {}
+    for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            first_name.setdefault(id(t), (kind, name))
+    slots: list[tuple[str, int]] = []
+    seen: set[tuple[int, str]] = set()
+    for kind, named in (("param", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, t in named:
+            prefix, _, attr = name.rpartition(".")
+            place = (id(model.get_submodule(prefix)), attr)
+            if place in seen:
+                continue
+            seen.add(place)
+            slots.append((name, index[first_name[id(t)]]))
+    return slots
 
 
 # ---- module names on fx nodes -------------------------------------------------------------------
@@ -313,10 +495,48 @@ def _capture_joint(
     return box["joint"]
 
 
+@contextlib.contextmanager
+def _compiling_paths() -> Iterator[None]:
+    """Make ``torch.compiler.is_compiling()`` answer True, as ``torch.export`` does while it
+    traces. Libraries check it (transformers' ``is_tracing`` among them) to take code paths
+    that never read tensor values, e.g. building an attention mask instead of first testing
+    whether the padding mask is all ones; those paths are what a graph reused for every batch
+    of the sample's shape must contain."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+def _reads_tensor_values(exc: BaseException) -> bool:
+    """Whether tracing failed because the model read a tensor's value (``.item()``, ``if`` on
+    a tensor, a data-dependent output shape), here or in an exception it was raised from."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    kinds = (DataDependentOutputException, DynamicOutputShapeException,
+             GuardOnDataDependentSymNode)
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, kinds):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 _UNTRACEABLE_HINT = (
     "hrockmate traces one training iteration with fake tensors (AOTAutograd), so Python "
     "control flow that depends on tensor values (if/while on a tensor, .item(), .tolist(), "
-    "data-dependent shapes) and ops without a fake/meta implementation cannot be traced. "
+    "data-dependent shapes) and ops without a fake/meta implementation cannot be traced "
+    "(code that checks torch.compiler.is_compiling(), as transformers' mask helpers do, is "
+    "traced along its compiler path). "
     "Make the control flow independent of tensor values (e.g. torch.where), register a fake "
     "implementation for custom ops (torch.library.register_fake), or leave this module out "
     "of hrockmate"
@@ -576,6 +796,13 @@ def _build(
             # a real tensor the model or loss_fn closes over, stored on the graph module
             val = getattr(gm, node.target)
             if isinstance(val, torch.Tensor):
+                if val.requires_grad:
+                    raise TraceError(
+                        f"the model or loss_fn uses a tensor of shape {tuple(val.shape)} that "
+                        "requires grad but is neither a parameter, a buffer nor an input, so "
+                        "its gradient would be lost; register it as an nn.Parameter or pass "
+                        "it in the sample"
+                    )
                 tid = add_tensor(node, None, Tensor(
                     unique(f"constant:{node.target}"), int(val.untyped_storage().nbytes()),
                     "buffer", shape=list(val.shape), dtype=_dtype(val)), node.meta.get("val", val))
@@ -731,15 +958,19 @@ def trace_model(
     model: nn.Module,
     sample: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
     cost: str = "measure",
     name: str | None = None,
 ) -> Traced:
     """Trace one training iteration (forward and backward) of ``model`` on ``sample``.
 
-    ``loss_fn``: if given, ``loss_fn(model_output)`` is traced as part of the forward and
-    backward starts from that scalar. Otherwise backward starts from the gradients of the
-    model's outputs (``tangent`` tensors; for a scalar output, the usual ``loss.backward()``).
+    ``loss_fn``: a function: ``loss_fn(model_output)`` is traced as part of the forward, it is
+    the traced output, and backward starts from it. A str (key or attribute) or int
+    (position): the model's output member holding the loss (``"loss"`` for a transformers
+    ``ModelOutput``); the output keeps its structure, backward starts from that member only
+    and the other tensors are outputs without gradient. ``None``: backward starts from the
+    gradients of all the model's outputs that require grad (``tangent`` tensors; for a scalar
+    output, the usual ``loss.backward()``).
     ``cost``: ``"measure"`` runs each distinct op on the sample's device, ``"estimate"`` uses
     a FLOP/bandwidth model (both measure workspaces once), ``"none"`` leaves times and
     workspaces at 0.
@@ -768,45 +999,74 @@ def trace_model(
     tensor_leaf_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     flat_kinds += [("input", i) for i in tensor_leaf_pos]
     n_pb = len(params) + len(buffers)
+    slots = _state_slots(model, flat_kinds[:n_pb])
     out_box: dict[str, Any] = {}
 
     def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        state = {k: v for (kind, k), v in zip(flat_kinds[:n_pb], flat[:n_pb])}
+        state = {name: flat[i] for name, i in slots}
         new_leaves = list(leaves)
         for pos, v in zip(tensor_leaf_pos, flat[n_pb:]):
             new_leaves[pos] = v
         a, kw = pytree.tree_unflatten(new_leaves, input_spec)
-        out = torch.func.functional_call(model, state, tuple(a), kw, tie_weights=True,
+        out = torch.func.functional_call(model, state, tuple(a), kw, tie_weights=False,
                                          strict=False)
-        if loss_fn is not None:
+        loss = None
+        if isinstance(loss_fn, (str, int)):
+            loss = select_member(out, loss_fn)
+            if not isinstance(loss, torch.Tensor):
+                raise TraceError(
+                    f"loss_fn={loss_fn!r} selects a {type(loss).__name__}, not a tensor (for "
+                    "a transformers model, pass labels in the sample so that it computes "
+                    "its loss)"
+                )
+        elif loss_fn is not None:
             out = loss_fn(out)
-        out_leaves, out_spec = pytree.tree_flatten(out)
-        out_box["spec"] = out_spec
-        out_box["leaves"] = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
-        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+        tensors, out_box["spec"] = flatten_output(out, _is_traced)
+        if loss is not None:
+            # only the loss is differentiated: the other outputs get no gradient (tangent)
+            tensors = [x if x is loss else x.detach() for x in tensors]
+        out_box["count"] = len(tensors)
+        return tuple(tensors)
 
     flat_real: list[torch.Tensor] = [*params.values(), *buffers.values()]
     flat_real += [leaves[i] for i in tensor_leaf_pos]
     module_stack: list[str] = []
-    # Our own fake mode, so that real tensors the model or loss_fn closes over (e.g. targets,
-    # plain tensor attributes) are accepted; they end up as constants of the joint graph.
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with preserved_rng(device), torch.enable_grad(), _eager_faithful_dispatch(), \
-            _module_annotations(model, module_stack):
+
+    def capture(compiling_paths: bool) -> fx.GraphModule:
+        module_stack.clear()
+        # Our own fake mode, so that real tensors the model or loss_fn closes over (e.g.
+        # targets, plain tensor attributes) are accepted; they become constants of the graph.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with preserved_rng(device), torch.enable_grad(), _eager_faithful_dispatch(), \
+                _module_annotations(model, module_stack), \
+                _compiling_paths() if compiling_paths else contextlib.nullcontext():
+            return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])
+
+    compiling_paths = False
+    try:
         try:
-            joint = _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])
+            joint = capture(compiling_paths)
         except TraceError:
             raise
-        except Exception as exc:  # noqa: BLE001 - re-raised with the module and a remedy
-            path = module_stack[-1] if module_stack else ""
-            raise TraceError(_explain(exc, path, model)) from exc
+        except Exception as exc:  # noqa: BLE001
+            if not _reads_tensor_values(exc):
+                raise
+            # The model read a tensor's value; code that has a value-independent path for
+            # compilers (transformers' attention masks) takes it on a second try.
+            compiling_paths = True
+            joint = capture(compiling_paths)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the module and a remedy
+        path = module_stack[-1] if module_stack else ""
+        raise TraceError(_explain(exc, path, model)) from exc
 
-    if not any(x is None for x in out_box["leaves"]):
+    if out_box["count"] == 0:
         raise TraceError("the model's output contains no tensor; return a tensor or a loss")
-    n_out = sum(x is None for x in out_box["leaves"])
     _match_random_layouts(joint)
-    traced = _build(joint, flat_kinds, flat_real, n_out, name or type(model).__name__, device)
-    traced.output_spec = (out_box["spec"], out_box["leaves"])
+    traced = _build(joint, flat_kinds, flat_real, out_box["count"], name or type(model).__name__,
+                    device)
+    traced.output_spec = out_box["spec"]
     traced.input_spec = input_spec
     traced.input_meta = [_leaf_meta(x) for x in leaves]
     traced.device = device
@@ -821,6 +1081,7 @@ def trace_model(
         {
             "source": "hrockmate.tracing",
             "cost": cost,
+            "compiling_paths": compiling_paths,
             "device": str(device),
             "trace_seconds": round(traced.trace_seconds, 4),
         }
@@ -832,7 +1093,7 @@ def trace_graph(
     model: nn.Module,
     sample: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
     cost: str = "measure",
 ) -> Graph:
     """The IR of one training iteration of ``model`` on ``sample`` (see ``trace_model``)."""
@@ -947,7 +1208,7 @@ def trace(
     model: nn.Module,
     sample: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
     cost: str = "measure",
 ) -> Graph:
     """The IR of one training iteration of ``model`` on ``sample`` (``hrockmate.trace``)."""
