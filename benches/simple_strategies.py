@@ -2,10 +2,11 @@
 
 For each graph (the repository's tests/data/graphs, third-party graphs with ``--graphs``, and a
 trace of the demo GPT-2 with ``--demo``) and each budget (a fraction of the store-all peak), it
-plans with the default method and with block checkpointing, selective checkpointing and
-whole-graph Rotor, and reports each one's time over store-all (``inf.`` where it does not fit;
-``RA`` where only recompute-all fits), which method made hrockmate's plan, its solve time, and
-whether hrockmate cost more than any strategy that fits (it must not).
+plans with the default method and with block checkpointing, selective checkpointing,
+whole-graph Rotor and greedy eviction (DTR-style), and reports each one's time over store-all
+(``inf.`` where it does not fit; ``RA`` where only recompute-all fits), which method made
+hrockmate's plan, its solve time, and whether hrockmate cost more than any strategy that fits
+(it must not).
 
     OMP_NUM_THREADS=1 python benches/simple_strategies.py [--demo] [--graphs DIR]
 
@@ -26,7 +27,7 @@ from hrockmate.graph import Graph, write_atomic
 from hrockmate.plan import InfeasibleBudget
 
 REPO = Path(__file__).resolve().parents[1]
-STRATEGIES = ("checkpoint", "selective", "rotor")
+STRATEGIES = ("checkpoint", "selective", "rotor", "greedy")
 
 
 def graphs(folders: list[Path], demo: bool) -> list[tuple[str, Graph]]:

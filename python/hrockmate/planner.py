@@ -42,8 +42,8 @@ logger = logging.getLogger("hrockmate")
 
 Step = tuple[str, int]
 
-METHODS = ("hrockmate", "checkmate", "checkpoint", "selective", "twremat", "rotor", "recompute-all",
-           "store-all")
+METHODS = ("hrockmate", "checkmate", "checkpoint", "selective", "greedy", "twremat", "rotor",
+           "recompute-all", "store-all")
 
 
 class SolveError(RuntimeError):
@@ -1231,7 +1231,7 @@ def solve_graph(
               sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
               deadline=None if time_limit is None else t0 + time_limit)
     cand, lowest = _run_method(graph, method, budget_bytes, hierarchy, kw)
-    if (method == "hrockmate" and flat_ops < graph.num_ops <= exact_ops
+    if (method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
             and (cand is None or cand.stats.get("fallback")
                  or _simulate(graph, cand.steps, cand.forward_len)[1] > 1.1 * base_time)):
         # the hierarchy's own plan lost to a fallback, there is none, or it recomputes much:
@@ -1241,10 +1241,13 @@ def solve_graph(
                     "op-level MILP", graph.name)
         # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
         # fallbacks are already known)
+        # 60 s when the hierarchy has no plan of its own, 20 s to improve one it has
+        cap = 60.0 if cand is None or cand.stats.get("fallback") else 20.0
         left = _time_left(kw)
         flat_kw = {**kw, "flat_ops": graph.num_ops,
-                   "time_limit": min(60.0 if left is None else left, 60.0),
-                   "lowest_peak": False}
+                   "time_limit": min(cap if left is None else left, cap),
+                   "deadline": _time.perf_counter() + min(cap if left is None else left, cap),
+                   "lowest_peak": False, "hierarchy_retry": False}
         alt, alt_lowest = _run_method(graph, method, budget_bytes, None, flat_kw)
         if alt is not None and not alt.stats.get("fallback") and (
                 cand is None or _simulate(graph, alt.steps, alt.forward_len)[1]
@@ -1373,6 +1376,15 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
 
     if method in ("twremat", "rotor"):
         return _run_literature(graph, method, budget, _time_left(kw))
+    if method == "greedy":
+        found = reference.greedy_eviction_schedule(graph, budget, _time_left(kw))
+        if found is not None and _simulate(graph, *found)[0] <= budget:
+            return _Candidate(found[0], found[1], False, {"method": "greedy"}), 0
+        cand, lowest = _pick(spares, budget, method, graph)
+        if cand is not None:
+            logger.warning("greedy eviction got stuck for '%s' within %d bytes; using %s",
+                           graph.name, budget, cand.stats["fallback"])
+        return cand, lowest
 
     if method == "checkmate":
         def again(b: int) -> reference.SolverResult:
@@ -1419,7 +1431,7 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                 r = top(budget)
                 cand = _retighten(graph, budget, _Candidate(
                     r.steps, r.forward_len, r.optimal, {**stats_h, **r.stats}), top)
-                if flat and not cand.optimal:
+                if flat and not cand.optimal and kw.get("hierarchy_retry", True):
                     alt, _ = _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
                     if alt is not None and (_simulate(graph, alt.steps, alt.forward_len)[1]
                                             < _simulate(graph, cand.steps, cand.forward_len)[1]):
@@ -1432,14 +1444,17 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                     simple, _ = _simple_strategies(graph, budget, method, _time_left(kw))
                     for alt, _peak, alt_time in simple:
                         if alt_time < best_time:
-                            alt.stats = {**stats_h, **alt.stats, "beats_hierarchy_plan": True}
+                            # the hierarchy's figures stay (top_solver, ...): what it did and
+                            # what beat it
+                            alt.stats = {**cand.stats, **alt.stats, "optimal": False,
+                                         "beats_hierarchy_plan": True}
                             best, best_time = alt, alt_time
                     return best, 0
                 return cand, 0
             except ilp.LevelInfeasible:
                 pass
             except ilp.LevelNoSolution:
-                if flat:
+                if flat and kw.get("hierarchy_retry", True):
                     logger.info("no op-level schedule for '%s' in %s s; solving hierarchically",
                                 graph.name, kw["time_limit"])
                     return _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
@@ -1469,16 +1484,18 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
 def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float | None = None
                        ) -> tuple[list[tuple[_Candidate, int, float]], dict[str, int]]:
     """The simple strategies no plan may lose to, each at its fastest setting within the
-    budget: block checkpointing, selective checkpointing and whole-graph Rotor (chain-shaped
-    graphs only, within ``time_limit`` seconds). Returns them as (candidate, peak, time),
-    marked as fallbacks, and the lowest peak each one reaches (for the log and the error
-    when nothing fits)."""
+    budget: block checkpointing, selective checkpointing, whole-graph Rotor (chain-shaped
+    graphs only) and greedy eviction (DTR-style, any graph), within ``time_limit`` seconds.
+    Returns them as (candidate, peak, time), marked as fallbacks, and the lowest peak each of
+    the first three reaches (for the log and the error when nothing fits)."""
     from hrockmate.literature import NotAChainError
 
     out: list[tuple[_Candidate, int, float]] = []
     lowest: dict[str, int] = {}
     deadline = None if time_limit is None else _time.perf_counter() + time_limit
-    for share, (label, selective) in ((3, ("checkpoint", False)), (2, ("selective", True))):
+    # shares of the time left: checkpointing 1/4, selective 1/3 of the rest, Rotor half of
+    # what remains, greedy eviction the rest
+    for share, (label, selective) in ((4, ("checkpoint", False)), (3, ("selective", True))):
         left = None if deadline is None else max(0.0, deadline - _time.perf_counter()) / share
         points = reference.checkpoint_points(graph, _simulate, selective, left)
         lowest[label] = min(p[0] for p in points)
@@ -1490,7 +1507,7 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
     try:
         rotor, rotor_lowest = _run_literature(
             graph, "rotor", budget,
-            None if deadline is None else max(0.0, deadline - _time.perf_counter()))
+            None if deadline is None else max(0.0, deadline - _time.perf_counter()) / 2)
     except NotAChainError:
         rotor = None
     except (TimeoutError, MemoryError) as exc:  # out of time, or tables too large
@@ -1503,6 +1520,13 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
             rotor.stats = {"method": method, "fallback": "rotor"}
             peak, t = _simulate(graph, rotor.steps, rotor.forward_len)
             out.append((rotor, peak, t))
+    left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
+    found = reference.greedy_eviction_schedule(graph, budget, left)
+    if found is not None:
+        peak, t = _simulate(graph, *found)
+        if peak <= budget:
+            out.append((_Candidate(found[0], found[1], False,
+                                   {"method": method, "fallback": "greedy"}), peak, t))
     return out, lowest
 
 

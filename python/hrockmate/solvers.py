@@ -12,6 +12,8 @@ validates every result with the simulator and picks among them with ``method=``:
   fastest one that fits the budget;
 - ``selective``: the same, but also keeping the outputs of matmuls, convolutions and attention
   (torchtitan-style selective checkpointing);
+- ``greedy``: greedy eviction in the op order, DTR-style (``greedy_eviction_schedule``): needs
+  no structure, so it serves graphs with long skips that the block strategies cannot cut;
 - ``checkmate``: Checkmate's exact MILP over the whole op graph (only for small graphs: HiGHS
   stalls around 75 ops, so it runs under a time limit).
 """
@@ -241,6 +243,142 @@ def block_checkpoint_schedule(graph: Graph, block_of_fwd: dict[int, int],
                 continue
             free(x)
     return steps, forward_len
+
+
+def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None = None
+                             ) -> tuple[list[Step], int] | None:
+    """A dynamic-tensor-rematerialization-style greedy (Kirisame et al., ICLR 2021), planned
+    ahead: run the ops in order; before an op whose inputs and outputs would pass ``budget``,
+    evict forward values by the smallest recompute time / (bytes x staleness); a value needed
+    again after its eviction is recomputed from what is alive, recursively. Needs no structure
+    at all (no pairing, no chain), so it serves graphs the other strategies cannot cut well
+    (long skips). Memory is counted per storage as the simulator counts it (views share their
+    base's storage); returns None when it gets stuck (nothing left to evict) or out of time."""
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
+    order = ilp.topological_ops(graph)
+    ops, tensors = graph.ops, graph.tensors
+    prod = graph.producers()
+    fixed = {x for x, t in enumerate(tensors) if t.role in PREEXISTING_ROLES}
+    never_free = {x for x, t in enumerate(tensors) if t.role == "output"} | fixed
+    evictable = [prod[x] is not None and ops[prod[x]].phase == "forward"  # type: ignore[index]
+                 and x not in never_free for x in range(len(tensors))]
+    uses = [0] * len(tensors)  # reads still to come in the op order
+    for j in order:
+        for x in set(ops[j].inputs):
+            uses[x] += 1
+
+    alive: set[int] = set(fixed)
+    instance: dict[int, int] = {}  # alive tensor -> storage instance
+    refs: dict[int, int] = {}  # instance -> alive tensors on it
+    inst_bytes: dict[int, int] = {}
+    counter = [0]
+    mem = [0]
+    last_access = [0.0] * len(tensors)
+    clock = [0]
+    steps: list[Step] = []
+
+    def new_bytes(j: int) -> int:
+        """Bytes a compute of op j adds: owners' storages and views made with no base alive."""
+        total = 0
+        for x in ops[j].outputs:
+            if x in alive:
+                continue
+            base = tensors[x].alias_of
+            while base is not None and base not in alive:
+                base = tensors[base].alias_of
+            if base is None:
+                total += tensors[_storage_root(graph, x)].bytes if x not in fixed else 0
+        return total + ops[j].workspace
+
+    def produce(x: int) -> None:
+        alive.add(x)
+        base = tensors[x].alias_of
+        while base is not None and base not in alive:
+            base = tensors[base].alias_of
+        if base is not None and base in instance:
+            inst = instance[base]
+        else:
+            counter[0] += 1
+            inst = counter[0]
+            inst_bytes[inst] = 0 if _storage_root(graph, x) in fixed else \
+                tensors[_storage_root(graph, x)].bytes
+            mem[0] += inst_bytes[inst]
+        instance[x] = inst
+        refs[inst] = refs.get(inst, 0) + 1
+
+    def free(x: int) -> None:
+        alive.discard(x)
+        steps.append(("free", x))
+        inst = instance.pop(x)
+        refs[inst] -= 1
+        if refs[inst] == 0:
+            mem[0] -= inst_bytes.pop(inst)
+            del refs[inst]
+
+    def evict_one(locked: set[int]) -> bool:
+        best, best_score = None, math.inf
+        for x in alive:
+            if not evictable[x] or x in locked:
+                continue
+            inst = instance[x]
+            freed = inst_bytes[inst] if refs[inst] == 1 else 0
+            if freed == 0:
+                continue
+            stale = clock[0] - last_access[x] + 1
+            score = (ops[prod[x]].time + 1e-12) / (freed * stale)  # type: ignore[index]
+            if score < best_score:
+                best, best_score = x, score
+        if best is None:
+            return False
+        free(best)
+        return True
+
+    def run(j: int, locked: set[int]) -> bool:
+        """Compute op j (inputs alive), evicting first if it would not fit."""
+        while mem[0] + new_bytes(j) > budget:
+            if not evict_one(locked | set(ops[j].inputs) | set(ops[j].outputs)):
+                return False
+        steps.append(("compute", j))
+        for x in ops[j].outputs:
+            if x not in alive:
+                produce(x)
+        clock[0] += 1
+        for x in (*ops[j].inputs, *ops[j].outputs):
+            last_access[x] = clock[0]
+        return True
+
+    def ensure(j: int, locked: set[int]) -> bool:
+        """Make op j's inputs alive, recomputing evicted forward values (iteratively)."""
+        stack = [j]
+        while stack:
+            k = stack[-1]
+            missing = [x for x in ops[k].inputs if x not in alive]
+            if not missing:
+                stack.pop()
+                if k != j:
+                    if not run(k, locked | {y for q in stack for y in ops[q].inputs}):
+                        return False
+                continue
+            q = prod[missing[0]]
+            if q is None or ops[q].phase != "forward" or len(stack) > len(order):
+                return False
+            stack.append(q)
+        return True
+
+    forward_len = None
+    for n, j in enumerate(order):
+        if deadline is not None and n % 64 == 0 and time.perf_counter() > deadline:
+            return None
+        if ops[j].phase == "backward" and forward_len is None:
+            forward_len = len(steps)
+        if not ensure(j, set()) or not run(j, set()):
+            return None
+        for x in set(ops[j].inputs):
+            uses[x] -= 1
+        for x in sorted({*ops[j].inputs, *ops[j].outputs}):
+            if x in alive and x not in never_free and uses[x] <= 0:
+                free(x)
+    return steps, len(steps) if forward_len is None else forward_len
 
 
 def checkpoint_candidates(n_forward: int) -> list[int]:
