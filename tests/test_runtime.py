@@ -456,6 +456,19 @@ def test_loss_member_is_the_only_planned_gradient(kind: str) -> None:
     assert abs(got.peak_bytes - pred) <= 0.05 * pred, f"measured {got.peak_bytes} vs {pred}"
 
 
+@pytest.mark.parametrize("traced_tangents", [True, False])
+def test_eager_peak_of_a_named_loss_matches_the_store_all_plan(traced_tangents: bool) -> None:
+    """Plain autograd measured with the same loss_fn (backward from the loss alone) peaks where
+    the store-all plan predicts."""
+    model = _WithLoss("dict")
+    sample = {"x": torch.randn(64, 6), "labels": torch.randint(0, 4, (64,))}
+    hm = HRockmate(model, sample, loss_fn="loss")
+    got = hrockmate.memory.measure_eager_peak(
+        model, sample, loss_fn="loss", traced=hm.traced if traced_tangents else None)
+    pred = hm.predicted_peak_bytes
+    assert abs(got.peak_bytes - pred) <= 0.05 * pred, f"measured {got.peak_bytes} vs {pred}"
+
+
 def test_unused_planned_outputs_get_zeros_and_a_warning() -> None:
     """Without loss_fn every output is planned with a gradient; backward through the loss alone
     still gives plain PyTorch's gradients, and a warning says to pass loss_fn."""

@@ -155,27 +155,37 @@ def measure_peak_memory(
     return PeakMeasurement(int(peak), 0, str(dev), timeline, result)
 
 
+def _backward_roots(out: Any, loss_fn: Any) -> tuple[Any, list[torch.Tensor]]:
+    """(the step's result, the tensors backward starts from) for a model output and a
+    ``loss_fn`` as in ``hrockmate.trace``: a function's result, or the named loss member."""
+    if isinstance(loss_fn, (str, int)):
+        from hrockmate.tracing import select_loss
+
+        return out, [select_loss(out, loss_fn)]
+    if loss_fn is not None:
+        out = loss_fn(out)
+    leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    return out, [x for x in leaves if x.requires_grad]
+
+
 def eager_training_step(
     model: nn.Module,
     sample: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Any = None,
     tangents: list[torch.Tensor] | None = None,
 ) -> Callable[[], Any]:
-    """A plain-autograd training step for ``measure_peak_memory``: forward (plus ``loss_fn``),
-    then backward from the tensor outputs that require grad with ``tangents`` (one per such
-    output, in pytree order; create them beforehand, default ones made on first use). Returns
-    the outputs, so they stay alive until the step ends."""
+    """A plain-autograd training step for ``measure_peak_memory``: forward (plus ``loss_fn``,
+    as in ``hrockmate.trace``), then backward from the tensor outputs that require grad (only
+    the loss when ``loss_fn`` names it) with ``tangents`` (one per such output, in pytree
+    order; create them beforehand, default ones made on first use). Returns the outputs, so
+    they stay alive until the step ends."""
     from hrockmate.tracing import split_sample
 
     args, kwargs = split_sample(sample)
 
     def step() -> Any:
-        out = model(*args, **kwargs)
-        if loss_fn is not None:
-            out = loss_fn(out)
-        outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
-        diff = [x for x in outs if x.requires_grad]
+        out, diff = _backward_roots(model(*args, **kwargs), loss_fn)
         grads = tangents if tangents is not None else [torch.ones_like(x) for x in diff]
         if len(grads) != len(diff):
             raise ValueError(
@@ -191,7 +201,7 @@ def measure_eager_peak(
     model: nn.Module,
     sample: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Any = None,
     traced: Any = None,
 ) -> PeakMeasurement:
     """Activation-memory peak of one plain-autograd training step of ``model`` on ``sample``:
@@ -213,12 +223,9 @@ def measure_eager_peak(
 
         args, kwargs = split_sample(sample)
         with torch.enable_grad():
-            out = model(*args, **kwargs)
-            if loss_fn is not None:
-                out = loss_fn(out)
-        tangents = [torch.ones_like(x) for x in pytree.tree_leaves(out)
-                    if isinstance(x, torch.Tensor) and x.requires_grad]
-        del out
+            out, roots = _backward_roots(model(*args, **kwargs), loss_fn)
+        tangents = [torch.ones_like(x) for x in roots]
+        del out, roots
     step = eager_training_step(model, sample, loss_fn=loss_fn, tangents=tangents)
     return measure_peak_memory(step, params=params)
 
@@ -228,7 +235,7 @@ def truth_row(
     model: nn.Module,
     sample: Any,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Any = None,
 ) -> dict[str, Any]:
     """Trace ``model`` (estimated times, measured workspaces), simulate the store-all schedule
     and measure plain autograd's peak on the same iteration: one row of the truth table."""

@@ -87,7 +87,8 @@ from hrockmate.graph import Graph, Op, Tensor
 
 __all__ = [
     "COST_MODES", "LossFn", "TensorHolder", "TraceError", "Traced", "coerce_like",
-    "flatten_output", "placeholder_values", "rebuild_output", "run_joint", "select_member",
+    "flatten_output", "placeholder_values", "rebuild_output", "run_joint", "select_loss",
+    "select_member",
     "split_sample", "trace", "trace_graph", "trace_model",
 ]
 
@@ -178,6 +179,17 @@ def select_member(out: Any, key: str | int) -> Any:
         "the key or attribute that holds the loss (e.g. loss_fn='loss'), or pass a function "
         "of the output"
     )
+
+
+def select_loss(out: Any, key: str | int) -> torch.Tensor:
+    """The loss member ``key`` of a model's output (``loss_fn`` given as a name or position)."""
+    loss = select_member(out, key)
+    if not isinstance(loss, torch.Tensor):
+        raise TraceError(
+            f"loss_fn={key!r} selects a {type(loss).__name__}, not a tensor (for a "
+            "transformers model, pass labels in the sample so that it computes its loss)"
+        )
+    return loss
 
 
 #: Objects never looked into for tensors: their tensors (if any) are not the iteration's.
@@ -1012,13 +1024,7 @@ def trace_model(
                                          strict=False)
         loss = None
         if isinstance(loss_fn, (str, int)):
-            loss = select_member(out, loss_fn)
-            if not isinstance(loss, torch.Tensor):
-                raise TraceError(
-                    f"loss_fn={loss_fn!r} selects a {type(loss).__name__}, not a tensor (for "
-                    "a transformers model, pass labels in the sample so that it computes "
-                    "its loss)"
-                )
+            loss = select_loss(out, loss_fn)
         elif loss_fn is not None:
             out = loss_fn(out)
         tensors, out_box["spec"] = flatten_output(out, _is_traced)
