@@ -255,3 +255,26 @@ def test_bench_loads_a_zoo_named_with_zoo(tmp_path: Path,
     repo_zoo = Path(__file__).resolve().parents[1] / "benches" / "zoo.py"
     assert main(["bench", "--zoo", str(repo_zoo), "--models", "list"]) == 0
     assert "mlp_mixer" in capsys.readouterr().out
+
+
+def test_ctrl_c_stops_a_solve_with_exit_130(data_graphs: Path, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # the hierarchy takes several seconds on this operator log; SIGINT arrives during it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hrockmate", "solve", str(data_graphs / "gpt2_tiny_oplog.json"),
+         "--budget", "0.5", "-o", str(tmp_path / "plan.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**__import__("os").environ, "HROCKMATE_CACHE_DIR": "off"})
+    time.sleep(1.5)  # imports and parsing take about 1 s, the solve several more
+    sent = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    stopped = time.perf_counter() - sent
+    assert proc.returncode == 130, err
+    assert "hrockmate: interrupted" in err and "Traceback" not in err
+    assert stopped < 5  # about 1 s asked; generous for loaded machines
+    assert not (tmp_path / "plan.json").exists()
