@@ -268,7 +268,9 @@ def test_ctrl_c_stops_a_solve_with_exit_130(data_graphs: Path, tmp_path: Path) -
         [sys.executable, "-m", "hrockmate", "solve", str(data_graphs / "gpt2_tiny_oplog.json"),
          "--budget", "0.5", "-o", str(tmp_path / "plan.json")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**__import__("os").environ, "HROCKMATE_CACHE_DIR": "off"})
+        env={**__import__("os").environ, "HROCKMATE_CACHE_DIR": "off"},
+        # a test run started in the background inherits SIGINT ignored; a terminal's is not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(1.5)  # imports and parsing take about 1 s, the solve several more
     sent = time.perf_counter()
     proc.send_signal(signal.SIGINT)

@@ -2,6 +2,11 @@
 
 import sys
 
-from hrockmate.cli import main
+try:
+    from hrockmate.cli import main
 
-sys.exit(main())
+    status = main()
+except KeyboardInterrupt:  # Ctrl-C before the command started (imports, argument parsing)
+    print("hrockmate: interrupted", file=sys.stderr)
+    status = 130
+sys.exit(status)
