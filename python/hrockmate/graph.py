@@ -134,6 +134,12 @@ class Graph:
     def num_tensors(self) -> int:
         return len(self.tensors)
 
+    def storage_root(self, x: int) -> int:
+        """The tensor that owns the storage tensor ``x`` lives in (``x`` itself unless a view)."""
+        while self.tensors[x].alias_of is not None:
+            x = self.tensors[x].alias_of  # type: ignore[assignment]
+        return x
+
     def producers(self) -> list[int | None]:
         prod: list[int | None] = [None] * len(self.tensors)
         for i, op in enumerate(self.ops):

@@ -138,13 +138,7 @@ class _Ctx:
         self.fixed = [t.role in PREEXISTING_ROLES for t in graph.tensors]
         self.fwd = [j for j in self.order if graph.ops[j].phase == "forward"]
         self.bwd = [j for j in self.order if graph.ops[j].phase == "backward"]
-        roots = []
-        for x, t in enumerate(graph.tensors):
-            r = x
-            while graph.tensors[r].alias_of is not None:
-                r = graph.tensors[r].alias_of  # type: ignore[assignment]
-            roots.append(r)
-        self.root = roots
+        self.root = [graph.storage_root(x) for x in range(len(graph.tensors))]
 
 
 def _interfaces(ctx: _Ctx, block: Block) -> None:
@@ -1368,10 +1362,10 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
         try:
             r = reference.solve_checkpoint(graph, budget, _simulate,
                                            selective=method == "selective")
-        except reference.SolverInfeasible:
+        except reference.SolverInfeasible as exc:
             # keeping no block at all is recompute-all, the checkpointing with least memory
             cand, lowest = _pick(spares, budget, method, graph)
-            return cand, int(min(lowest, _checkpoint_lowest(graph)))
+            return cand, int(min(lowest, exc.min_bytes))
         return _Candidate(r.steps, r.forward_len, False, {"method": method, **r.stats}), 0
 
     if method in ("twremat", "rotor"):
@@ -1562,10 +1556,6 @@ def _retighten(graph: Graph, budget: int, cand: _Candidate,
     logger.warning("the %s schedules for '%s' stayed over the budget of %d bytes; falling back",
                    cand.stats.get("method"), graph.name, budget)
     raise ilp.LevelInfeasible("no schedule within the budget after re-solving lower")
-
-
-def _checkpoint_lowest(graph: Graph) -> int:
-    return min(p[0] for p in reference.checkpoint_points(graph, _simulate))
 
 
 def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,

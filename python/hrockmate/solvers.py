@@ -40,11 +40,13 @@ class SolverResult:
 
 
 class SolverInfeasible(Exception):
-    """The solver found no schedule within the budget (``proven`` when it is certain)."""
+    """The solver found no schedule within the budget (``proven`` when it is certain;
+    ``min_bytes``: the lowest peak it reached, when known)."""
 
-    def __init__(self, message: str, proven: bool) -> None:
+    def __init__(self, message: str, proven: bool, min_bytes: int | None = None) -> None:
         super().__init__(message)
         self.proven = proven
+        self.min_bytes = min_bytes
 
 
 def backward_owners(graph: Graph, order: list[int], block_of_fwd: dict[int, int],
@@ -57,7 +59,7 @@ def backward_owners(graph: Graph, order: list[int], block_of_fwd: dict[int, int]
     from: block indices then never increase along backward data flow, so the blocks' backward
     parts form a DAG. The hierarchy and block checkpointing both use this rule."""
     prod = graph.producers()
-    roots = [_storage_root(graph, x) for x in range(len(graph.tensors))]
+    roots = [graph.storage_root(x) for x in range(len(graph.tensors))]
     owner: dict[int, int] = {}
     for j in order:
         op = graph.ops[j]
@@ -75,12 +77,6 @@ def backward_owners(graph: Graph, order: list[int], block_of_fwd: dict[int, int]
                 want = min(want, owner[q])
         owner[j] = want
     return owner
-
-
-def _storage_root(graph: Graph, x: int) -> int:
-    while graph.tensors[x].alias_of is not None:
-        x = graph.tensors[x].alias_of  # type: ignore[assignment]
-    return x
 
 
 def contiguous_blocks(graph: Graph, blocks: int) -> dict[int, int]:
@@ -104,10 +100,13 @@ def heavy_outputs(graph: Graph) -> set[int]:
     time per output byte is in the top third (expensive to recompute, cheap to keep)."""
     fwd = [j for j, o in enumerate(graph.ops) if o.phase == "forward"]
     if any(graph.ops[j].target for j in fwd):
-        chosen = [j for j in fwd if any(
-            graph.ops[j].target.split(".")[-2 if graph.ops[j].target.count(".") >= 2 else -1]
-            .strip("_") == h.strip("_") or graph.ops[j].target.split("::")[-1].split(".")[0]
-            .strip("_") == h.strip("_") for h in _HEAVY_TARGETS)]
+        heavy = {h.strip("_") for h in _HEAVY_TARGETS}
+
+        def op_name(target: str) -> str:  # "aten.mm.default" -> "mm"
+            parts = target.split(".")
+            return (parts[-2] if len(parts) >= 3 else parts[-1]).strip("_")
+
+        chosen = [j for j in fwd if op_name(graph.ops[j].target) in heavy]
     else:
         def density(j: int) -> float:
             b = sum(graph.tensors[x].bytes for x in graph.ops[j].outputs)
@@ -118,7 +117,7 @@ def heavy_outputs(graph: Graph) -> set[int]:
     for j in chosen:
         for x in graph.ops[j].outputs:
             out.add(x)
-            out.add(_storage_root(graph, x))
+            out.add(graph.storage_root(x))
     return out
 
 
@@ -152,7 +151,7 @@ def block_checkpoint_schedule(graph: Graph, block_of_fwd: dict[int, int],
         for x in ops[j].inputs:
             if x in block_of_tensor and block_of_tensor[x] != mine:
                 keep.add(x)
-    keep |= {_storage_root(graph, x) for x in list(keep)}
+    keep |= {graph.storage_root(x) for x in list(keep)}
     keep &= set(block_of_tensor)
 
     # when each block is recomputed (the first backward op reading a dropped value of it) and
@@ -277,31 +276,32 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     clock = [0]
     steps: list[Step] = []
 
-    def new_bytes(j: int) -> int:
-        """Bytes a compute of op j adds: owners' storages and views made with no base alive."""
-        total = 0
-        for x in ops[j].outputs:
-            if x in alive:
-                continue
-            base = tensors[x].alias_of
-            while base is not None and base not in alive:
-                base = tensors[base].alias_of
-            if base is None:
-                total += tensors[_storage_root(graph, x)].bytes if x not in fixed else 0
-        return total + ops[j].workspace
-
-    def produce(x: int) -> None:
-        alive.add(x)
+    def alive_base(x: int) -> int | None:
+        """The nearest alive tensor up ``x``'s alias chain: a view made then shares its
+        storage (None: producing ``x`` allocates a storage of its own)."""
         base = tensors[x].alias_of
         while base is not None and base not in alive:
             base = tensors[base].alias_of
+        return base
+
+    def storage_bytes(x: int) -> int:
+        root = graph.storage_root(x)
+        return 0 if root in fixed else tensors[root].bytes
+
+    def new_bytes(j: int) -> int:
+        """Bytes a compute of op j adds: owners' storages and views made with no base alive."""
+        return ops[j].workspace + sum(storage_bytes(x) for x in ops[j].outputs
+                                      if x not in alive and alive_base(x) is None)
+
+    def produce(x: int) -> None:
+        base = alive_base(x)
+        alive.add(x)
         if base is not None and base in instance:
             inst = instance[base]
         else:
             counter[0] += 1
             inst = counter[0]
-            inst_bytes[inst] = 0 if _storage_root(graph, x) in fixed else \
-                tensors[_storage_root(graph, x)].bytes
+            inst_bytes[inst] = storage_bytes(x)
             mem[0] += inst_bytes[inst]
         instance[x] = inst
         refs[inst] = refs.get(inst, 0) + 1
@@ -427,10 +427,10 @@ def solve_checkpoint(graph: Graph, budget: int, simulate: Simulate, *, selective
     fits = [p for p in points if p[0] <= budget]
     kind = "selective checkpointing" if selective else "block checkpointing"
     if not fits:
+        lowest = min(p[0] for p in points)
         raise SolverInfeasible(
-            f"no {kind} of '{graph.name}' fits {budget} bytes "
-            f"(its lowest peak is {min(p[0] for p in points)} bytes)",
-            proven=False,
+            f"no {kind} of '{graph.name}' fits {budget} bytes (its lowest peak is {lowest} bytes)",
+            proven=False, min_bytes=lowest,
         )
     peak, t, blocks, steps, fl = min(fits, key=lambda p: p[1])
     return SolverResult(steps, fl, False, {"blocks": blocks})
