@@ -93,6 +93,7 @@ def test_ddp_gradients_equal_ddp_over_the_plain_model() -> None:
 
 
 def _fsdp_worker(rank: int, port: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _init(rank, port)
@@ -101,7 +102,8 @@ def _fsdp_worker(rank: int, port: int) -> None:
         ref = copy.deepcopy(model)
         hm = HRockmate(model, sample)
         hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
-        fully_shard(hm)
+        # a CPU mesh: with a GPU present, fully_shard would otherwise move the model to it
+        fully_shard(hm, mesh=init_device_mesh("cpu", (WORLD,)))
         gen = torch.Generator().manual_seed(2000 + rank)
         x = torch.randn(sample.shape, generator=gen)
         hm(x).square().sum().backward()

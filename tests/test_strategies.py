@@ -78,6 +78,33 @@ def test_unpaired_backward_ops_join_the_blocks_whose_values_they_read(data_graph
                 assert k <= owner[prod[x]]
 
 
+@pytest.mark.parametrize("name", ["gpt2_tiny_oplog", "resnet_like_train"])
+def test_block_counts_share_one_topological_sort(data_graphs: Path, name: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # the order, producers and backward links do not depend on the block count: they are
+    # computed once per graph (a sort per count made rnn_loop(steps=180) twice as slow), and
+    # sharing them changes no schedule (e.g. no count may alter the shared sets)
+    g = Graph.load(data_graphs / f"{name}.json")  # an operator log (no pairing) and a paired one
+    sort = hrockmate.ilp.topological_ops
+    calls = 0
+
+    def counted(graph: Graph) -> list[int]:
+        nonlocal calls
+        calls += 1
+        return sort(graph)
+
+    monkeypatch.setattr(hrockmate.ilp, "topological_ops", counted)
+    for selective in (False, True):
+        calls = 0
+        points = solvers.checkpoint_points(g, _simulate, selective)
+        assert len(points) >= 5 and calls == 1
+        extra = solvers.heavy_outputs(g) if selective else set()
+        for _, _, blocks, steps, fl in points:
+            alone = solvers.block_checkpoint_schedule(g, solvers.contiguous_blocks(g, blocks),
+                                                      extra)
+            assert (steps, fl) == alone, blocks
+
+
 @pytest.mark.parametrize("name", ["gpt2_tiny_oplog", "cnn_bn_oplog"])
 def test_the_hierarchy_plans_operator_logs_itself(data_graphs: Path, name: str) -> None:
     # operator logs carry no pairing: before backward ops were placed by what they read, they
@@ -182,3 +209,46 @@ def test_greedy_eviction_serves_long_skips(data_graphs: Path) -> None:
     # and the default policy takes it when nothing better fits
     best = hrockmate.solve_graph(g, 0.5, progress=False, exact_ops=0, time_limit=30)
     assert best.time <= plan.time * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("target,heavy", [
+    ("aten.mm.default", True),
+    ("aten.addmm.default", True),
+    ("aten.convolution.default", True),
+    ("aten._scaled_dot_product_efficient_attention.default", True),
+    ("aten._scaled_dot_product_flash_attention.default", True),
+    ("aten._scaled_dot_product_cudnn_attention.default", True),
+    ("aten._flash_attention_forward.default", True),
+    ("aten.relu.default", False),
+    ("aten.native_layer_norm.default", False),
+    ("aten.mm_backward_fake", False),
+])
+def test_selective_keeps_matmul_convolution_and_attention_outputs(target: str, heavy: bool
+                                                                   ) -> None:
+    # attention kernels have one name per backend: matched by stem, not by exact name
+    from hrockmate.solvers import is_heavy_op
+
+    assert is_heavy_op(target) is heavy
+
+
+def test_selective_keeps_attention_outputs_of_a_traced_model() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from hrockmate.solvers import heavy_outputs, is_heavy_op
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    g = hrockmate.trace(Attn(), torch.randn(2, 5, 8), cost="none")
+    attention = [j for j, o in enumerate(g.ops)
+                 if o.phase == "forward" and "attention" in o.target]
+    assert attention and all(is_heavy_op(g.ops[j].target) for j in attention)
+    kept = heavy_outputs(g)
+    assert all(x in kept for j in attention for x in g.ops[j].outputs)

@@ -306,11 +306,16 @@ class _SelfAttention(nn.Module):
 
 
 def test_transposed_output_tangent_keeps_traced_strides() -> None:
-    # batch_first attention returns a transposed tensor: its tangent is traced with those strides
+    # batch_first attention returns a transposed tensor. Recent AOTAutograd traces its tangent
+    # with those strides, older versions (torch 2.11) with contiguous ones: either way the
+    # tangent given at run time is laid out as traced and the step reproduces autograd.
     model, x = _SelfAttention(), torch.randn(2, 4, 8)
+    assert not model(x).is_contiguous()
     traced = trace_model(model, x, cost="none")
     (tangent,) = [tid for tid, (kind, _) in traced.sources.items() if kind == "tangent"]
-    assert not traced.tensor_nodes[tangent][0].meta["val"].is_contiguous()
+    meta = traced.tensor_nodes[tangent][0].meta["val"]
+    out_meta = traced.tensor_nodes[traced.output_ids[0]][0].meta["val"]
+    assert meta.stride() in (out_meta.stride(), torch.empty(meta.shape).stride())
     assert_reproduces_autograd(copy.deepcopy(model), x, traced)
 
 

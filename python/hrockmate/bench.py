@@ -8,6 +8,9 @@ measured peak of plain autograd, the *store-all* peak), all in one process:
   plan per budget, switched with ``use_plan``);
 - ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) around evenly spread subsets of the
   model's blocks (all of them, 3/4, 1/2, 1/4), the manual practice;
+- ``selective``: the same blocks under selective activation checkpointing (torchtitan's
+  practice): the outputs of matmuls, convolutions and attention are saved
+  (``hrockmate.solvers.is_heavy_op``), the rest of each block runs again in its backward;
 - ``compile``: ``torch.compile(backend="aot_eager_decomp_partition")`` with
   ``torch._functorch.config.activation_memory_budget`` swept over the budget fractions (that
   knob is a fraction of saved activations, not a peak bound, so every setting is measured);
@@ -60,7 +63,7 @@ __all__ = [
     "run_model",
 ]
 
-METHODS = ("plain", "hrockmate", "checkpoint", "compile", "checkmate")
+METHODS = ("plain", "hrockmate", "checkpoint", "selective", "compile", "checkmate")
 DEFAULT_BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3)
 # Relative gradient error below which a difference is float reassociation, not a changed result.
 CLOSE_REL = 1e-4
@@ -98,6 +101,15 @@ class BenchConfig:
     checkmate_max_ops: int = 300
     plot: bool = True
     echo: bool = True
+    # worker processes for the hierarchy's blocks (None: 1 below 8 cores, else half the cores
+    # up to 8; on small machines the workers' start-up cost more than they gained)
+    workers: int | None = None
+
+    def hierarchy_workers(self) -> int:
+        if self.workers is not None:
+            return self.workers
+        cores = os.cpu_count() or 1
+        return 1 if cores < 8 else min(8, cores // 2)
 
     def check(self) -> None:
         if not self.budgets:
@@ -118,6 +130,8 @@ class BenchConfig:
                              "gradients")
         if self.iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {self.iterations}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
@@ -202,8 +216,9 @@ class _Harness:
         for p in params.values():
             p.grad = None
         torch.manual_seed(self.cfg.seed)
-        peak = measure_peak_memory(step, params=list(params.values()),
-                                   device=self.cfg.device).peak_bytes
+        measured = measure_peak_memory(step, params=list(params.values()),
+                                       device=self.cfg.device)
+        peak = measured.peak_bytes
         grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
         # Paired timing: each timed step of this configuration follows a step of plain
         # autograd, so that load changes on a shared machine hit both alike; the overhead is
@@ -227,6 +242,8 @@ class _Harness:
             "plain_time_s": statistics.median(plain_times or times),
             "warmup_s": round(warm_s, 4),
         }
+        if measured.reserved_peak_bytes is not None:
+            point["reserved_peak_bytes"] = measured.reserved_peak_bytes
         if self.reference is None:  # the plain reference itself
             self.reference = grads
             point.update(grad_match="exact", grad_max_rel_err=0.0)
@@ -290,7 +307,7 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
     from hrockmate.costmodel import annotate_costs
     from hrockmate.plan import InfeasibleBudget
     from hrockmate.runtime import HRockmate
-    from hrockmate.planner import prepare, solve_graph
+    from hrockmate.planner import HierarchyTimeout, prepare, solve_graph
 
     t0 = time.perf_counter()
     hmod = HRockmate(h.model, h.sample)  # store-all until a plan is installed
@@ -304,8 +321,14 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
     methods = [m for m in ("hrockmate", "checkmate") if m in cfg.methods]
     hierarchy = None
     if "hrockmate" in methods:
-        hierarchy = prepare(graph, time_limit=cfg.solve_time_limit, progress=False)
-        info["hierarchy_s"] = round(hierarchy.seconds, 3)
+        try:
+            hierarchy = prepare(graph, time_limit=cfg.solve_time_limit, progress=False,
+                                workers=cfg.hierarchy_workers())
+            info.update(hierarchy_s=round(hierarchy.seconds, 3), blocks=hierarchy.blocks,
+                        solved_blocks=hierarchy.solved_blocks)
+        except HierarchyTimeout as exc:  # each solve then uses the simple strategies
+            info["hierarchy_error"] = str(exc)
+            echo(f"  hrockmate: {exc}; each budget is solved from scratch")
     for method in methods:
         for frac, budget in budgets:
             setting = f"budget {frac:g}"
@@ -319,7 +342,7 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
             def one(method: str = method, frac: float = frac, budget: int = budget
                     ) -> dict[str, Any]:
                 kw: dict[str, Any] = dict(method=method, progress=False)
-                if method == "hrockmate":
+                if method == "hrockmate":  # without a hierarchy: what solve_graph does alone
                     kw.update(hierarchy=hierarchy, time_limit=cfg.solve_time_limit)
                 else:
                     kw.update(time_limit=cfg.checkmate_time_limit)
@@ -367,12 +390,31 @@ def _spread(n: int, k: int) -> list[int]:
     return sorted({min(n - 1, int(i * n / k)) for i in range(k)})
 
 
-def _with_checkpoint(model: Any, blocks_of: Callable[[Any], list[Any]], picks: list[int]) -> Any:
+def _selective_context() -> Any:
+    """``context_fn`` for ``torch.utils.checkpoint`` that saves the outputs of matmuls,
+    convolutions and attention and recomputes everything else in the block."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from hrockmate.solvers import is_heavy_op
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        return (CheckpointPolicy.MUST_SAVE if is_heavy_op(str(func))
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def _with_checkpoint(model: Any, blocks_of: Callable[[Any], list[Any]], picks: list[int],
+                     selective: bool = False) -> Any:
     """A copy of ``model`` whose chosen blocks run under non-reentrant ``torch.utils.checkpoint``
-    (parameter names and values are the model's)."""
+    (parameter names and values are the model's); ``selective``: saving matmul, convolution and
+    attention outputs (``_selective_context``)."""
     import torch.utils._pytree as pytree
     from torch.utils.checkpoint import checkpoint
 
+    extra: dict[str, Any] = {"context_fn": _selective_context()} if selective else {}
     clone = copy.deepcopy(model)
     blocks = blocks_of(clone)
     for j in picks:
@@ -383,17 +425,18 @@ def _with_checkpoint(model: Any, blocks_of: Callable[[Any], list[Any]], picks: l
             # Fresh containers: a list argument the caller appends to later (DenseNet's
             # feature list) must not change what the recomputation sees.
             args, kwargs = pytree.tree_map(lambda v: v, (args, kwargs))
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
 
         block.forward = wrapped  # instance attribute: nn.Module.__call__ calls it
     return clone
 
 
-def _run_checkpoint(h: _Harness, spec: ModelSpec, echo: Callable[[str], None]
-                    ) -> list[dict[str, Any]]:
+def _run_checkpoint(h: _Harness, spec: ModelSpec, echo: Callable[[str], None],
+                    method: str = "checkpoint") -> list[dict[str, Any]]:
+    """``checkpoint`` or ``selective`` around all, 3/4, 1/2 and 1/4 of the model's blocks."""
     n = len(spec.blocks(h.model))
     if n == 0:
-        return [_failed("checkpoint", "-", "skipped", f"{spec.name} lists no blocks")]
+        return [_failed(method, "-", "skipped", f"{spec.name} lists no blocks")]
     counts = sorted({max(1, math.ceil(n * f)) for f in (1.0, 0.75, 0.5, 0.25)}, reverse=True)
     points = []
     for k in counts:
@@ -401,10 +444,11 @@ def _run_checkpoint(h: _Harness, spec: ModelSpec, echo: Callable[[str], None]
         setting = f"{k}/{n} blocks"
 
         def one(picks: list[int] = picks, setting: str = setting) -> dict[str, Any]:
-            clone = _with_checkpoint(h.model, spec.blocks, picks)
-            return h.measure("checkpoint", setting, clone, clone, blocks=k, solve_s=0.0)
+            clone = _with_checkpoint(h.model, spec.blocks, picks,
+                                     selective=method == "selective")
+            return h.measure(method, setting, clone, clone, blocks=k, solve_s=0.0)
 
-        points.append(_guard("checkpoint", setting, one))
+        points.append(_guard(method, setting, one))
         echo(_point_line(points[-1]))
     return points
 
@@ -521,8 +565,9 @@ def run_model(spec: ModelSpec, cfg: BenchConfig) -> dict[str, Any]:
                     points.append(_error_point(m, "trace", exc))
                     echo(_point_line(points[-1]))
         result["hrockmate"] = info
-    if "checkpoint" in cfg.methods:
-        points += _run_checkpoint(h, spec, echo)
+    for method in ("checkpoint", "selective"):
+        if method in cfg.methods:
+            points += _run_checkpoint(h, spec, echo, method)
     if "compile" in cfg.methods:
         points += _run_compile(h, cfg.budgets, echo)
     result["points"] = points
@@ -614,6 +659,7 @@ _STYLE = {
     "plain": ("black", "*"),
     "hrockmate": ("tab:red", "o"),
     "checkpoint": ("tab:blue", "s"),
+    "selective": ("tab:cyan", "v"),
     "compile": ("tab:green", "^"),
     "checkmate": ("tab:purple", "D"),
 }
@@ -818,6 +864,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkmate-max-ops", type=int, default=300,
                         help="run the exact MILP only on graphs of at most this many ops "
                         "(default 300)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="worker processes for the hierarchy's blocks (default: 1 below 8 "
+                        "cores, else half the cores up to 8)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG plots")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
@@ -848,7 +897,8 @@ def run_from_args(args: argparse.Namespace, zoo: dict[str, ModelSpec] | None = N
                       threads=args.threads or None, seed=args.seed,
                       solve_time_limit=args.time_limit,
                       checkmate_time_limit=args.checkmate_time_limit,
-                      checkmate_max_ops=args.checkmate_max_ops, plot=not args.no_plot)
+                      checkmate_max_ops=args.checkmate_max_ops, plot=not args.no_plot,
+                      workers=args.workers)
     cfg.check()
     report = run([zoo[n] for n in names], cfg, args.out,
                  command=command or " ".join(["hrockmate bench", *sys.argv[2:]]))

@@ -30,7 +30,8 @@ storage it owns, or the storage it shares) and corrects the IR where they differ
 
 Workspace (bytes): memory an op allocates while it runs beyond its new outputs, measured in
 that same run: on CUDA, ``max_memory_allocated`` during the op minus the memory allocated
-before it and its new outputs; on CPU, from the profiler's allocator events (running sum of the
+before it and its new outputs (measured on a second call of the op, so that the handles and
+workspaces cuBLAS and cuDNN allocate once per process do not count); on CPU, from the profiler's allocator events (running sum of the
 bytes allocated and freed inside the op, peak minus its new outputs). ``"none"`` leaves 0.
 """
 
@@ -46,6 +47,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from hrockmate.kernels import kernel
 from hrockmate.tracing import (
     Traced,
     allocated_bytes,
@@ -148,7 +150,7 @@ def _sync(device: torch.device) -> None:
 
 def _time_op(node: fx.Node, args: Any, kwargs: Any, device: torch.device) -> float:
     """The fastest of a few timed calls of the op (seconds)."""
-    fn = node.target
+    fn = kernel(node.target, device.type)
     fn(*args, **kwargs)  # warm-up
     samples: list[float] = []
     total = 0.0
@@ -244,7 +246,7 @@ def _measure_workspace_cpu(
     def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
         nonlocal resized
         with record_function(f"hrockmate_op:{op_id}"):
-            out = node.target(*args, **kwargs)
+            out = kernel(node.target, "cpu")(*args, **kwargs)
         resized += _correct_outputs(traced, op_id, args, kwargs, out)
         return out
 
@@ -283,10 +285,15 @@ def _measure_workspace_cuda(
 
     def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
         nonlocal resized
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and not schema.is_mutable:
+            # A first call may set up cuBLAS/cuDNN handles and their workspaces, which then stay
+            # allocated for the process: not this op's workspace. Ops that mutate run once.
+            kernel(node.target, "cuda")(*args, **kwargs)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        out = node.target(*args, **kwargs)
+        out = kernel(node.target, "cuda")(*args, **kwargs)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
         resized += _correct_outputs(traced, op_id, args, kwargs, out)
@@ -351,7 +358,7 @@ def annotate_costs(
                 elif sig not in fastest:
                     cache[sig] = estimate_time(node, device.type)
                     report.estimated += 1
-            return node.target(*args, **kwargs)
+            return kernel(node.target, device.type)(*args, **kwargs)
 
         for _ in range(MEASURE_PASSES):
             seen.clear()

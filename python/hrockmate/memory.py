@@ -14,7 +14,9 @@ How ``measure_peak_memory`` implements it:
 - CUDA: ``reset_peak_memory_stats``; baseline = ``memory_allocated()`` before the step; peak =
   ``max_memory_allocated()`` during the step minus the baseline. These are the caching
   allocator's block sizes (rounded up to 512 bytes), so tiny tensors count a little more than
-  their ``nbytes``.
+  their ``nbytes``. Also reported: ``reserved_peak_bytes``, the peak of ``memory_reserved()``
+  above its value before the step, the allocator's cache emptied first: what the process holds
+  from the driver, fragmentation included.
 - CPU: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free made
   while the step runs (any thread); the peak of the running sum of their byte counts is the
   peak. The profiler only sees allocations made during the step, so ``baseline_bytes`` is 0 on
@@ -62,6 +64,9 @@ class PeakMeasurement:
     timeline: list[int] | None = None
     #: what the step function returned (kept alive until the measurement ended)
     result: Any = field(default=None, repr=False)
+    #: on CUDA: the caching allocator's reserved-memory peak above what it held before the step
+    #: (its cache emptied first), which includes fragmentation; None on CPU.
+    reserved_peak_bytes: int | None = None
 
 
 def _resolve_device(device: torch.device | str | None, params: list[torch.Tensor]) -> torch.device:
@@ -128,12 +133,15 @@ def measure_peak_memory(
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # reserved memory then starts from what is allocated
         baseline = torch.cuda.memory_allocated(dev)
+        reserved_before = torch.cuda.memory_reserved(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         result = step_fn()
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - baseline
-        return PeakMeasurement(int(peak), int(baseline), str(dev), None, result)
+        reserved = torch.cuda.max_memory_reserved(dev) - reserved_before
+        return PeakMeasurement(int(peak), int(baseline), str(dev), None, result, int(reserved))
     if dev.type != "cpu":
         raise ValueError(
             f"measure_peak_memory supports cpu and cuda devices, got {dev}; "

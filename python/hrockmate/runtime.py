@@ -51,6 +51,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from hrockmate.kernels import kernel
 from hrockmate.tracing import rebuild_output
 
 __all__ = ["HRockmate", "InputMismatchError", "ModelChangedError", "RuntimeScheduleError"]
@@ -231,9 +232,7 @@ class _Compiler:
         node = self.traced.op_nodes[op_id]
         name = f"F{op_id}"
         if name not in self.namespace:
-            target = node.target
-            # OpOverload.__call__ only forwards to the C++ op; calling it directly saves a frame.
-            self.namespace[name] = getattr(target, "_op", target)
+            self.namespace[name] = kernel(node.target, self.traced.device.type)
         parts = [self._expr(a, node.name, reads) for a in node.args]
         parts += [f"{k}={self._expr(v, node.name, reads)}" for k, v in node.kwargs.items()]
         return f"{name}({', '.join(parts)})"

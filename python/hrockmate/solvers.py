@@ -49,64 +49,124 @@ class SolverInfeasible(Exception):
         self.min_bytes = min_bytes
 
 
+# per backward op, in the op order: (op, the forward op it differentiates or None, the producers
+# of its inputs' storage owners, the producers of its inputs)
+BackwardReads = list[tuple[int, int | None, list[int], list[int]]]
+
+
+def backward_reads(graph: Graph, order: list[int]) -> BackwardReads:
+    """What ``backward_owners`` looks at, which does not depend on the blocks."""
+    prod = graph.producers()
+    roots = [graph.storage_root(x) for x in range(len(graph.tensors))]
+    out: BackwardReads = []
+    for j in order:
+        op = graph.ops[j]
+        if op.phase != "backward":
+            continue
+        root_prods = [q for q in (prod[roots[x]] for x in op.inputs) if q is not None]
+        prods = [q for q in (prod[x] for x in op.inputs) if q is not None]
+        out.append((j, op.differentiates, root_prods, prods))
+    return out
+
+
 def backward_owners(graph: Graph, order: list[int], block_of_fwd: dict[int, int],
-                    last: int) -> dict[int, int]:
+                    last: int, *, reads: BackwardReads | None = None) -> dict[int, int]:
     """The block each backward op belongs to, given the blocks of the forward ops.
 
     A backward op joins the block of the forward op it differentiates; without that link
     (operator logs of other tools carry none) it joins the latest block whose forward values it
     reads, or ``last`` when it reads none. Never a later block than a backward op it reads
     from: block indices then never increase along backward data flow, so the blocks' backward
-    parts form a DAG. The hierarchy and block checkpointing both use this rule."""
-    prod = graph.producers()
-    roots = [graph.storage_root(x) for x in range(len(graph.tensors))]
+    parts form a DAG. The hierarchy and block checkpointing both use this rule. ``reads``:
+    ``backward_reads(graph, order)``, when the caller already has it."""
+    if reads is None:
+        reads = backward_reads(graph, order)
     owner: dict[int, int] = {}
-    for j in order:
-        op = graph.ops[j]
-        if op.phase != "backward":
-            continue
-        if op.differentiates is not None:
-            want = block_of_fwd.get(op.differentiates, last)
+    for j, differentiates, root_prods, prods in reads:
+        if differentiates is not None:
+            want = block_of_fwd.get(differentiates, last)
         else:
-            read = [block_of_fwd[q] for q in (prod[roots[x]] for x in op.inputs)
-                    if q is not None and q in block_of_fwd]
-            want = max(read, default=last)
-        for x in op.inputs:
-            q = prod[x]
-            if q is not None and q in owner:
+            want = max((block_of_fwd[q] for q in root_prods if q in block_of_fwd), default=last)
+        for q in prods:
+            if q in owner:
                 want = min(want, owner[q])
         owner[j] = want
     return owner
 
 
-def contiguous_blocks(graph: Graph, blocks: int) -> dict[int, int]:
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What block checkpointing needs to know about a graph that does not depend on the
+    blocks: computed once per graph (``checkpoint_facts``) and shared, read-only, by every
+    block count."""
+
+    order: list[int]  # ``ilp.topological_ops``
+    fwd: list[int]  # the forward ops, in ``order``
+    bwd: list[int]  # the backward ops, in ``order``
+    reads: BackwardReads
+    fixed: frozenset[int]  # tensors that exist before the step (parameters, inputs, ...)
+    never_free: frozenset[int]  # ``fixed`` and the model outputs
+    last_direct: dict[int, int]  # tensor -> position in ``bwd`` of its last backward reader
+    last_fwd_use: dict[int, int]  # tensor -> position in ``fwd`` of its last forward use
+
+
+def checkpoint_facts(graph: Graph) -> CheckpointFacts:
+    """The block-independent facts of ``graph`` (one topological sort)."""
+    order = ilp.topological_ops(graph)
+    ops, tensors = graph.ops, graph.tensors
+    fwd = [j for j in order if ops[j].phase == "forward"]
+    bwd = [j for j in order if ops[j].phase == "backward"]
+    fixed = frozenset(x for x, t in enumerate(tensors) if t.role in PREEXISTING_ROLES)
+    never_free = frozenset(x for x, t in enumerate(tensors) if t.role == "output") | fixed
+    last_direct: dict[int, int] = {}
+    for q, j in enumerate(bwd):
+        for y in ops[j].inputs:
+            last_direct[y] = q
+    last_fwd_use: dict[int, int] = {}
+    for p, j in enumerate(fwd):
+        for y in ops[j].inputs:
+            last_fwd_use[y] = p
+        for y in ops[j].outputs:
+            last_fwd_use.setdefault(y, p)
+    return CheckpointFacts(order=order, fwd=fwd, bwd=bwd, reads=backward_reads(graph, order),
+                           fixed=fixed, never_free=never_free, last_direct=last_direct,
+                           last_fwd_use=last_fwd_use)
+
+
+def contiguous_blocks(graph: Graph, blocks: int,
+                      facts: CheckpointFacts | None = None) -> dict[int, int]:
     """Forward ops cut into ``blocks`` contiguous runs of the topological order (equal op
-    counts): forward op -> block index."""
-    order = [j for j in ilp.topological_ops(graph) if graph.ops[j].phase == "forward"]
+    counts): forward op -> block index. ``facts``: ``checkpoint_facts(graph)``, when the
+    caller already has it."""
+    order = (facts or checkpoint_facts(graph)).fwd
     n = max(len(order), 1)
     return {j: (k * blocks) // n for k, j in enumerate(order)}
 
 
-# Ops whose outputs selective checkpointing keeps (matmuls, convolutions, attention), matched
-# against the ATen target name.
-_HEAVY_TARGETS = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution",
-                  "conv1d", "conv2d", "conv3d", "scaled_dot_product", "_flash_attention",
-                  "_efficient_attention", "_cudnn_attention")
+# Ops whose outputs selective checkpointing keeps (matmuls, convolutions, attention), by ATen
+# name without leading underscores; attention kernels are matched by stem, because each backend
+# has its own name (_scaled_dot_product_efficient_attention, _flash_attention_forward, ...).
+_HEAVY_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution",
+                        "conv1d", "conv2d", "conv3d", "cudnn_convolution"})
+_ATTENTION_STEMS = ("scaled_dot_product", "flash_attention", "efficient_attention",
+                    "cudnn_attention")
+
+
+def is_heavy_op(target: str) -> bool:
+    """Whether selective checkpointing keeps this op's outputs; ``target`` is an ATen name as
+    ``str(torch.ops.aten.mm.default)`` writes it ("aten.mm.default") or a bare op name."""
+    parts = target.split(".")
+    name = (parts[-2] if len(parts) >= 3 else parts[-1]).strip("_")
+    return name in _HEAVY_OPS or any(stem in name for stem in _ATTENTION_STEMS)
 
 
 def heavy_outputs(graph: Graph) -> set[int]:
-    """Outputs of the forward ops that selective checkpointing keeps: matmul, convolution and
-    attention ops by target name; in graphs without targets (node-link files), the ops whose
-    time per output byte is in the top third (expensive to recompute, cheap to keep)."""
+    """Outputs of the forward ops that selective checkpointing keeps (``is_heavy_op``); in
+    graphs without targets (node-link files), the ops whose time per output byte is in the top
+    third (expensive to recompute, cheap to keep)."""
     fwd = [j for j, o in enumerate(graph.ops) if o.phase == "forward"]
     if any(graph.ops[j].target for j in fwd):
-        heavy = {h.strip("_") for h in _HEAVY_TARGETS}
-
-        def op_name(target: str) -> str:  # "aten.mm.default" -> "mm"
-            parts = target.split(".")
-            return (parts[-2] if len(parts) >= 3 else parts[-1]).strip("_")
-
-        chosen = [j for j in fwd if op_name(graph.ops[j].target) in heavy]
+        chosen = [j for j in fwd if graph.ops[j].target and is_heavy_op(graph.ops[j].target)]
     else:
         def density(j: int) -> float:
             b = sum(graph.tensors[x].bytes for x in graph.ops[j].outputs)
@@ -122,7 +182,8 @@ def heavy_outputs(graph: Graph) -> set[int]:
 
 
 def block_checkpoint_schedule(graph: Graph, block_of_fwd: dict[int, int],
-                              keep_extra: set[int] = frozenset()) -> tuple[list[Step], int]:
+                              keep_extra: set[int] = frozenset(),
+                              facts: CheckpointFacts | None = None) -> tuple[list[Step], int]:
     """Per-block checkpointing as ``torch.utils.checkpoint`` runs it.
 
     Forward: every op runs once; only the values that cross blocks (read by a forward op of
@@ -130,16 +191,15 @@ def block_checkpoint_schedule(graph: Graph, block_of_fwd: dict[int, int],
     are kept. Backward: when a backward op reads a dropped value, that value's block is run
     forward again (only the ops the block's backward still needs), and the recomputed values
     live until their last backward use. ``keep_extra`` = matmul/attention outputs gives
-    selective checkpointing."""
-    order = ilp.topological_ops(graph)
+    selective checkpointing. ``facts``: ``checkpoint_facts(graph)``, when the caller already
+    has it (it does not depend on the blocks)."""
+    f = facts or checkpoint_facts(graph)
+    order, fwd, bwd = f.order, f.fwd, f.bwd
+    fixed, never_free = f.fixed, f.never_free
+    last_direct, last_fwd_use = f.last_direct, f.last_fwd_use
     ops, tensors = graph.ops, graph.tensors
-    prod = graph.producers()
-    fwd = [j for j in order if ops[j].phase == "forward"]
-    bwd = [j for j in order if ops[j].phase == "backward"]
     n_blocks = 1 + max(block_of_fwd.values(), default=0)
-    owner = backward_owners(graph, order, block_of_fwd, n_blocks - 1)
-    fixed = {x for x, t in enumerate(tensors) if t.role in PREEXISTING_ROLES}
-    never_free = {x for x, t in enumerate(tensors) if t.role == "output"} | fixed
+    owner = backward_owners(graph, order, block_of_fwd, n_blocks - 1, reads=f.reads)
     block_of_tensor = {x: block_of_fwd[j] for j in fwd for x in ops[j].outputs}
 
     keep: set[int] = set()
@@ -156,11 +216,9 @@ def block_checkpoint_schedule(graph: Graph, block_of_fwd: dict[int, int],
 
     # when each block is recomputed (the first backward op reading a dropped value of it) and
     # which of its values the backward reads from then on
-    last_direct: dict[int, int] = {}
     trigger: dict[int, int] = {}
     for q, j in enumerate(bwd):
         for y in ops[j].inputs:
-            last_direct[y] = q
             if y in block_of_tensor and y not in keep and y not in never_free:
                 trigger.setdefault(block_of_tensor[y], q)
     # the recomputation of block m reads its kept values and other blocks' values: they must
@@ -172,12 +230,6 @@ def block_checkpoint_schedule(graph: Graph, block_of_fwd: dict[int, int],
             for x in ops[j].inputs:
                 if x in keep or (x in block_of_tensor and block_of_tensor[x] != m):
                     horizon[x] = max(horizon.get(x, -1), trigger[m])
-    last_fwd_use: dict[int, int] = {}
-    for p, j in enumerate(fwd):
-        for y in ops[j].inputs:
-            last_fwd_use[y] = p
-        for y in ops[j].outputs:
-            last_fwd_use.setdefault(y, p)
 
     steps: list[Step] = []
     alive: set[int] = set(fixed)
@@ -402,19 +454,20 @@ def checkpoint_points(graph: Graph, simulate: Simulate, selective: bool = False,
     """Block checkpointing (``selective``: also keeping matmul/attention outputs) at every
     candidate block count: (peak, time, blocks, steps, forward_len) each. With ``time_limit``
     (seconds), the counts nearest sqrt(n) come first and the rest stop when time runs out."""
-    n_forward = sum(1 for o in graph.ops if o.phase == "forward")
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
+    facts = checkpoint_facts(graph)
+    n_forward = len(facts.fwd)
     extra = heavy_outputs(graph) if selective else set()
     counts = checkpoint_candidates(n_forward)
-    deadline = None
     if time_limit is not None:
-        deadline = time.perf_counter() + time_limit
         root = math.sqrt(max(n_forward, 1))
         counts.sort(key=lambda b: abs(math.log(b / root)))
     out = []
     for blocks in counts:
         if deadline is not None and out and time.perf_counter() > deadline:
             break
-        steps, fl = block_checkpoint_schedule(graph, contiguous_blocks(graph, blocks), extra)
+        steps, fl = block_checkpoint_schedule(graph, contiguous_blocks(graph, blocks, facts),
+                                              extra, facts)
         peak, t = simulate(graph, steps, fl)
         out.append((int(peak), float(t), blocks, steps, fl))
     return out

@@ -84,6 +84,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import traceback as fx_traceback
 
 from hrockmate.graph import Graph, Op, Tensor
+from hrockmate.kernels import kernel
 
 __all__ = [
     "COST_MODES", "LossFn", "TensorHolder", "TraceError", "Traced", "coerce_like",
@@ -1199,7 +1200,7 @@ def run_joint(
             if node in op_index and on_op is not None:
                 env[node] = on_op(op_index[node], node, args, kwargs)
             else:
-                env[node] = node.target(*args, **kwargs)
+                env[node] = kernel(node.target, traced.device.type)(*args, **kwargs)
             for tid, index in keep_at.get(node, ()):
                 kept[tid] = env[node] if index is None else env[node][index]
         elif node.op == "output":

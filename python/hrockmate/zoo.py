@@ -125,7 +125,7 @@ def _resnet(size: str) -> tuple[nn.Module, Any]:
     cfg = _pick(size, {
         "tiny": dict(batch=2, image=16, width=8, n_blocks=2),
         "small": dict(batch=8, image=32, width=32, n_blocks=4),
-        "large": dict(batch=64, image=128, width=128, n_blocks=16),
+        "large": dict(batch=32, image=64, width=128, n_blocks=8),
     })
     return models.cnn_bn(**cfg)
 

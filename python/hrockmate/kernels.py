@@ -1,0 +1,85 @@
+"""Which kernel runs an op of the traced joint graph, on real tensors.
+
+Mostly the op's own ATen overload. The exception is BatchNorm on CUDA. The trace holds the
+functional op ``_native_batch_norm_legit_functional`` and its backward
+``native_batch_norm_backward``, which run PyTorch's native CUDA kernels. Eager autograd goes
+through ``_batch_norm_impl_index`` instead, which picks cuDNN whenever cuDNN can run it. The
+two kernels sum in different orders, so gradients differed (up to 1e-2 relative on a ResNet
+with TF32 convolutions) and the native kernel was slower. Here the forward op runs
+``_batch_norm_impl_index`` as eager does, on copies of the running statistics (the traced op
+is functional: it returns the updated statistics instead of writing them). When cuDNN was
+picked, its reserve space (an extra output the graph does not have, empty for plain BatchNorm)
+is attached to the saved mean, and the backward op runs ``cudnn_batch_norm_backward`` as
+eager's autograd does. Times are measured (``hrockmate.costmodel``) and workspaces sized with
+the same kernels the runtime calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["kernel"]
+
+_aten = torch.ops.aten
+_RESERVE = "_hrockmate_cudnn_reserve"  # attribute of the saved mean: cuDNN's reserve space
+
+
+def _batch_norm_as_eager(input: torch.Tensor, weight: torch.Tensor | None,
+                         bias: torch.Tensor | None, running_mean: torch.Tensor,
+                         running_var: torch.Tensor, training: bool, momentum: float,
+                         eps: float) -> tuple[torch.Tensor, ...]:
+    """``_native_batch_norm_legit_functional`` computed by eager's BatchNorm path."""
+    new_mean, new_var = running_mean.clone(), running_var.clone()
+    out, save_mean, save_invstd, reserve, impl = _aten._batch_norm_impl_index(
+        input, weight, bias, new_mean, new_var, training, momentum, eps,
+        torch.backends.cudnn.enabled,
+    )
+    if impl == 1:  # cuDNN: its backward needs the reserve space
+        setattr(save_mean, _RESERVE, reserve)
+    return out, save_mean, save_invstd, new_mean, new_var
+
+
+def _suggested_memory_format(t: torch.Tensor) -> torch.memory_format:
+    """ATen's ``suggest_memory_format``: channels-last when ``t`` is laid out so (and not
+    plainly contiguous), else contiguous; eager's autograd lays BatchNorm's gradient out so."""
+    if not t.is_contiguous():
+        if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+            return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _batch_norm_backward_as_eager(grad_out: torch.Tensor, input: torch.Tensor,
+                                  weight: torch.Tensor | None, running_mean: Any,
+                                  running_var: Any, save_mean: torch.Tensor | None,
+                                  save_invstd: torch.Tensor | None, train: bool, eps: float,
+                                  output_mask: list[bool]) -> tuple[Any, ...]:
+    """``native_batch_norm_backward``, by cuDNN when the forward ran cuDNN (as eager does)."""
+    reserve = getattr(save_mean, _RESERVE, None)
+    if reserve is None or weight is None or not train:
+        return _aten.native_batch_norm_backward.default(
+            grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train,
+            eps, output_mask)
+    grad_out = grad_out.contiguous(memory_format=_suggested_memory_format(input))
+    grads = _aten.cudnn_batch_norm_backward(input, grad_out, weight, running_mean, running_var,
+                                            save_mean, save_invstd, eps, reserve)
+    return tuple(g if wanted else None for g, wanted in zip(grads, output_mask))
+
+
+_EAGER_CUDA: dict[Any, Callable[..., Any]] = {
+    _aten._native_batch_norm_legit_functional.default: _batch_norm_as_eager,
+    _aten.native_batch_norm_backward.default: _batch_norm_backward_as_eager,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(target: Any, device_type: str) -> Callable[..., Any]:
+    """The callable that runs ``target`` (an fx node's target) on ``device_type`` tensors."""
+    if device_type == "cuda" and target in _EAGER_CUDA:
+        return _EAGER_CUDA[target]
+    # OpOverload.__call__ only forwards to the C++ op; calling that directly saves a frame.
+    return getattr(target, "_op", target)
