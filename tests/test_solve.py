@@ -253,7 +253,7 @@ def test_progress_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     assert any("plan for" in r.getMessage() for r in caplog.records)
 
 
-def test_worker_processes_give_the_same_options() -> None:
+def test_worker_threads_give_the_same_options() -> None:
     g = training_graph(16, 9)
     one = solve_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=1)
     two = solve_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=2)

@@ -6,16 +6,15 @@ The transformers models run at their default settings (``use_cache=True``, ``Mod
 outputs, sdpa attention), with a padded ``attention_mask`` and the loss computed inside the
 model from ``labels`` (``loss_fn="loss"``); the vision models are wrapped with their loss in a
 module that takes the targets as an argument.
-These tests need the ``models`` extra (``pip install ".[test,models]"``).
+The models are ``hrockmate.thirdparty``'s, at size ``tiny``. These tests need the ``models``
+extra (``pip install ".[test,models]"``).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import os
-from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -24,111 +23,23 @@ import torch.nn as nn
 import hrockmate
 from hrockmate.budget import parse_budget
 from hrockmate.runtime import HRockmate
+from hrockmate.thirdparty import BUILDERS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing may be downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def _require(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise ImportError(
-            f"{name} is needed by tests/test_thirdparty_models.py: install the models extra, "
-            "pip install '.[test,models]'"
-        ) from exc
-
-
-# ---- models: (model, sample, loss_fn) ---------------------------------------------------------
-VOCAB, BATCH, SEQ = 100, 4, 32
-
-
-def _text_sample() -> dict[str, torch.Tensor]:
-    """Token ids with a padded second row (its last 12 positions masked out and ignored)."""
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen)
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    mask[1, SEQ - 12:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
-def gpt2() -> tuple[nn.Module, Any, Any]:
-    tf = _require("transformers")
-    cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                        bos_token_id=0, eos_token_id=0)
-    return tf.GPT2LMHeadModel(cfg), _text_sample(), "loss"
-
-
-def bert() -> tuple[nn.Module, Any, Any]:
-    tf = _require("transformers")
-    cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
-                        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=SEQ)
-    return tf.BertForMaskedLM(cfg), _text_sample(), "loss"
-
-
-def t5() -> tuple[nn.Module, Any, Any]:
-    tf = _require("transformers")
-    cfg = tf.T5Config(num_layers=1, num_decoder_layers=1, d_model=64, d_kv=16, d_ff=128,
-                      num_heads=2, vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0,
-                      eos_token_id=1)
-    return tf.T5ForConditionalGeneration(cfg), _text_sample(), "loss"
-
-
-def llama() -> tuple[nn.Module, Any, Any]:
-    tf = _require("transformers")
-    cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
-                         max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
-                         pad_token_id=0)
-    return tf.LlamaForCausalLM(cfg), _text_sample(), "loss"
-
-
-class Classifier(nn.Module):
-    """A vision model and its loss in one module: the targets are an argument of every call
-    (what a loss_fn closing over them could not give)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(self.model(images), targets)
-
-
-def _image_classifier(model: nn.Module, size: int = 64, batch: int = 8
-                      ) -> tuple[nn.Module, Any, Any]:
-    gen = torch.Generator().manual_seed(0)
-    images = torch.randn(batch, 3, size, size, generator=gen)
-    targets = torch.randint(0, 10, (batch,), generator=gen)
-    return Classifier(model), (images, targets), None
-
-
-def vit() -> tuple[nn.Module, Any, Any]:
-    timm = _require("timm")
-    return _image_classifier(timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, img_size=64, patch_size=8, depth=2,
-        num_classes=10))
-
-
-def resnet18() -> tuple[nn.Module, Any, Any]:
-    return _image_classifier(_require("torchvision").models.resnet18(num_classes=10))
-
-
-def mobilenet_v3_small() -> tuple[nn.Module, Any, Any]:
-    return _image_classifier(_require("torchvision").models.mobilenet_v3_small(num_classes=10))
-
-
-#: model -> (builder, two budgets as fractions of the store-all peak). At these tiny sizes
+#: model -> two budgets as fractions of the store-all peak). At these tiny sizes
 #: parameter gradients are a large part of the peak, which puts the lowest feasible budget of
 #: GPT-2 near 0.47 and of ResNet18 near 0.58.
-MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, Any, Any]], tuple[float, float]]] = {
-    "gpt2": (gpt2, (0.7, 0.5)),
-    "bert": (bert, (0.7, 0.4)),
-    "t5": (t5, (0.7, 0.4)),
-    "llama": (llama, (0.7, 0.4)),
-    "vit": (vit, (0.7, 0.4)),
-    "resnet18": (resnet18, (0.8, 0.6)),
-    "mobilenet_v3_small": (mobilenet_v3_small, (0.7, 0.4)),
+BUDGETS: dict[str, tuple[float, float]] = {
+    "gpt2": (0.7, 0.5),
+    "bert": (0.7, 0.4),
+    "t5": (0.7, 0.4),
+    "llama": (0.7, 0.4),
+    "vit": (0.7, 0.4),
+    "resnet18": (0.8, 0.6),
+    "mobilenet_v3_small": (0.7, 0.4),
 }
 
 
@@ -235,11 +146,11 @@ def _no_plan_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---- the tests -----------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_trains_exactly_within_two_budgets(name: str) -> None:
-    build, budgets = MODELS[name]
+    budgets = BUDGETS[name]
     torch.manual_seed(0)
-    model, sample, loss_fn = build()
+    model, sample, loss_fn = BUILDERS[name]("tiny")
     model.train()
     if isinstance(loss_fn, str):  # transformers at its defaults: sdpa where the model has it
         assert model.config.use_cache and model.config.use_return_dict
@@ -263,7 +174,7 @@ def test_gpt2_padded_mask_traces_its_compiler_path() -> None:
     """transformers' sdpa mask helpers read the padding mask's values unless they see a
     compiler: the trace takes their compiler path, so one graph serves every padding of the
     shape (and the cache object comes back holding each call's tensors)."""
-    model, sample, _ = gpt2()
+    model, sample, _ = BUILDERS["gpt2"]("tiny")
     hm = HRockmate(model, sample, loss_fn="loss")
     if model.config._attn_implementation == "sdpa":
         assert hm.traced.graph.meta["compiling_paths"] is True

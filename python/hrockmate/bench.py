@@ -101,15 +101,8 @@ class BenchConfig:
     checkmate_max_ops: int = 300
     plot: bool = True
     echo: bool = True
-    # worker processes for the hierarchy's blocks (None: 1 below 8 cores, else half the cores
-    # up to 8; on small machines the workers' start-up cost more than they gained)
+    # threads solving the hierarchy's blocks (None: hrockmate.planner.default_workers())
     workers: int | None = None
-
-    def hierarchy_workers(self) -> int:
-        if self.workers is not None:
-            return self.workers
-        cores = os.cpu_count() or 1
-        return 1 if cores < 8 else min(8, cores // 2)
 
     def check(self) -> None:
         if not self.budgets:
@@ -323,7 +316,7 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
     if "hrockmate" in methods:
         try:
             hierarchy = prepare(graph, time_limit=cfg.solve_time_limit, progress=False,
-                                workers=cfg.hierarchy_workers())
+                                workers=cfg.workers)
             info.update(hierarchy_s=round(hierarchy.seconds, 3), blocks=hierarchy.blocks,
                         solved_blocks=hierarchy.solved_blocks)
         except HierarchyTimeout as exc:  # each solve then uses the simple strategies
@@ -865,8 +858,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the exact MILP only on graphs of at most this many ops "
                         "(default 300)")
     parser.add_argument("--workers", type=int, default=None,
-                        help="worker processes for the hierarchy's blocks (default: 1 below 8 "
-                        "cores, else half the cores up to 8)")
+                        help="threads solving the hierarchy's blocks (default: one per core, "
+                        "at most 8)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG plots")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 

@@ -25,12 +25,13 @@ HiGHS in one ``passModel`` call (row-wise CSR, int32 indices, float64 values).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time as _time
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -550,17 +551,40 @@ def _new_highs(time_limit: float | None, mip_rel_gap: float) -> Any:
     return h
 
 
+class SolveCancelled(Exception):
+    """A solve stopped because its caller cancelled it (``cancelled_by``)."""
+
+
+_cancel = threading.local()  # .event: the threading.Event that cancels this thread's solves
+
+
+@contextlib.contextmanager
+def cancelled_by(event: threading.Event) -> Iterator[None]:
+    """Solves run by this thread meanwhile stop (``SolveCancelled``) once ``event`` is set:
+    how a caller solving in several threads stops them all, e.g. on Ctrl-C, which only the
+    main thread receives."""
+    _cancel.event = event
+    try:
+        yield
+    finally:
+        _cancel.event = None
+
+
 def run_highs(h: Any) -> None:
-    """``h.run()`` that Ctrl-C stops within about 0.1 s.
+    """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s.
 
     HiGHS runs on a worker thread while this thread waits; on KeyboardInterrupt, HiGHS's
     interrupt callbacks (polled by its simplex, IPM and MIP loops) tell it to stop, and the
-    KeyboardInterrupt is raised again once it has stopped.
+    KeyboardInterrupt is raised again once it has stopped. HiGHS releases the GIL while it
+    runs, so solves in several threads run in parallel.
     """
+    cancel: threading.Event | None = getattr(_cancel, "event", None)
+    if cancel is not None and cancel.is_set():
+        raise SolveCancelled("the solve was cancelled")
     stop = threading.Event()
 
     def interrupt_when_asked(event: Any) -> None:
-        if stop.is_set():
+        if stop.is_set() or (cancel is not None and cancel.is_set()):
             event.interrupt()
 
     h.cbSimplexInterrupt += interrupt_when_asked
@@ -593,6 +617,8 @@ def run_highs(h: Any) -> None:
         h.cbMipInterrupt -= interrupt_when_asked
     if failure:
         raise failure[0]
+    if cancel is not None and cancel.is_set():
+        raise SolveCancelled("the solve was cancelled")
 
 
 def solve_level(

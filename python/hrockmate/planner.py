@@ -26,7 +26,9 @@ import logging
 import math
 import os
 import sys
+import threading
 import time as _time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -948,10 +950,10 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
             workers: int | None = None, solvers: Mapping[str, str] | None = None) -> Hierarchy:
     """Build the hierarchy and compute the options of every block below the root.
 
-    Blocks of the same height are independent; with ``workers`` > 1 they are solved in that many
-    worker processes (started with "spawn", so the calling program must be importable: not a
-    script read from standard input). The default is 1: on small machines the workers' start-up
-    cost was larger than the gain."""
+    Blocks of the same height are independent: ``workers`` threads solve them at once (HiGHS
+    releases the GIL while it solves; model building and the rest stay serial). Default: one per
+    core, at most ``MAX_WORKERS``. Ctrl-C or an error in one block stops every thread's solve
+    within about 0.1 s."""
     t0 = _time.perf_counter()
     ctx = _Ctx(graph)
     if graph.num_ops <= flat_ops:
@@ -974,11 +976,19 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
 
     post(root)
     total = sum(len(v) for v in by_height.values())
-    if workers is None:
-        workers = 1
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     bar = _Progress(total, f"solving {total} blocks of '{graph.name}'", progress)
-    pool = _pool(graph, workers) if workers > 1 else None
+    cancel = threading.Event()
+
+    def options_of(b: Block) -> list[BlockOption]:
+        with ilp.cancelled_by(cancel):
+            return _block_options(ctx, b, st)
+
     solved = 0
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="hrockmate-blocks") if workers > 1 \
+        else None
     try:
         for height in sorted(by_height):
             # repeated layers give blocks of equal shape: solve one of each, rename for the rest
@@ -992,52 +1002,44 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
                     firsts[shape.key] = (b, shape)
             blocks = [b for b, _ in firsts.values()]
             if pool is not None and len(blocks) > 1:
-                results = pool.map(_options_task, [(b, st) for b in blocks])
+                futures = [pool.submit(options_of, b) for b in blocks]
+                results: Iterable[list[BlockOption]] = (f.result() for f in futures)
             else:
-                results = (_block_options(ctx, b, st) for b in blocks)
+                results = (options_of(b) for b in blocks)
             for b, options in zip(blocks, results):
-                if isinstance(options, tuple):  # from a worker process: (options, solver)
-                    options, b.solver = options
                 b.options = options
                 solved += 1
                 bar.update()
             for b, shape, src, src_shape in copies:
                 renamed = _renamed_options(ctx, src, src_shape, b, shape)
                 if renamed is None:
-                    renamed = _block_options(ctx, b, st)
+                    renamed = options_of(b)
                     solved += 1
                 else:
                     b.solver = "renamed"
                 b.options = renamed
                 bar.update()
+    except BaseException:
+        cancel.set()  # the other threads' solves stop at HiGHS's next interrupt check
+        raise
     finally:
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total, solved, chosen)
 
 
-_WORKER_CTX: _Ctx | None = None
+# Block-solving threads at most: beyond this, the serial Python parts dominate.
+MAX_WORKERS = 8
 
 
-def _pool(graph: Graph, workers: int) -> Any:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    # spawn: safe whatever the parent holds (threads, CUDA); each worker parses the graph once
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=(graph.to_json(),))
-
-
-def _init_worker(graph_json: str) -> None:
-    global _WORKER_CTX
-    _WORKER_CTX = _Ctx(Graph.from_dict(__import__("json").loads(graph_json)))
-
-
-def _options_task(args: tuple[Block, _Settings]) -> tuple[list[BlockOption], str]:
-    block, st = args
-    assert _WORKER_CTX is not None
-    return _block_options(_WORKER_CTX, block, st), block.solver
+def default_workers() -> int:
+    """Threads for the hierarchy's blocks: one per available core, at most ``MAX_WORKERS``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
 
 
 def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip_rel_gap: float,
