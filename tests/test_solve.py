@@ -438,3 +438,26 @@ def test_over_budget_hierarchy_schedules_fall_back_instead_of_failing(data_graph
     plan = hrockmate.solve_graph(g, 0.3, flat_ops=0, progress=False,
                                  solvers={"leaves": "twremat"})
     _check(plan, g)
+
+
+def test_default_workers_follow_the_cores_and_a_container_quota(monkeypatch, tmp_path) -> None:
+    import os
+    from pathlib import Path
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    real_read = Path.read_text
+
+    def cpu_max(text: str):
+        def read(self: Path, *a: object, **k: object) -> str:
+            if str(self) == "/sys/fs/cgroup/cpu.max":
+                return text
+            return real_read(self, *a, **k)
+        return read
+
+    monkeypatch.setattr(Path, "read_text", cpu_max("max 100000\n"))
+    assert solve_mod.default_workers() == solve_mod.MAX_WORKERS == 8
+    monkeypatch.setattr(Path, "read_text", cpu_max("250000 100000\n"))
+    assert solve_mod.default_workers() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(Path, "read_text", cpu_max("max 100000\n"))
+    assert solve_mod.default_workers() == 2

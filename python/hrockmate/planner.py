@@ -773,6 +773,12 @@ class _Settings:
     deadline: float | None = None  # perf_counter time by which every block must be solved
 
 
+# Time for a block's solves under a cap on what its forward keeps, in sub_time_limits: they are
+# options offered to the parent, and on blocks of thousands of ops (groups of unrolled steps)
+# proving them took 10-20 s each where the best schedule found in a few seconds is as good.
+_FRACTION_TIME = 3.0
+
+
 def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
     """Solve a block's level at several limits and keep the Pareto-optimal results.
 
@@ -831,7 +837,8 @@ def _block_options(ctx: _Ctx, block: Block, st: _Settings) -> list[BlockOption]:
     options = [first]
     if block.bwd_ops and first.saved_bytes > 0:
         for frac in st.saved_fractions:
-            o = attempt(easy, budget=None, boundary_limit=frac * first.saved_bytes)
+            o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None,
+                        boundary_limit=frac * first.saved_bytes)
             if o is not None:
                 options.append(o)
     low = attempt(budget=None, minimize_peak=True, boundary_limit=boundary0)
@@ -1034,11 +1041,18 @@ MAX_WORKERS = 8
 
 
 def default_workers() -> int:
-    """Threads for the hierarchy's blocks: one per available core, at most ``MAX_WORKERS``."""
+    """Threads for the hierarchy's blocks: one per available core (the CPU affinity, and a
+    container's CPU quota where cgroup v2 sets one), at most ``MAX_WORKERS``."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
+    try:  # "max 100000" (no quota) or "<quota> <period>" in microseconds
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
     return max(1, min(MAX_WORKERS, cores))
 
 
