@@ -280,3 +280,25 @@ def test_ctrl_c_stops_a_solve_with_exit_130(data_graphs: Path, tmp_path: Path) -
     assert "hrockmate: interrupted" in err and "Traceback" not in err
     assert stopped < 5  # about 1 s asked; generous for loaded machines
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_demo_runs_with_the_threads_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from hrockmate.demo import run_demo
+
+    before = torch.get_num_threads()
+    try:
+        out = run_demo(n_layer=1, n_embd=32, seq=16, batch=2, budget=0.7, iterations=1,
+                       threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    printed = capsys.readouterr().out
+    assert "threads   1 torch CPU threads" in printed
+    assert out["gradients_identical"] and out["hrockmate_peak_bytes"] <= out["budget_bytes"]
+    # the budget shown is the one asked for (70% of store-all), and the prediction the runtime's
+    assert out["budget_bytes"] >= 0.69 * out["eager_peak_bytes"]
+    assert abs(out["hrockmate_peak_bytes"] - out["predicted_peak_bytes"]) <= 64
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        run_demo(threads=0)

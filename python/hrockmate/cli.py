@@ -45,6 +45,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         batch=args.batch,
         budget=args.budget,
         iterations=args.iterations,
+        threads=args.threads,
     )
     return 0
 
@@ -143,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"memory budget: {BUDGET_HELP} (default 0.5)",
     )
     demo.add_argument("--iterations", type=int, default=3, help="timed iterations (default 3)")
+    demo.add_argument("--threads", type=int, default=None,
+                      help="torch CPU threads (default: torch's own; on a busy machine 1 gives "
+                      "steadier times)")
     demo.set_defaults(func=_cmd_demo)
 
     solve = sub.add_parser(
