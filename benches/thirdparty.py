@@ -43,38 +43,24 @@ import torch  # noqa: E402
 import hrockmate  # noqa: E402
 from hrockmate.bench import _compare_grads  # noqa: E402
 from hrockmate.budget import parse_budget  # noqa: E402
+from hrockmate.memory import eager_training_step  # noqa: E402
 from hrockmate.thirdparty import BUILDERS  # noqa: E402
 
 
-def _call(model: Any, sample: Any) -> Any:
-    return model(**sample) if isinstance(sample, dict) else model(*sample)
-
-
-def _loss(out: Any, loss_fn: Any) -> torch.Tensor:
-    return out[loss_fn] if isinstance(loss_fn, str) else out
-
-
-def _step(model: Any, sample: Any, loss_fn: Any) -> Any:
-    out = _call(model, sample)
-    _loss(out, loss_fn).backward()
-    return out
-
-
-def _peak(run: Any, params: list[torch.Tensor], sample: Any, loss_fn: Any) -> int:
-    _step(run, sample, loss_fn)  # lazy initialisations are not part of an iteration
+def _peak(step: Any, params: list[torch.Tensor]) -> int:
+    step()  # lazy initialisations are not part of an iteration
     for p in params:
         p.grad = None
-    peak = hrockmate.measure_peak_memory(lambda: _step(run, sample, loss_fn),
-                                         params=params).peak_bytes
+    peak = hrockmate.measure_peak_memory(step, params=params).peak_bytes
     for p in params:
         p.grad = None
     return peak
 
 
-def _timed(run: Any, sample: Any, loss_fn: Any, seed: int) -> float:
+def _timed(step: Any, seed: int) -> float:
     torch.manual_seed(seed)
     t = time.perf_counter()
-    _step(run, sample, loss_fn)
+    step()
     return time.perf_counter() - t
 
 
@@ -89,8 +75,9 @@ def run_model(name: str, size: str, budgets: list[float], iterations: int,
     model.train()
     params = list(model.parameters())
     start = copy.deepcopy(model.state_dict())
+    plain_step = eager_training_step(model, sample, loss_fn=loss_fn)
     row: dict[str, Any] = {"model": name, "size": size, "parameters": sum(p.numel() for p in params),
-                           "plain_peak_bytes": _peak(model, params, sample, loss_fn)}
+                           "plain_peak_bytes": _peak(plain_step, params)}
     print(f"{name}: {row['parameters']:,} parameters, plain peak "
           f"{row['plain_peak_bytes'] / 2**20:.2f} MiB", flush=True)
     row["points"] = []
@@ -118,22 +105,23 @@ def run_model(name: str, size: str, budgets: list[float], iterations: int,
             ref = copy.deepcopy(model)
             for p, q in zip(params, ref.parameters()):
                 p.grad = q.grad = None
+            hr_step = eager_training_step(hm, sample, loss_fn=loss_fn)
             torch.manual_seed(7)
-            _step(hm, sample, loss_fn)
+            hr_step()
             torch.manual_seed(7)
-            _step(ref, sample, loss_fn)
+            eager_training_step(ref, sample, loss_fn=loss_fn)()
             match = _compare_grads(_grads(ref), _grads(model))
             buffers_equal = all(torch.equal(b, c) for b, c in zip(model.buffers(), ref.buffers()))
             point.update(match, buffers_equal=buffers_equal)
             for p in params:
                 p.grad = None
-            point["peak_bytes"] = _peak(hm, params, sample, loss_fn)
+            point["peak_bytes"] = _peak(hr_step, params)
             point["within_budget"] = point["peak_bytes"] <= budget
             # paired timing: each hrockmate iteration follows a plain one
             plain_t, hr_t = [], []
             for it in range(iterations):
-                plain_t.append(_timed(model, sample, loss_fn, it))
-                hr_t.append(_timed(hm, sample, loss_fn, it))
+                plain_t.append(_timed(plain_step, it))
+                hr_t.append(_timed(hr_step, it))
                 for p in params:
                     p.grad = None
             point.update(plain_time_s=statistics.median(plain_t), time_s=statistics.median(hr_t))

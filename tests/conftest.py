@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,16 @@ def corpus_files() -> list[Path]:
     if extra.is_dir():
         files += sorted(extra.glob("*.json"))
     return files
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread for a module's tests (restored afterwards): the test models
+    are tiny, and extra threads only add overhead and noise. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

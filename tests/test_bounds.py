@@ -175,6 +175,32 @@ def interrupt_after_start(code: str, wait: float = 1.0) -> tuple[subprocess.Comp
     return subprocess.CompletedProcess(p.args, p.returncode, out, err), time.perf_counter() - sent
 
 
+def _hard_knapsack() -> object:
+    """A HiGHS model of a 0-1 knapsack in 10 dimensions: many seconds of branch and bound."""
+    import highspy
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n, m = 100, 10
+    w = rng.integers(1000, 10000, size=(m, n)).astype(float)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 0.0)
+    h.setOptionValue("time_limit", 120.0)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = n, m
+    lp.col_cost_ = -rng.integers(1000, 10000, size=n).astype(float)
+    lp.col_lower_, lp.col_upper_ = np.zeros(n), np.ones(n)
+    lp.row_lower_, lp.row_upper_ = np.full(m, -highspy.kHighsInf), w.sum(axis=1) / 2
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.arange(0, m * n + 1, n)
+    lp.a_matrix_.index_ = np.tile(np.arange(n), m)
+    lp.a_matrix_.value_ = w.ravel()
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * n
+    h.passModel(lp)
+    return h
+
+
 def test_ctrl_c_stops_a_native_rotor_call() -> None:
     done, seconds = interrupt_after_start("""
         from hrockmate import literature
@@ -189,26 +215,9 @@ def test_ctrl_c_stops_a_native_rotor_call() -> None:
 
 def test_ctrl_c_stops_a_highs_solve() -> None:
     done, seconds = interrupt_after_start("""
-        import highspy, numpy as np
         from hrockmate.ilp import run_highs
-        rng = np.random.default_rng(0)
-        n, m = 100, 10  # a 0-1 knapsack in 10 dimensions: ~10 s of branch and bound
-        w = rng.integers(1000, 10000, size=(m, n)).astype(float)
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("mip_rel_gap", 0.0)
-        h.setOptionValue("time_limit", 120.0)
-        lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = n, m
-        lp.col_cost_ = -rng.integers(1000, 10000, size=n).astype(float)
-        lp.col_lower_, lp.col_upper_ = np.zeros(n), np.ones(n)
-        lp.row_lower_, lp.row_upper_ = np.full(m, -highspy.kHighsInf), w.sum(axis=1) / 2
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.start_ = np.arange(0, m * n + 1, n)
-        lp.a_matrix_.index_ = np.tile(np.arange(n), m)
-        lp.a_matrix_.value_ = w.ravel()
-        lp.integrality_ = [highspy.HighsVarType.kInteger] * n
-        h.passModel(lp)
+        from test_bounds import _hard_knapsack
+        h = _hard_knapsack()
         print("started", flush=True)
         run_highs(h)
         print("finished", h.modelStatusToString(h.getModelStatus()))
@@ -216,6 +225,71 @@ def test_ctrl_c_stops_a_highs_solve() -> None:
     assert "KeyboardInterrupt" in done.stderr and "finished" not in done.stdout, done.stderr
     assert "terminate called" not in done.stderr
     assert seconds < 2.0
+
+
+def test_ctrl_c_stops_every_thread_solving_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hierarchy's blocks are solved in threads; Ctrl-C reaches only the main thread, which
+    cancels the other threads' HiGHS solves: all of them stop within a second."""
+    import os
+    import threading
+
+    from hrockmate import ilp, planner
+    from test_ilp import training_graph
+
+    started = threading.Semaphore(0)
+
+    def hard_options(ctx: object, block: object, st: object) -> list[object]:
+        started.release()
+        ilp.run_highs(_hard_knapsack())
+        raise AssertionError("the solve was not cancelled")
+
+    monkeypatch.setattr(planner, "_block_options", hard_options)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        def interrupt() -> None:
+            for _ in range(2):  # both threads are solving
+                started.acquire(timeout=30)
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt, daemon=True).start()
+        g = training_graph(16, 9)
+        with pytest.raises(KeyboardInterrupt):
+            start = time.perf_counter()
+            planner.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=2)
+        assert time.perf_counter() - start < 10.0
+        deadline = time.perf_counter() + 1.0
+        while any(t.name.startswith("hrockmate-blocks") for t in threading.enumerate()):
+            assert time.perf_counter() < deadline, "block threads still running after Ctrl-C"
+            time.sleep(0.02)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_cancelled_solve_stops_within_a_second() -> None:
+    import threading
+
+    from hrockmate import ilp
+
+    cancel = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def solve() -> None:
+        try:
+            with ilp.cancelled_by(cancel):
+                ilp.run_highs(_hard_knapsack())
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    worker = threading.Thread(target=solve)
+    worker.start()
+    time.sleep(0.5)
+    cancel.set()
+    sent = time.perf_counter()
+    worker.join(timeout=5)
+    assert not worker.is_alive() and time.perf_counter() - sent < 1.0
+    assert len(outcome) == 1 and isinstance(outcome[0], ilp.SolveCancelled)
 
 
 # ---- item 4: byte sums -------------------------------------------------------------------------
@@ -299,94 +373,3 @@ def test_the_stub_lists_every_native_name() -> None:
                  if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
     exported = {name for name in dir(_native) if not name.startswith("_")} | {"__version__"}
     assert declared == exported
-
-
-def _hard_knapsack() -> object:
-    """A HiGHS model of a 0-1 knapsack in 10 dimensions: many seconds of branch and bound."""
-    import highspy
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    n, m = 100, 10
-    w = rng.integers(1000, 10000, size=(m, n)).astype(float)
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", 0.0)
-    h.setOptionValue("time_limit", 120.0)
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = n, m
-    lp.col_cost_ = -rng.integers(1000, 10000, size=n).astype(float)
-    lp.col_lower_, lp.col_upper_ = np.zeros(n), np.ones(n)
-    lp.row_lower_, lp.row_upper_ = np.full(m, -highspy.kHighsInf), w.sum(axis=1) / 2
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.arange(0, m * n + 1, n)
-    lp.a_matrix_.index_ = np.tile(np.arange(n), m)
-    lp.a_matrix_.value_ = w.ravel()
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * n
-    h.passModel(lp)
-    return h
-
-
-def test_ctrl_c_stops_every_thread_solving_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hierarchy's blocks are solved in threads; Ctrl-C reaches only the main thread, which
-    cancels the other threads' HiGHS solves: all of them stop within a second."""
-    import os
-    import threading
-
-    from hrockmate import ilp, planner
-    from test_ilp import training_graph
-
-    started = threading.Semaphore(0)
-
-    def hard_options(ctx: object, block: object, st: object) -> list[object]:
-        started.release()
-        ilp.run_highs(_hard_knapsack())
-        raise AssertionError("the solve was not cancelled")
-
-    monkeypatch.setattr(planner, "_block_options", hard_options)
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        def interrupt() -> None:
-            for _ in range(2):  # both threads are solving
-                started.acquire(timeout=30)
-            time.sleep(0.3)
-            os.kill(os.getpid(), signal.SIGINT)
-
-        threading.Thread(target=interrupt, daemon=True).start()
-        g = training_graph(16, 9)
-        with pytest.raises(KeyboardInterrupt):
-            start = time.perf_counter()
-            planner.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=2)
-        assert time.perf_counter() - start < 10.0
-        deadline = time.perf_counter() + 1.0
-        while any(t.name.startswith("hrockmate-blocks") for t in threading.enumerate()):
-            assert time.perf_counter() < deadline, "block threads still running after Ctrl-C"
-            time.sleep(0.02)
-    finally:
-        signal.signal(signal.SIGINT, before)
-
-
-def test_a_cancelled_solve_stops_within_a_second() -> None:
-    import threading
-
-    from hrockmate import ilp
-
-    cancel = threading.Event()
-    outcome: list[BaseException | None] = []
-
-    def solve() -> None:
-        try:
-            with ilp.cancelled_by(cancel):
-                ilp.run_highs(_hard_knapsack())
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001
-            outcome.append(exc)
-
-    worker = threading.Thread(target=solve)
-    worker.start()
-    time.sleep(0.5)
-    cancel.set()
-    sent = time.perf_counter()
-    worker.join(timeout=5)
-    assert not worker.is_alive() and time.perf_counter() - sent < 1.0
-    assert len(outcome) == 1 and isinstance(outcome[0], ilp.SolveCancelled)

@@ -19,6 +19,8 @@ from hrockmate import models
 from hrockmate.graph import Graph
 from hrockmate.runtime import HRockmate, InputMismatchError, RuntimeScheduleError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PREEXISTING = {"input", "parameter", "buffer", "tangent"}
 
 
@@ -845,11 +847,3 @@ CUDA_FACTORIES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
 def test_measured_peak_matches_prediction_cuda(name: str) -> None:
     _check_memory(name, torch.device("cuda"), CUDA_FACTORIES)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """The test models are tiny: intra-op threads only add overhead (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

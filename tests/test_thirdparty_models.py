@@ -28,6 +28,8 @@ from hrockmate.thirdparty import BUILDERS
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing may be downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 #: model -> two budgets as fractions of the store-all peak). At these tiny sizes
 #: parameter gradients are a large part of the peak, which puts the lowest feasible budget of
@@ -129,13 +131,6 @@ def _measured_peak(hm: HRockmate, sample: Any, loss_fn: Any) -> int:
     model.zero_grad(set_to_none=True)
     return peak
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

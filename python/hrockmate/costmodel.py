@@ -31,8 +31,9 @@ storage it owns, or the storage it shares) and corrects the IR where they differ
 Workspace (bytes): memory an op allocates while it runs beyond its new outputs, measured in
 that same run: on CUDA, ``max_memory_allocated`` during the op minus the memory allocated
 before it and its new outputs (measured on a second call of the op, so that the handles and
-workspaces cuBLAS and cuDNN allocate once per process do not count); on CPU, from the profiler's allocator events (running sum of the
-bytes allocated and freed inside the op, peak minus its new outputs). ``"none"`` leaves 0.
+workspaces cuBLAS and cuDNN allocate once per process do not count); on CPU, from the
+profiler's allocator events (running sum of the bytes allocated and freed inside the op, peak
+minus its new outputs). ``"none"`` leaves 0.
 """
 
 from __future__ import annotations
