@@ -159,6 +159,40 @@ def test_solve_graph_gives_rotor_the_time_left() -> None:
     assert time.perf_counter() - start < 15.0
 
 
+def test_checkmate_refuses_a_milp_too_large_for_its_time_limit(caplog: pytest.LogCaptureFixture
+                                                                  ) -> None:
+    # 600 ops: an op-level MILP of ~3M nonzeros, whose build and HiGHS set-up alone take over
+    # 15 s and do not poll the time limit; it ran 44 s under a 5 s limit before this check
+    g = training_chain(300)
+    start = time.perf_counter()
+    with caplog.at_level("WARNING", logger="hrockmate"), pytest.warns(UserWarning):
+        plan = hrockmate.solve_graph(g, 0.1, method="checkmate", time_limit=5, progress=False)
+    assert time.perf_counter() - start < 10.0
+    assert plan.stats["fallback"] and plan.peak_bytes <= plan.budget_bytes
+    assert any("nonzeros" in r.getMessage() and "time_limit" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
+def test_a_milp_past_the_size_cap_is_refused_naming_its_size(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    from hrockmate import ilp
+
+    monkeypatch.setattr(ilp, "MAX_MODEL_NONZEROS", 10_000)
+    level = ilp.op_level(training_chain(40))
+    with pytest.raises(ilp.LevelNoSolution, match=r"about [\d,]+ nonzeros.*hierarchically"):
+        ilp.solve_level(level.problem, None)
+
+
+def test_run_highs_stops_at_its_deadline() -> None:
+    from hrockmate.ilp import run_highs
+
+    h = _hard_knapsack()  # its own time_limit is 120 s
+    start = time.perf_counter()
+    run_highs(h, deadline=start + 1.0)
+    assert time.perf_counter() - start < 3.0
+    assert h.modelStatusToString(h.getModelStatus()) == "Interrupted by user"
+
+
 # ---- item 3: Ctrl-C ----------------------------------------------------------------------------
 
 def interrupt_after_start(code: str, wait: float = 1.0) -> tuple[subprocess.CompletedProcess[str], float]:

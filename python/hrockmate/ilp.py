@@ -535,6 +535,19 @@ def build_model(
 _THREADS_SET = False
 
 
+# Models with more nonzeros than this are solved without HiGHS's presolve and symmetry
+# detection, which do not poll interrupts: on the op-level MILP of a 617-op GPT-2 (3.4M
+# nonzeros) presolve ran 38 s past a 20 s limit, and minutes past a 60 s one. Without them
+# HiGHS still spends ~3-5 us per nonzero setting up before its first interruptible step, so a
+# large model is refused up front when that set-up alone would outlast the time left. Level
+# problems of the hierarchy are far smaller (thousands of nonzeros).
+PRESOLVE_MAX_NONZEROS = 1_000_000
+SETUP_SECONDS_PER_NONZERO = 6e-6  # building the model (~1 us) and HiGHS's set-up (~3-5 us)
+# Models past this are refused whatever the time limit: ~6 GB of memory in the builder and
+# HiGHS (the op-level MILP grows with the square of the graph: ~3.5M nonzeros at 600 ops).
+MAX_MODEL_NONZEROS = 40_000_000
+
+
 def _new_highs(time_limit: float | None, mip_rel_gap: float) -> Any:
     import highspy
 
@@ -570,13 +583,17 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
         _cancel.event = None
 
 
-def run_highs(h: Any) -> None:
+def run_highs(h: Any, deadline: float | None = None) -> None:
     """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s.
 
     HiGHS runs on a worker thread while this thread waits; on KeyboardInterrupt, HiGHS's
     interrupt callbacks (polled by its simplex, IPM and MIP loops) tell it to stop, and the
     KeyboardInterrupt is raised again once it has stopped. HiGHS releases the GIL while it
     runs, so solves in several threads run in parallel.
+
+    ``deadline`` (a ``time.perf_counter`` time) is a hard stop: HiGHS's own ``time_limit`` is
+    checked between phases only, and on large models its presolve and first LP ran minutes
+    past it. Past the deadline HiGHS is interrupted and returns the best schedule it has.
     """
     cancel: threading.Event | None = getattr(_cancel, "event", None)
     if cancel is not None and cancel.is_set():
@@ -606,7 +623,8 @@ def run_highs(h: Any) -> None:
     threading.Thread(target=solve, name="highs", daemon=True).start()
     try:
         while not done.wait(0.05):
-            pass
+            if deadline is not None and _time.perf_counter() > deadline:
+                stop.set()
     except KeyboardInterrupt:
         stop.set()
         done.wait()
@@ -637,14 +655,21 @@ def solve_level(
     """
     import highspy
 
+    if time_limit is not None and time_limit <= 0:
+        raise LevelNoSolution(f"level '{p.name}': no time left to solve it")
     t0 = _time.perf_counter()
     a = analyse(p)
+    _check_size(p, a, time_limit)
     model = build_model(p, a, budget, minimize_peak, boundary_limit)
     lp = model.builder.to_lp()
     t_build = _time.perf_counter() - t0
-    h = _new_highs(time_limit, mip_rel_gap)
+    # the limit covers building the model too
+    h = _new_highs(None if time_limit is None else time_limit - t_build, mip_rel_gap)
+    if len(lp.a_matrix_.value_) > PRESOLVE_MAX_NONZEROS:
+        h.setOptionValue("presolve", "off")
+        h.setOptionValue("mip_detect_symmetry", False)
     h.passModel(lp)
-    run_highs(h)
+    run_highs(h, None if time_limit is None else t0 + time_limit)
     status = h.getModelStatus()
     t_solve = _time.perf_counter() - t0 - t_build
     MS = highspy.HighsModelStatus
@@ -678,6 +703,29 @@ def solve_level(
     if model.peak_col is not None:
         plan.stats["peak_bound_bytes"] = float(x[model.peak_col]) * model.scale
     return plan
+
+
+def estimated_nonzeros(p: LevelProblem, a: _Analysis) -> int:
+    """About how many nonzeros ``build_model`` makes: ~25 per (stage, node, option) triple on
+    op-level models of 100-600 ops."""
+    return 25 * sum(len(p.nodes[i].options) for nodes in a.stage_nodes for i in nodes)
+
+
+def _check_size(p: LevelProblem, a: _Analysis, time_limit: float | None) -> None:
+    """Refuse a model too large to build, or to set up within ``time_limit``, before building
+    it (``LevelNoSolution``, naming the size)."""
+    nnz = estimated_nonzeros(p, a)
+    if nnz > MAX_MODEL_NONZEROS:
+        raise LevelNoSolution(
+            f"level '{p.name}' ({len(p.nodes):,} nodes) would make a MILP of about {nnz:,} "
+            f"nonzeros, more than the {MAX_MODEL_NONZEROS:,} this solver builds; plan it "
+            "hierarchically (method 'hrockmate')")
+    setup = SETUP_SECONDS_PER_NONZERO * nnz if nnz > PRESOLVE_MAX_NONZEROS else 0.0
+    if time_limit is not None and setup > time_limit:
+        raise LevelNoSolution(
+            f"level '{p.name}' ({len(p.nodes):,} nodes) would make a MILP of about {nnz:,} "
+            f"nonzeros, which takes about {setup:.0f} s to build and set up, more than the "
+            f"{time_limit:.1f} s left; raise time_limit or plan hierarchically")
 
 
 def _readers_of_storage(p: LevelProblem, a: _Analysis, j: int, x: int) -> list[int]:

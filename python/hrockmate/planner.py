@@ -1401,7 +1401,7 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
 
     if method == "checkmate":
         def again(b: int) -> reference.SolverResult:
-            return reference.solve_checkmate(graph, b, time_limit=kw["time_limit"],
+            return reference.solve_checkmate(graph, b, time_limit=_time_left(kw),
                                            mip_rel_gap=kw["mip_rel_gap"])
 
         try:
@@ -1409,10 +1409,12 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
             cand = _Candidate(r.steps, r.forward_len, r.optimal, {"method": "checkmate",
                                                                   **r.stats})
             return _retighten(graph, budget, cand, again), 0
-        except (reference.SolverInfeasible, ilp.LevelInfeasible):
-            pass
+        except (reference.SolverInfeasible, ilp.LevelInfeasible) as exc:
+            # not proven infeasible (time limit, too large): say why before falling back
+            proven = getattr(exc, "proven", True)
+            logger.log(logging.INFO if proven else logging.WARNING, "checkmate: %s", exc)
         try:
-            steps, fl, _, _ = reference.min_peak_checkmate(graph, kw["time_limit"])
+            steps, fl, _, _ = reference.min_peak_checkmate(graph, _time_left(kw))
             spare("lowest-peak MILP", steps, fl)
         except (ilp.LevelInfeasible, ilp.LevelNoSolution):
             pass
