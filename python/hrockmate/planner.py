@@ -12,7 +12,9 @@ The hierarchical solver (method ``"hrockmate"``) follows H-Rockmate:
    bottom, blocks above), whose *options* come from solving that level at several limits on its
    peak and on what it saves between forward and backward; each solution gives a forward and a
    backward schedule fragment, the saved tensors, times and memory overheads;
-3. the top level is solved at the user's budget and its stages expanded into IR steps.
+3. the top level is solved at the user's budget and its stages expanded into IR steps;
+4. the schedule is refined (``hrockmate.refine``): recomputations the memory left under the
+   budget allows to skip are dropped.
 
 Graphs with at most ``flat_ops`` ops skip the hierarchy: the top level is then the op level,
 which is Checkmate's exact model. Every plan is checked by ``hrockmate.simulate`` before it is
@@ -1446,6 +1448,7 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                 r = top(budget)
                 cand = _retighten(graph, budget, _Candidate(
                     r.steps, r.forward_len, r.optimal, {**stats_h, **r.stats}), top)
+                cand = _refined(graph, budget, cand, kw)
                 if flat and not cand.optimal and kw.get("hierarchy_retry", True):
                     alt, _ = _run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
                     if alt is not None and (_simulate(graph, alt.steps, alt.forward_len)[1]
@@ -1464,6 +1467,8 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                             alt.stats = {**cand.stats, **alt.stats, "optimal": False,
                                          "beats_hierarchy_plan": True}
                             best, best_time = alt, alt_time
+                    if best is not cand:  # the fallback gets the same refinement
+                        best = _refined(graph, budget, best, kw)
                     return best, 0
                 return cand, 0
             except ilp.LevelInfeasible:
@@ -1483,6 +1488,8 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
     simple, minima = _simple_strategies(graph, budget, method, _time_left(kw))
     spares.extend(simple)
     cand, lowest = _pick(spares, budget, method, graph)
+    if cand is not None and method == "hrockmate":
+        cand = _refined(graph, budget, cand, kw)
     if cand is None:
         lowest = min([lowest, *minima.values()])
     elif cand.stats["fallback"] == "recompute-all":
@@ -1552,6 +1559,21 @@ def _pick(spares: list[tuple[_Candidate, int, float]], budget: int, method: str,
         return min(fits, key=lambda tc: tc[0])[1], 0
     # (no spare at all: the callers take the minimum with block checkpointing's lowest peak)
     return None, int(min((peak for _, peak, _ in spares), default=sys.maxsize))
+
+
+def _refined(graph: Graph, budget: int, cand: _Candidate, kw: Mapping[str, Any]) -> _Candidate:
+    """``cand`` with the recomputations its memory slack allows dropped
+    (``hrockmate.refine``); ``stats["refined"]`` counts them and gives the time before."""
+    from hrockmate.refine import refine
+
+    r = refine(graph, cand.steps, cand.forward_len, budget, deadline=kw.get("deadline"))
+    if r is None:
+        return cand
+    before = _simulate(graph, cand.steps, cand.forward_len)[1]
+    logger.info("refinement dropped %d recomputations of the %s plan for '%s': time %.6g -> "
+                "%.6g", r.dropped, cand.stats.get("method"), graph.name, before, r.time)
+    return _Candidate(r.steps, r.forward_len, cand.optimal,
+                      {**cand.stats, "refined": {"dropped": r.dropped, "time_before": before}})
 
 
 def _retighten(graph: Graph, budget: int, cand: _Candidate,

@@ -1,0 +1,228 @@
+"""Schedule refinement: spend a plan's unused memory on dropping recomputations.
+
+A hierarchical plan picks each block's schedule from a few options, so its peak usually sits
+below the budget (the Checkmate ResNet-50 at 90% of store-all: a peak of 84%). This pass turns
+that slack into time, on any valid schedule:
+
+1. *keep instead of recompute*: a recomputation of op ``j`` whose outputs were freed since its
+   previous run is dropped, and those frees with it, so the outputs stay alive in between. The
+   most expensive recomputations go first, each only where the simulator's memory timeline has
+   room for the outputs over that stretch;
+2. *dead recomputations*: a recomputation none of whose outputs is read before it is freed
+   again (it fed a recomputation dropped in 1) is dropped;
+3. *earlier frees*: every free moves up to just after the last read of its tensor.
+
+The memory rules are the simulator's alone: the timeline it returns guides the choices, and the
+refined schedule is simulated again; if it does not fit (the timeline is an estimate where views
+share storage) fewer changes are kept, down to none. Work is bounded by ``deadline``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time as _time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hrockmate.graph import Graph
+from hrockmate.schedule import Schedule, ScheduleError, simulate
+
+Step = tuple[str, int]
+
+__all__ = ["Refined", "refine"]
+
+
+@dataclass
+class Refined:
+    """A refined schedule and what the simulator measured for it."""
+
+    steps: list[Step]
+    forward_len: int
+    peak_bytes: int
+    time: float
+    dropped: int  # recomputations removed
+
+
+def refine(graph: Graph, steps: list[Step], forward_len: int, budget: int, *,
+           deadline: float | None = None, rounds: int = 10) -> Refined | None:
+    """``steps`` with recomputations dropped where the budget allows, or None when nothing
+    could be dropped. The result is valid, within ``budget`` and faster (simulated)."""
+    best: Refined | None = None
+    cur_steps, cur_fl = list(steps), forward_len
+    for _ in range(rounds):
+        if deadline is not None and _time.perf_counter() > deadline:
+            break
+        step = _one_round(graph, cur_steps, cur_fl, budget, deadline)
+        if step is None:
+            break
+        best = Refined(step.steps, step.forward_len, step.peak_bytes, step.time,
+                       step.dropped + (best.dropped if best else 0))
+        cur_steps, cur_fl = step.steps, step.forward_len
+    return best
+
+
+def _sim(graph: Graph, steps: list[Step], forward_len: int):  # type: ignore[no-untyped-def]
+    try:
+        return simulate(graph, Schedule(steps, forward_len))
+    except ScheduleError:
+        return None
+
+
+def _one_round(graph: Graph, steps: list[Step], forward_len: int, budget: int,
+               deadline: float | None) -> Refined | None:
+    base = _sim(graph, steps, forward_len)
+    if base is None or base.peak_bytes > budget:
+        return None
+    choices = _keep_choices(graph, steps, base.timeline, budget, deadline)
+    if not choices:
+        return None
+    # the timeline is exact for storages without views; where views share storage the estimate
+    # can miss, so fall back to the longest prefix of the choices that simulates within budget
+    lo, hi, found = 0, len(choices), None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        cand = _apply(graph, steps, forward_len, choices[:mid])
+        res = _sim(graph, *cand)
+        if res is not None and res.peak_bytes <= budget and res.time < base.time:
+            lo, found = mid, (cand, res, mid)
+        else:
+            hi = mid - 1
+        if deadline is not None and _time.perf_counter() > deadline:
+            break
+    if found is None:
+        return None
+    (new_steps, new_fl), res, n = found
+    return Refined(new_steps, new_fl, int(res.peak_bytes), float(res.time), n)
+
+
+@dataclass
+class _Choice:
+    compute_pos: int  # the recomputation dropped
+    free_pos: list[int]  # the frees of its outputs dropped with it
+
+
+def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget: int,
+                  deadline: float | None) -> list[_Choice]:
+    """Recomputations to drop, most expensive first, each fitting the timeline as raised by the
+    ones before it."""
+    ops, tensors = graph.ops, graph.tensors
+    last_compute: dict[int, int] = {}
+    frees_of: dict[int, list[int]] = {}  # tensor -> positions of its frees
+    cands: list[tuple[float, int, list[int], int]] = []
+    for p, (kind, i) in enumerate(steps):
+        if kind == "free":
+            frees_of.setdefault(i, []).append(p)
+            continue
+        prev = last_compute.get(i)
+        last_compute[i] = p
+        if prev is None or ops[i].time <= 0:
+            continue
+        freed: list[int] = []
+        extra = 0
+        for x in ops[i].outputs:
+            fs = frees_of.get(x, [])
+            k = bisect.bisect_right(fs, prev)
+            between = fs[k:]  # frees after the previous run (all before p)
+            freed.extend(between)
+            if between and tensors[x].alias_of is None:
+                extra += int(tensors[x].bytes)
+        if freed:
+            cands.append((float(ops[i].time), p, freed, extra))
+    # most time saved per byte kept first (a knapsack's greedy order; by time alone it did a
+    # little worse on the Checkmate ResNet-50 at 30%: +5.48% against +5.42%)
+    cands.sort(key=lambda c: -c[0] / max(c[3], 1))
+    level = np.asarray(timeline, dtype=np.int64).copy()
+    chosen: list[_Choice] = []
+    for n, (_, p, freed, extra) in enumerate(cands):
+        if deadline is not None and n % 64 == 63 and _time.perf_counter() > deadline:
+            break
+        a = min(freed)
+        if extra and int(level[a:p].max()) + extra > budget:
+            continue
+        level[a:p] += extra
+        chosen.append(_Choice(p, freed))
+    return chosen
+
+
+def _apply(graph: Graph, steps: list[Step], forward_len: int,
+           choices: list[_Choice]) -> tuple[list[Step], int]:
+    drop: set[int] = set()
+    for c in choices:
+        drop.add(c.compute_pos)
+        drop.update(c.free_pos)
+    kept = [(s, p < forward_len) for p, s in enumerate(steps) if p not in drop]
+    return _free_early(graph, _drop_dead_recomputes(graph, kept))
+
+
+# (step, whether it belongs to the forward segment)
+_Placed = tuple[Step, bool]
+
+# Passes of dead-recomputation removal at most: each pass removes one more link of a chain of
+# recomputations that only fed each other.
+_DEAD_PASSES = 16
+
+
+def _drop_dead_recomputes(graph: Graph, steps: list[_Placed]) -> list[_Placed]:
+    """Remove recomputations whose new outputs are all freed before anything reads them (and
+    those frees), pass after pass: dropping one can leave its inputs' recomputation dead."""
+    ops = graph.ops
+    for _ in range(_DEAD_PASSES):
+        ran: set[int] = set()
+        alive: set[int] = set()
+        made_at: dict[int, int] = {}  # alive tensor -> the compute position that made it
+        read: set[int] = set()  # alive tensors read since they were made
+        new_outs: dict[int, int] = {}  # recompute position -> outputs it made
+        unread_frees: dict[int, list[int]] = {}  # recompute position -> frees of them unread
+        for p, ((kind, i), _) in enumerate(steps):
+            if kind == "compute":
+                read.update(ops[i].inputs)
+                made = [x for x in dict.fromkeys(ops[i].outputs) if x not in alive]
+                for x in made:
+                    alive.add(x)
+                    made_at[x] = p
+                    read.discard(x)
+                if i in ran:
+                    new_outs[p] = len(made)
+                    unread_frees[p] = []
+                ran.add(i)
+            else:
+                alive.discard(i)
+                q = made_at.pop(i, None)
+                if q is not None and q in unread_frees and i not in read:
+                    unread_frees[q].append(p)
+        remove: set[int] = set()
+        for q, frees in unread_frees.items():
+            if len(frees) == new_outs[q]:
+                remove.add(q)
+                remove.update(frees)
+        if not remove:
+            break
+        steps = [s for p, s in enumerate(steps) if p not in remove]
+    return steps
+
+
+def _free_early(graph: Graph, steps: list[_Placed]) -> tuple[list[Step], int]:
+    """Every free moved to right after the last compute that read or made its tensor; returns
+    the steps and the new forward length (a free may move into the forward segment)."""
+    ops = graph.ops
+    last_touch: dict[int, int] = {}
+    after: dict[int, list[Step]] = {}  # compute position -> frees placed right after it
+    for p, ((kind, i), _) in enumerate(steps):
+        if kind == "compute":
+            for x in ops[i].inputs:
+                last_touch[x] = p
+            for x in ops[i].outputs:
+                last_touch[x] = p
+        else:
+            after.setdefault(last_touch.get(i, -1), []).append((kind, i))
+    result: list[Step] = list(after.get(-1, []))
+    forward_len = len(result)
+    for p, (s, fwd) in enumerate(steps):
+        if s[0] != "compute":
+            continue
+        result.append(s)
+        result.extend(after.get(p, []))
+        if fwd:
+            forward_len = len(result)
+    return result, forward_len
