@@ -1566,7 +1566,10 @@ def _refined(graph: Graph, budget: int, cand: _Candidate, kw: Mapping[str, Any])
     (``hrockmate.refine``); ``stats["refined"]`` counts them and gives the time before."""
     from hrockmate.refine import refine
 
-    r = refine(graph, cand.steps, cand.forward_len, budget, deadline=kw.get("deadline"))
+    deadline = kw.get("deadline")
+    # a margin for what follows (the final simulation of a 40k-step schedule takes ~0.5 s)
+    r = refine(graph, cand.steps, cand.forward_len, budget,
+               deadline=None if deadline is None else deadline - 1.0)
     if r is None:
         return cand
     before = _simulate(graph, cand.steps, cand.forward_len)[1]

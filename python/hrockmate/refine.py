@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrockmate.graph import Graph
-from hrockmate.schedule import Schedule, ScheduleError, simulate
+from hrockmate.schedule import Schedule, ScheduleError, SimulationResult, simulate
 
 Step = tuple[str, int]
 
@@ -50,10 +50,11 @@ def refine(graph: Graph, steps: list[Step], forward_len: int, budget: int, *,
     could be dropped. The result is valid, within ``budget`` and faster (simulated)."""
     best: Refined | None = None
     cur_steps, cur_fl = list(steps), forward_len
+    arrays = graph.to_arrays()
     for _ in range(rounds):
         if deadline is not None and _time.perf_counter() > deadline:
             break
-        step = _one_round(graph, cur_steps, cur_fl, budget, deadline)
+        step = _one_round(graph, arrays, cur_steps, cur_fl, budget, deadline)
         if step is None:
             break
         best = Refined(step.steps, step.forward_len, step.peak_bytes, step.time,
@@ -62,16 +63,17 @@ def refine(graph: Graph, steps: list[Step], forward_len: int, budget: int, *,
     return best
 
 
-def _sim(graph: Graph, steps: list[Step], forward_len: int):  # type: ignore[no-untyped-def]
+def _sim(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
+         forward_len: int) -> SimulationResult | None:
     try:
-        return simulate(graph, Schedule(steps, forward_len))
+        return simulate(graph, Schedule(steps, forward_len), graph_arrays=arrays)
     except ScheduleError:
         return None
 
 
-def _one_round(graph: Graph, steps: list[Step], forward_len: int, budget: int,
-               deadline: float | None) -> Refined | None:
-    base = _sim(graph, steps, forward_len)
+def _one_round(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
+               forward_len: int, budget: int, deadline: float | None) -> Refined | None:
+    base = _sim(graph, arrays, steps, forward_len)
     if base is None or base.peak_bytes > budget:
         return None
     choices = _keep_choices(graph, steps, base.timeline, budget, deadline)
@@ -79,11 +81,18 @@ def _one_round(graph: Graph, steps: list[Step], forward_len: int, budget: int,
         return None
     # the timeline is exact for storages without views; where views share storage the estimate
     # can miss, so fall back to the longest prefix of the choices that simulates within budget
+    # (all of them first: the usual case, one simulation)
     lo, hi, found = 0, len(choices), None
+    cand = _apply(graph, steps, forward_len, choices)
+    res = _sim(graph, arrays, *cand)
+    if res is not None and res.peak_bytes <= budget and res.time < base.time:
+        lo, found = hi, (cand, res, hi)
+    else:
+        hi -= 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         cand = _apply(graph, steps, forward_len, choices[:mid])
-        res = _sim(graph, *cand)
+        res = _sim(graph, arrays, *cand)
         if res is not None and res.peak_bytes <= budget and res.time < base.time:
             lo, found = mid, (cand, res, mid)
         else:

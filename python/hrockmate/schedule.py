@@ -230,14 +230,18 @@ def _call(fn: Callable[..., Any], graph: Graph, arrays: dict[str, Any], **extra:
     raise AssertionError("native call failed without names but succeeded with them")
 
 
-def simulate(graph: Graph, schedule: Schedule) -> SimulationResult:
+def simulate(graph: Graph, schedule: Schedule, *,
+             graph_arrays: dict[str, np.ndarray] | None = None) -> SimulationResult:
     """Check ``schedule`` against every rule and measure its memory and time on ``graph``.
 
-    Raises ScheduleError (with ``.step``) for a broken rule, GraphError for an invalid graph.
+    ``graph_arrays``: ``graph.to_arrays()``, for callers simulating many schedules of one graph
+    (26 ms per call on a 10k-op graph otherwise). Raises ScheduleError (with ``.step``) for a
+    broken rule, GraphError for an invalid graph.
     """
     from hrockmate import _native
 
-    d = _call(_native.simulate, graph, graph.to_arrays(), **schedule.to_arrays())
+    arrays = graph.to_arrays() if graph_arrays is None else graph_arrays
+    d = _call(_native.simulate, graph, arrays, **schedule.to_arrays())
     return SimulationResult.from_native(d)
 
 
