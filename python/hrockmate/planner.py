@@ -1453,8 +1453,10 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
 
             def top(b: int) -> reference.SolverResult:
                 left = _time_left(kw)
+                if left is not None and h.root.children:  # (a flat level is the whole solve)
+                    left *= TOP_TIME_SHARE
                 steps, fl, optimal, stats = solve_top(
-                    h, b, time_limit=None if left is None else TOP_TIME_SHARE * left,
+                    h, b, time_limit=left,
                     mip_rel_gap=kw["mip_rel_gap"])
                 return reference.SolverResult(steps, fl, optimal, stats)
 
