@@ -44,6 +44,7 @@ def test_slack_turns_recompute_all_into_something_faster() -> None:
     assert r is not None and r.dropped > 0
     sim = _checked(g, r.steps, r.forward_len, budget, before.time)
     assert (sim.peak_bytes, sim.time) == (r.peak_bytes, r.time)
+    assert r.time_before == before.time
     # most of the recomputation goes: with 70% of store-all, recompute-all's +900% is far
     # from necessary
     assert r.time - store.time < 0.5 * (before.time - store.time)

@@ -1455,9 +1455,8 @@ def _run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | N
                 left = _time_left(kw)
                 if left is not None and h.root.children:  # (a flat level is the whole solve)
                     left *= TOP_TIME_SHARE
-                steps, fl, optimal, stats = solve_top(
-                    h, b, time_limit=left,
-                    mip_rel_gap=kw["mip_rel_gap"])
+                steps, fl, optimal, stats = solve_top(h, b, time_limit=left,
+                                                      mip_rel_gap=kw["mip_rel_gap"])
                 return reference.SolverResult(steps, fl, optimal, stats)
 
             # an op-level MILP cut short by the time limit may lose to the hierarchy
@@ -1593,11 +1592,11 @@ def _refined(graph: Graph, budget: int, cand: _Candidate, kw: Mapping[str, Any])
                else _time.perf_counter() + min(left - 1.0, REFINE_TIME_SHARE * left))
     if r is None:
         return cand
-    before = _simulate(graph, cand.steps, cand.forward_len)[1]
     logger.info("refinement dropped %d recomputations of the %s plan for '%s': time %.6g -> "
-                "%.6g", r.dropped, cand.stats.get("method"), graph.name, before, r.time)
+                "%.6g", r.dropped, cand.stats.get("method"), graph.name, r.time_before, r.time)
     return _Candidate(r.steps, r.forward_len, cand.optimal,
-                      {**cand.stats, "refined": {"dropped": r.dropped, "time_before": before}})
+                      {**cand.stats, "refined": {"dropped": r.dropped,
+                                                 "time_before": r.time_before}})
 
 
 def _retighten(graph: Graph, budget: int, cand: _Candidate,

@@ -6,8 +6,8 @@ that slack into time, on any valid schedule:
 
 1. *keep instead of recompute*: a recomputation of op ``j`` whose outputs were freed since its
    previous run is dropped, and those frees with it, so the outputs stay alive in between. The
-   most expensive recomputations go first, each only where the simulator's memory timeline has
-   room for the outputs over that stretch;
+   recomputations saving the most time per byte kept go first, each only where the simulator's
+   memory timeline has room for the outputs over that stretch;
 2. *dead recomputations*: a recomputation none of whose outputs is read before it is freed
    again (it fed a recomputation dropped in 1) is dropped;
 3. *earlier frees*: every free moves up to just after the last read of its tensor.
@@ -26,9 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrockmate.graph import Graph
-from hrockmate.schedule import Schedule, ScheduleError, SimulationResult, simulate
-
-Step = tuple[str, int]
+from hrockmate.schedule import Schedule, ScheduleError, SimulationResult, Step, simulate
 
 __all__ = ["Refined", "refine"]
 
@@ -42,6 +40,7 @@ class Refined:
     peak_bytes: int
     time: float
     dropped: int  # recomputations removed
+    time_before: float  # the simulated time of the schedule given to ``refine``
 
 
 def refine(graph: Graph, steps: list[Step], forward_len: int, budget: int, *,
@@ -58,7 +57,8 @@ def refine(graph: Graph, steps: list[Step], forward_len: int, budget: int, *,
         if step is None:
             break
         best = Refined(step.steps, step.forward_len, step.peak_bytes, step.time,
-                       step.dropped + (best.dropped if best else 0))
+                       step.dropped + (best.dropped if best else 0),
+                       best.time_before if best else step.time_before)
         cur_steps, cur_fl = step.steps, step.forward_len
     return best
 
@@ -79,30 +79,29 @@ def _one_round(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
     choices = _keep_choices(graph, steps, base.timeline, budget, deadline)
     if not choices:
         return None
+    def attempt(n: int) -> Refined | None:
+        """The first ``n`` choices applied, if that simulates within budget and faster."""
+        new_steps, new_fl = _apply(graph, steps, forward_len, choices[:n])
+        res = _sim(graph, arrays, new_steps, new_fl)
+        if res is None or res.peak_bytes > budget or res.time >= base.time:
+            return None
+        return Refined(new_steps, new_fl, int(res.peak_bytes), float(res.time), n, base.time)
+
     # the timeline is exact for storages without views; where views share storage the estimate
     # can miss, so fall back to the longest prefix of the choices that simulates within budget
     # (all of them first: the usual case, one simulation)
-    lo, hi, found = 0, len(choices), None
-    cand = _apply(graph, steps, forward_len, choices)
-    res = _sim(graph, arrays, *cand)
-    if res is not None and res.peak_bytes <= budget and res.time < base.time:
-        lo, found = hi, (cand, res, hi)
-    else:
-        hi -= 1
-    while lo < hi:
+    found = attempt(len(choices))
+    if found is not None:
+        return found
+    lo, hi = 0, len(choices) - 1
+    while lo < hi and (deadline is None or _time.perf_counter() <= deadline):
         mid = (lo + hi + 1) // 2
-        cand = _apply(graph, steps, forward_len, choices[:mid])
-        res = _sim(graph, arrays, *cand)
-        if res is not None and res.peak_bytes <= budget and res.time < base.time:
-            lo, found = mid, (cand, res, mid)
+        r = attempt(mid)
+        if r is not None:
+            lo, found = mid, r
         else:
             hi = mid - 1
-        if deadline is not None and _time.perf_counter() > deadline:
-            break
-    if found is None:
-        return None
-    (new_steps, new_fl), res, n = found
-    return Refined(new_steps, new_fl, int(res.peak_bytes), float(res.time), n)
+    return found
 
 
 @dataclass
@@ -113,8 +112,8 @@ class _Choice:
 
 def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget: int,
                   deadline: float | None) -> list[_Choice]:
-    """Recomputations to drop, most expensive first, each fitting the timeline as raised by the
-    ones before it."""
+    """Recomputations to drop, most time saved per byte kept first, each fitting the timeline
+    as raised by the ones before it."""
     ops, tensors = graph.ops, graph.tensors
     last_compute: dict[int, int] = {}
     frees_of: dict[int, list[int]] = {}  # tensor -> positions of its frees
