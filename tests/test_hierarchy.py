@@ -90,7 +90,7 @@ def check_options(g: Graph, h: Hierarchy) -> None:
             assert a.saved_bytes < b.saved_bytes and a.bwd_time > b.bwd_time
 
 
-@pytest.mark.parametrize("partitioner", ["bottom_up", "topo_interval"])
+@pytest.mark.parametrize("partitioner", ["contiguous", "bottom_up", "topo_interval"])
 def test_chain_hierarchy_and_options(partitioner: str) -> None:
     g = chain_model(30)
     h = build_hierarchy(g, partitioner=partitioner, max_size=6, top_max_size=4)
@@ -101,6 +101,45 @@ def test_chain_hierarchy_and_options(partitioner: str) -> None:
     # interfaces: a leaf in the middle reads the previous activation and sends one on
     mid = next(c for c in h.leaves() if 0 not in c.fwd_ops and len(g.ops) - 1 not in c.bwd_ops)
     assert mid.inputs and mid.outputs
+
+
+def test_the_planner_plans_on_the_rust_hierarchy(data_graphs: Path) -> None:
+    """The planner's block tree is the Rust core's contiguous hierarchy, cluster for cluster:
+    same ops per block at every level, same root-owned backward ops."""
+    from hrockmate import planner
+
+    g = Graph.load(data_graphs / "gpt2_tiny_oplog.json")
+    h = build_hierarchy(g, partitioner="contiguous", leaf_size=6, group_size=planner.GROUP_SIZE,
+                        max_size=20, top_max_size=16, options=False)
+    root = planner.build_hierarchy(g, leaf_size=6, group_size=planner.GROUP_SIZE, top_size=16)
+
+    def same(block: planner.Block, cluster_id: int) -> None:
+        c = h.clusters[cluster_id]
+        assert sorted(block.fwd_ops) == sorted(c.fwd_ops)
+        assert sorted(block.bwd_ops) == sorted(c.bwd_ops)
+        if c.is_leaf:
+            assert not block.children
+        else:
+            assert len(block.children) == len(c.children)
+            for b, k in zip(block.children, c.children):
+                same(b, k)
+
+    top = h.clusters[h.root]
+    assert len(root.children) == len(top.children) > 1
+    for b, k in zip(root.children, top.children):
+        same(b, k)
+    assert sorted(root.loose_bwd) == sorted(top.own_bwd_ops)
+    # the repeated layers of the operator log give leaves of equal structure
+    leaves = list(h.leaves())
+    assert len({c.representative for c in leaves}) < len(leaves)
+
+
+def test_partition_sizes_are_checked() -> None:
+    g = chain_model(12)
+    with pytest.raises(HierarchyError, match="group_size at least 2 \(got 6 and 1\)"):
+        build_hierarchy(g, group_size=1)
+    with pytest.raises(ValueError, match="block_of_fwd has 3 entries"):
+        _native.backward_owners(np.zeros(3, dtype=np.int64), 0, **g.to_arrays())
 
 
 def test_store_and_recompute_all_in_every_leaf() -> None:

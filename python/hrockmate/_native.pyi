@@ -122,10 +122,12 @@ def rotor_chain(
 # ---- solver_api.rs ---------------------------------------------------------------------------
 
 def build_hierarchy(
-    partitioner: str = "bottom_up",
+    partitioner: str = "contiguous",
     max_size: int = 20,
     top_max_size: int = 30,
     alpha: float = 0.5,
+    leaf_size: int = 6,
+    group_size: int = 4,
     options: bool = True,
     max_options: int = 12,
     exact_limit: int = 20,
@@ -134,6 +136,12 @@ def build_hierarchy(
 ) -> dict[str, Any]:
     """The cluster hierarchy (and each leaf's options) as a dict of CSR arrays
     (docs/hierarchy.md, "Arrays")."""
+
+def backward_owners(
+    block_of_fwd: NDArray[np.int64], last: int, **graph: _GraphArg
+) -> NDArray[np.int64]:
+    """The block of every backward op given the forward ops' blocks (-1: none), by the rule of
+    docs/hierarchy.md ("Backward ops"); -1 for forward ops."""
 
 def simplify(
     fold_views: bool = True, merge_chains: bool = True, **graph: _GraphArg

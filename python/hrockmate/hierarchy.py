@@ -33,7 +33,7 @@ __all__ = [
     "simplify",
 ]
 
-PARTITIONERS: tuple[str, ...] = ("bottom_up", "topo_interval")
+PARTITIONERS: tuple[str, ...] = ("contiguous", "bottom_up", "topo_interval")
 STEP_KINDS: tuple[str, ...] = ("compute", "free")
 
 
@@ -199,10 +199,12 @@ def _split(ptr: np.ndarray, idx: np.ndarray) -> list[tuple[int, ...]]:
 def build_hierarchy(
     graph: Graph,
     *,
-    partitioner: str = "bottom_up",
+    partitioner: str = "contiguous",
     max_size: int = 20,
     top_max_size: int = 30,
     alpha: float = 0.5,
+    leaf_size: int = 6,
+    group_size: int = 4,
     options: bool = True,
     max_options: int = 12,
     exact_limit: int = 20,
@@ -210,7 +212,9 @@ def build_hierarchy(
 ) -> Hierarchy:
     """Partition ``graph`` into a hierarchy of clusters and enumerate each leaf's options.
 
-    ``partitioner``: ``"bottom_up"`` (H-Rockmate's algorithm) or ``"topo_interval"``.
+    ``partitioner``: ``"contiguous"`` (the planner's: stretches of the forward order of about
+    ``leaf_size`` ops per leaf and ``group_size`` children above, cut where few bytes cross),
+    ``"bottom_up"`` (H-Rockmate's algorithm) or ``"topo_interval"``.
     ``max_size``/``top_max_size``: most children of a cluster / of the root.
     ``max_options``: most options per leaf; ``exact_limit``: most candidate tensors for which a
     leaf's front is searched exactly; ``max_evaluations``: search budget per leaf (a leaf whose
@@ -225,6 +229,8 @@ def build_hierarchy(
         max_size=int(max_size),
         top_max_size=int(top_max_size),
         alpha=float(alpha),
+        leaf_size=int(leaf_size),
+        group_size=int(group_size),
         options=bool(options),
         max_options=int(max_options),
         exact_limit=int(exact_limit),

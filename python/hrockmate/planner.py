@@ -2,12 +2,13 @@
 
 The hierarchical solver (method ``"hrockmate"``) follows H-Rockmate:
 
-1. the forward ops, in a topological order, are cut into contiguous blocks of a few ops, with
-   cuts where few bytes cross; blocks are grouped again into larger blocks, level by level,
-   until the top has at most ``top_size`` blocks; every backward op joins the block of the
-   forward op it differentiates (without that link: the latest block whose forward values it
-   reads), but never a later block than a backward op it reads from (so the blocks' backward
-   parts form a DAG);
+1. the Rust core partitions the graph (``hrockmate.hierarchy.build_hierarchy``, partitioner
+   ``contiguous``): the forward ops, in a topological order, are cut into contiguous blocks of
+   a few ops, with cuts where few bytes cross; blocks are grouped again into larger blocks,
+   level by level, until the top has at most ``top_size`` blocks; every backward op joins the
+   block of the forward op it differentiates (without that link: the latest block whose
+   forward values it reads), but never a later block than a backward op it reads from (so the
+   blocks' backward parts form a DAG);
 2. bottom-up, each block is a level problem (``hrockmate.ilp``) over its children (ops at the
    bottom, blocks above), whose *options* come from solving that level at several limits on its
    peak and on what it saves between forward and backward; each solution gives a forward and a
@@ -178,70 +179,6 @@ def _interfaces(ctx: _Ctx, block: Block) -> None:
     block.bwd_in = sorted(bwd_in) if block.bwd_ops else []
 
 
-def _cut_groups(sizes: Sequence[int], cross: Sequence[float], target: int,
-                kinds: Sequence[Any] | None = None) -> list[int]:
-    """Split a sequence into contiguous groups of about ``target`` items (by ``sizes``), cutting
-    where ``cross[k]`` (bytes crossing a cut before item k) is small. Returns group starts.
-
-    ``kinds`` (one hashable per item, equal for items of the same shape) makes cuts repeat with
-    the structure: among equally small crossings, a cut whose surroundings look like those of
-    an earlier cut wins, then the farthest. In a run of repeated layers every group then spans
-    the same stretch of layers, and equal groups are solved once."""
-    n = len(sizes)
-    context: list[int] = []
-    if kinds is not None:
-        w = max(1, target)
-        context = [hash(tuple(kinds[max(0, c - w):c + w])) for c in range(n + 1)]
-    seen: set[int] = set()
-    starts = [0]
-    k = 0
-    while True:
-        acc, lo, hi = 0, None, None
-        j = k
-        while j < n:
-            acc += sizes[j]
-            j += 1
-            if acc >= 0.6 * target and lo is None:
-                lo = j
-            if acc >= 1.4 * target:
-                hi = j
-                break
-        if j >= n and (lo is None or acc < 1.4 * target):
-            break  # the rest fits in one group
-        lo = lo if lo is not None else j
-        hi = hi if hi is not None else j
-        # among equally good cuts take the farthest: in a run of repeated layers every group
-        # then spans the same whole number of layers, so the groups repeat too
-        best = min(range(lo, hi + 1), key=lambda c: (
-            cross[c] if c < n else 0.0, bool(context) and context[c] not in seen, -c))
-        if best >= n:
-            break
-        if context:
-            seen.add(context[best])
-        starts.append(best)
-        k = best
-    return starts
-
-
-def _crossing(ctx: _Ctx) -> list[float]:
-    """cross[k]: bytes produced by forward ops before position k and read at or after it."""
-    g = ctx.graph
-    fpos = {j: k for k, j in enumerate(ctx.fwd)}
-    n = len(ctx.fwd)
-    delta = [0.0] * (n + 2)
-    for k, j in enumerate(ctx.fwd):
-        for x in g.ops[j].outputs:
-            last = max((fpos[r] for r in ctx.readers[x] if r in fpos), default=k)
-            if last > k:
-                delta[k + 1] += g.tensors[x].bytes
-                delta[last + 1] -= g.tensors[x].bytes
-    cross, acc = [], 0.0
-    for k in range(n + 1):
-        acc += delta[k]
-        cross.append(acc)
-    return cross
-
-
 # Children per block above the leaves. 4 rather than 8: with 8, the demo GPT-2 (230 forward ops,
 # 38 leaves) had 4 blocks at the top, each spanning about 1.3 layers, and without dropout it ran
 # +22.8% at 50% (+36.5% at 40%, where block checkpointing did +29%); with 4 it has 9 and runs
@@ -250,58 +187,34 @@ GROUP_SIZE = 4
 
 
 def build_hierarchy(graph: Graph, leaf_size: int = 6, group_size: int = GROUP_SIZE,
-                    top_size: int = 16) -> Block:
-    """Partition a graph into a tree of blocks; the root holds the whole graph."""
+                    top_size: int = 16, partitioner: str = "contiguous") -> Block:
+    """Partition a graph into a tree of blocks; the root holds the whole graph.
+
+    The tree is the Rust core's hierarchy (``hrockmate.hierarchy.build_hierarchy``, without
+    leaf options): by default contiguous stretches of the forward order, ``leaf_size`` ops per
+    leaf and ``group_size`` children per block above, at most ``top_size`` at the root; each
+    backward op joins a leaf by the owner rule of docs/hierarchy.md."""
+    from hrockmate import hierarchy
+
     ctx = _Ctx(graph)
-    g = graph
-    cross = _crossing(ctx)
-    # leaves
-    op_kinds = [(g.ops[j].target, g.ops[j].time,
-                 tuple(g.tensors[x].bytes for x in g.ops[j].outputs)) for j in ctx.fwd]
-    starts = _cut_groups([1] * len(ctx.fwd), cross, leaf_size, op_kinds) if ctx.fwd else []
-    leaves: list[Block] = []
-    for a, b in zip(starts, starts[1:] + [len(ctx.fwd)]):
-        leaves.append(Block(fwd_ops=ctx.fwd[a:b], bwd_ops=[]))
-    block_of_fwd: dict[int, int] = {}
-    for i, leaf in enumerate(leaves):
-        for j in leaf.fwd_ops:
-            block_of_fwd[j] = i
-    # backward ops: the rule of ``solvers.backward_owners`` (their blocks' backward parts form
-    # a DAG at every level)
-    owner = reference.backward_owners(g, ctx.order, block_of_fwd, len(leaves) - 1)
-    loose: list[int] = []
-    for j in ctx.bwd:
-        if owner[j] >= 0:
-            leaves[owner[j]].bwd_ops.append(j)
-        else:
-            loose.append(j)  # no forward op at all: the backward ops stay at the top
-    for leaf in leaves:
-        _interfaces(ctx, leaf)
-    level = leaves
-    while len(level) > top_size:
-        sizes = [len(b.fwd_ops) for b in level]
-        ccross = [0.0] + [cross[sum(sizes[:k])] for k in range(1, len(level))] + [0.0]
-        n_groups = max(2, math.ceil(len(level) / group_size))
-        shape_ids: dict[Any, int] = {}
-        kinds = [shape_ids.setdefault(_block_shape(ctx, b).key, len(shape_ids)) for b in level]
-        gstarts = _cut_groups([1] * len(level), ccross, max(1, round(len(level) / n_groups)),
-                              kinds)
-        if len(gstarts) >= len(level):
-            break
-        nxt = []
-        for a, b in zip(gstarts, gstarts[1:] + [len(level)]):
-            kids = level[a:b]
-            blk = Block(
-                fwd_ops=[j for c in kids for j in c.fwd_ops],
-                bwd_ops=sorted((j for c in kids for j in c.bwd_ops), key=ctx.pos.__getitem__),
-                children=kids,
-            )
-            _interfaces(ctx, blk)
-            nxt.append(blk)
-        level = nxt
-    root = Block(fwd_ops=list(ctx.fwd), bwd_ops=list(ctx.bwd), children=level, loose_bwd=loose,
-                 is_root=True)
-    return root
+    h = hierarchy.build_hierarchy(
+        graph, partitioner=partitioner, leaf_size=leaf_size, group_size=group_size,
+        # the contiguous partitioner's groups span up to 1.4x their target size
+        max_size=max(2, math.ceil(1.4 * max(leaf_size, group_size)) + 1),
+        top_max_size=top_size, options=False)
+    by_pos = ctx.pos.__getitem__
+
+    def block(c: hierarchy.Cluster) -> Block:
+        kids = [] if c.is_leaf else [block(h.clusters[k]) for k in c.children]
+        b = Block(fwd_ops=sorted(c.fwd_ops, key=by_pos), bwd_ops=sorted(c.bwd_ops, key=by_pos),
+                  children=kids)
+        _interfaces(ctx, b)
+        return b
+
+    top = h.clusters[h.root]
+    return Block(fwd_ops=list(ctx.fwd), bwd_ops=list(ctx.bwd),
+                 children=[block(h.clusters[k]) for k in top.children],
+                 loose_bwd=sorted(top.own_bwd_ops, key=by_pos), is_root=True)
 
 
 def flat_root(graph: Graph) -> Block:

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from hrockmate import ilp
 from hrockmate.graph import PREEXISTING_ROLES, Graph
 
@@ -49,49 +51,24 @@ class SolverInfeasible(Exception):
         self.min_bytes = min_bytes
 
 
-# per backward op, in the op order: (op, the forward op it differentiates or None, the producers
-# of its inputs' storage owners, the producers of its inputs)
-BackwardReads = list[tuple[int, int | None, list[int], list[int]]]
-
-
-def backward_reads(graph: Graph, order: list[int]) -> BackwardReads:
-    """What ``backward_owners`` looks at, which does not depend on the blocks."""
-    prod = graph.producers()
-    roots = [graph.storage_root(x) for x in range(len(graph.tensors))]
-    out: BackwardReads = []
-    for j in order:
-        op = graph.ops[j]
-        if op.phase != "backward":
-            continue
-        root_prods = [q for q in (prod[roots[x]] for x in op.inputs) if q is not None]
-        prods = [q for q in (prod[x] for x in op.inputs) if q is not None]
-        out.append((j, op.differentiates, root_prods, prods))
-    return out
-
-
-def backward_owners(graph: Graph, order: list[int], block_of_fwd: dict[int, int],
-                    last: int, *, reads: BackwardReads | None = None) -> dict[int, int]:
+def backward_owners(graph: Graph, block_of_fwd: dict[int, int], last: int, *,
+                    arrays: dict[str, Any] | None = None) -> dict[int, int]:
     """The block each backward op belongs to, given the blocks of the forward ops.
 
     A backward op joins the block of the forward op it differentiates; without that link
     (operator logs of other tools carry none) it joins the latest block whose forward values it
     reads, or ``last`` when it reads none. Never a later block than a backward op it reads
     from: block indices then never increase along backward data flow, so the blocks' backward
-    parts form a DAG. The hierarchy and block checkpointing both use this rule. ``reads``:
-    ``backward_reads(graph, order)``, when the caller already has it."""
-    if reads is None:
-        reads = backward_reads(graph, order)
-    owner: dict[int, int] = {}
-    for j, differentiates, root_prods, prods in reads:
-        if differentiates is not None:
-            want = block_of_fwd.get(differentiates, last)
-        else:
-            want = max((block_of_fwd[q] for q in root_prods if q in block_of_fwd), default=last)
-        for q in prods:
-            if q in owner:
-                want = min(want, owner[q])
-        owner[j] = want
-    return owner
+    parts form a DAG. The rule is the Rust core's (``partition::backward_owners``), which the
+    hierarchy's leaves use too. ``arrays``: ``graph.to_arrays()``, when the caller has it."""
+    from hrockmate import _native
+
+    blocks = np.full(graph.num_ops, -1, dtype=np.int64)
+    for j, k in block_of_fwd.items():
+        blocks[j] = k
+    owner = _native.backward_owners(blocks, last, **(arrays if arrays is not None
+                                                     else graph.to_arrays()))
+    return {j: int(owner[j]) for j, op in enumerate(graph.ops) if op.phase == "backward"}
 
 
 @dataclass(frozen=True)
@@ -103,7 +80,7 @@ class CheckpointFacts:
     order: list[int]  # ``ilp.topological_ops``
     fwd: list[int]  # the forward ops, in ``order``
     bwd: list[int]  # the backward ops, in ``order``
-    reads: BackwardReads
+    arrays: dict[str, Any]  # ``graph.to_arrays()``
     fixed: frozenset[int]  # tensors that exist before the step (parameters, inputs, ...)
     never_free: frozenset[int]  # ``fixed`` and the model outputs
     last_direct: dict[int, int]  # tensor -> position in ``bwd`` of its last backward reader
@@ -128,7 +105,7 @@ def checkpoint_facts(graph: Graph) -> CheckpointFacts:
             last_fwd_use[y] = p
         for y in ops[j].outputs:
             last_fwd_use.setdefault(y, p)
-    return CheckpointFacts(order=order, fwd=fwd, bwd=bwd, reads=backward_reads(graph, order),
+    return CheckpointFacts(order=order, fwd=fwd, bwd=bwd, arrays=graph.to_arrays(),
                            fixed=fixed, never_free=never_free, last_direct=last_direct,
                            last_fwd_use=last_fwd_use)
 
@@ -199,7 +176,7 @@ def block_checkpoint_schedule(graph: Graph, block_of_fwd: dict[int, int],
     last_direct, last_fwd_use = f.last_direct, f.last_fwd_use
     ops, tensors = graph.ops, graph.tensors
     n_blocks = 1 + max(block_of_fwd.values(), default=0)
-    owner = backward_owners(graph, order, block_of_fwd, n_blocks - 1, reads=f.reads)
+    owner = backward_owners(graph, block_of_fwd, n_blocks - 1, arrays=f.arrays)
     block_of_tensor = {x: block_of_fwd[j] for j in fwd for x in ops[j].outputs}
 
     keep: set[int] = set()

@@ -9,10 +9,10 @@
 
 use hrockmate_core::arrays::{graph_to_arrays, schedule_from_arrays, schedule_to_arrays};
 use hrockmate_core::options::{enumerate_all, AllOptions, OptionsConfig};
-use hrockmate_core::partition::{build_hierarchy_cancellable, partitioner_by_name, Hierarchy, PartitionConfig};
+use hrockmate_core::partition::{backward_owners as partition_owners, build_hierarchy_cancellable, partitioner_by_name, Hierarchy, PartitionConfig};
 use hrockmate_core::schedule::Step;
 use hrockmate_core::simplify::{simplify as simplify_core, SimplifyConfig, Simplified};
-use numpy::{IntoPyArray, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -94,7 +94,7 @@ fn hierarchy_dict<'py>(py: Python<'py>, h: &Hierarchy, opts: Option<&AllOptions>
 
 /// Partition a graph (and, with `options=True`, enumerate every leaf's options).
 #[pyfunction]
-#[pyo3(signature = (partitioner="bottom_up", max_size=20, top_max_size=30, alpha=0.5, options=true, max_options=12, exact_limit=20, max_evaluations=1_000_000, **graph))]
+#[pyo3(signature = (partitioner="contiguous", max_size=20, top_max_size=30, alpha=0.5, leaf_size=6, group_size=4, options=true, max_options=12, exact_limit=20, max_evaluations=1_000_000, **graph))]
 #[allow(clippy::too_many_arguments)]
 fn build_hierarchy<'py>(
     py: Python<'py>,
@@ -102,6 +102,8 @@ fn build_hierarchy<'py>(
     max_size: usize,
     top_max_size: usize,
     alpha: f64,
+    leaf_size: usize,
+    group_size: usize,
     options: bool,
     max_options: usize,
     exact_limit: usize,
@@ -110,7 +112,7 @@ fn build_hierarchy<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let input = graph_input(graph)?;
     let part = partitioner_by_name(partitioner).map_err(|e| Failure::from(e).into_pyerr(py))?;
-    let pcfg = PartitionConfig { max_size, top_max_size, alpha, ..PartitionConfig::default() };
+    let pcfg = PartitionConfig { max_size, top_max_size, alpha, leaf_size, group_size, ..PartitionConfig::default() };
     let ocfg = OptionsConfig { max_options, exact_limit, max_evaluations };
     let (h, opts) = run_native(py, None, |stop| {
         let g = input.build()?;
@@ -119,6 +121,33 @@ fn build_hierarchy<'py>(
         Ok((h, opts))
     })?;
     hierarchy_dict(py, &h, opts.as_ref())
+}
+
+/// The block of every backward op given the blocks of the forward ops (the hierarchy's and block
+/// checkpointing's rule, `partition::backward_owners`): int64, -1 for forward ops.
+/// `block_of_fwd[o]`: the block of forward op `o`, -1 for none.
+#[pyfunction]
+#[pyo3(signature = (block_of_fwd, last, **graph))]
+fn backward_owners<'py>(
+    py: Python<'py>,
+    block_of_fwd: PyReadonlyArray1<'py, i64>,
+    last: usize,
+    graph: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let input = graph_input(graph)?;
+    let blocks: Vec<usize> = block_of_fwd.as_array().iter().map(|&b| usize::try_from(b).unwrap_or(usize::MAX)).collect();
+    let owner = run_native(py, None, |_| {
+        let g = input.build()?;
+        if blocks.len() != g.ops.len() {
+            return Err(Failure::InvalidArgument(format!(
+                "block_of_fwd has {} entries for a graph of {} ops",
+                blocks.len(),
+                g.ops.len()
+            )));
+        }
+        Ok(partition_owners(&g, &blocks, last))
+    })?;
+    Ok(owner.into_iter().map(|o| if o == usize::MAX { -1 } else { o as i64 }).collect::<Vec<i64>>().into_pyarray(py))
 }
 
 fn simplified_dict<'py>(py: Python<'py>, s: &Simplified) -> PyResult<Bound<'py, PyDict>> {
@@ -190,6 +219,7 @@ fn expand_schedule<'py>(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_hierarchy, m)?)?;
+    m.add_function(wrap_pyfunction!(backward_owners, m)?)?;
     m.add_function(wrap_pyfunction!(simplify, m)?)?;
     m.add_function(wrap_pyfunction!(expand_schedule, m)?)?;
     Ok(())

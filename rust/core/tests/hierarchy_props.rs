@@ -130,8 +130,16 @@ fn fragments_acyclic(g: &Graph, h: &Hierarchy) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+const PARTITIONERS: [&str; 3] = ["contiguous", "bottom_up", "topo_interval"];
+
+/// Contiguous targets whose groups (up to 1.4x the target) fit in `max_size`.
+fn sized(max_size: usize) -> PartitionConfig {
+    let target = (max_size * 5 / 7).max(1);
+    PartitionConfig { leaf_size: target, group_size: target.max(2), ..PartitionConfig::default() }
+}
+
 fn params() -> impl Strategy<Value = (u64, usize, usize, usize)> {
-    (any::<u64>(), 1usize..60, 2usize..8, 0usize..2)
+    (any::<u64>(), 1usize..60, 2usize..8, 0usize..3)
 }
 
 proptest! {
@@ -140,8 +148,8 @@ proptest! {
     #[test]
     fn partition_covers_and_respects_limits((seed, n, max_size, which) in params()) {
         let g = random_training_graph(seed, &GenParams { n_forward: n, ..GenParams::default() });
-        let cfg = PartitionConfig { max_size, top_max_size: max_size + 2, ..PartitionConfig::default() };
-        let p = partitioner_by_name(["bottom_up", "topo_interval"][which]).unwrap();
+        let cfg = PartitionConfig { max_size, top_max_size: max_size + 2, ..sized(max_size) };
+        let p = partitioner_by_name(PARTITIONERS[which]).unwrap();
         let h = build_hierarchy(&g, p.as_ref(), &cfg).unwrap();
         check_partition(&g, &h, &cfg)?;
         h.check_fragment_order(&g).map_err(TestCaseError::fail)?;
@@ -151,8 +159,8 @@ proptest! {
     #[test]
     fn every_option_is_a_valid_schedule((seed, n, max_size, which) in params()) {
         let g = random_training_graph(seed, &GenParams { n_forward: n.min(30), ..GenParams::default() });
-        let cfg = PartitionConfig { max_size, top_max_size: 8, ..PartitionConfig::default() };
-        let p = partitioner_by_name(["bottom_up", "topo_interval"][which]).unwrap();
+        let cfg = PartitionConfig { max_size, top_max_size: 8, ..sized(max_size) };
+        let p = partitioner_by_name(PARTITIONERS[which]).unwrap();
         let h = build_hierarchy(&g, p.as_ref(), &cfg).unwrap();
         let all = enumerate_all(&g, &h, &OptionsConfig::default(), &AtomicBool::new(false)).unwrap();
         for c in h.leaves() {
@@ -178,7 +186,7 @@ fn real_graphs() -> Vec<(String, Graph)> {
 fn real_graphs_partition_and_enumerate() {
     let cfg = PartitionConfig::default();
     for (name, g) in real_graphs() {
-        for which in ["bottom_up", "topo_interval"] {
+        for which in PARTITIONERS {
             let p = partitioner_by_name(which).unwrap();
             let h = build_hierarchy(&g, p.as_ref(), &cfg).unwrap();
             check_partition(&g, &h, &cfg).unwrap_or_else(|e| panic!("{name} {which}: {e}"));

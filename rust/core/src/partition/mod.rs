@@ -1,18 +1,20 @@
 //! Hierarchical partitioning of a training graph into clusters (see docs/hierarchy.md).
 //!
-//! The FORWARD ops are partitioned; each backward op joins the cluster of the forward op it is
-//! anchored to (its `differentiates`, else its nearest forward dependency), or the root when it
-//! has none. Partitioning proceeds in rounds: every round a [`Partitioner`] groups the current
+//! The FORWARD ops are partitioned; each backward op then joins a leaf by [`backward_owners`]
+//! (the leaf of the forward op it differentiates, else the latest leaf whose forward values it
+//! reads, never later than a backward op it reads from), or the root when there is no leaf. Partitioning proceeds in rounds: every round a [`Partitioner`] groups the current
 //! top-level units (ops in the first round, clusters after) into convex groups of at most
 //! `max_size` units, adding one hierarchy level, until at most `top_max_size` units remain.
 //! The driver here checks what partitioners return (disjoint, in range, size limits, acyclic
 //! quotient), so partitioners only have to propose good groups.
 
 mod bottom_up;
+mod contiguous;
 pub mod synthetic;
 mod topo_interval;
 
 pub use bottom_up::BottomUp;
+pub use contiguous::Contiguous;
 pub use topo_interval::TopoInterval;
 
 use std::collections::hash_map::DefaultHasher;
@@ -32,11 +34,15 @@ pub struct PartitionConfig {
     pub alpha: f64,
     /// Safety bound on the number of rounds.
     pub max_rounds: usize,
+    /// Target ops per leaf of the contiguous partitioner (groups span 0.6x to 1.4x of it).
+    pub leaf_size: usize,
+    /// Target children per cluster above the leaves, for the contiguous partitioner.
+    pub group_size: usize,
 }
 
 impl Default for PartitionConfig {
     fn default() -> Self {
-        PartitionConfig { max_size: 20, top_max_size: 30, alpha: 0.5, max_rounds: 200 }
+        PartitionConfig { max_size: 20, top_max_size: 30, alpha: 0.5, max_rounds: 200, leaf_size: 6, group_size: 4 }
     }
 }
 
@@ -45,7 +51,7 @@ impl Default for PartitionConfig {
 pub enum PartitionError {
     #[error("invalid partition configuration: {0}")]
     Config(String),
-    #[error("unknown partitioner '{0}'; use one of: bottom_up, topo_interval")]
+    #[error("unknown partitioner '{0}'; use one of: contiguous, bottom_up, topo_interval")]
     UnknownPartitioner(String),
     #[error("the operation was cancelled")]
     Cancelled,
@@ -55,6 +61,8 @@ pub enum PartitionError {
 #[derive(Debug, Clone)]
 pub struct BoundaryTensor {
     pub tensor: TensorId,
+    /// The owner of its storage (itself unless it is a view).
+    pub storage: TensorId,
     /// Bytes of its storage (0 for storages that existed before the iteration).
     pub bytes: u64,
     pub producer: usize,
@@ -79,11 +87,25 @@ pub struct UnitDag {
     /// Indices into `tensors`: produced by / read by (forward or backward) each unit.
     pub produces: Vec<Vec<usize>>,
     pub consumes: Vec<Vec<usize>>,
+    /// A structural hash per unit, equal for units that look alike (repeated layers): the op's
+    /// signature, or a hash of the children's kinds. Set by the driver (0 otherwise).
+    pub kinds: Vec<u64>,
+    /// 0 while the units are ops, then 1, 2, ... per grouping round.
+    pub round: usize,
 }
 
 impl UnitDag {
     /// Build from boundary tensors; units are 0..n and their preferred order is their index.
     pub fn new(n: usize, tensors: Vec<BoundaryTensor>) -> UnitDag {
+        UnitDag::build(n, tensors, false)
+    }
+
+    /// As [`UnitDag::new`], with `topo` the index order itself (which must be topological).
+    pub fn in_index_order(n: usize, tensors: Vec<BoundaryTensor>) -> UnitDag {
+        UnitDag::build(n, tensors, true)
+    }
+
+    fn build(n: usize, tensors: Vec<BoundaryTensor>, index_order: bool) -> UnitDag {
         let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
         let mut pred: Vec<Vec<usize>> = vec![Vec::new(); n];
         let mut produces: Vec<Vec<usize>> = vec![Vec::new(); n];
@@ -106,12 +128,17 @@ impl UnitDag {
             v.sort_unstable();
             v.dedup();
         }
-        let topo = dfs_topo_order(n, &succ, &pred);
+        let topo = if index_order {
+            debug_assert!(succ.iter().enumerate().all(|(u, s)| s.iter().all(|&v| v > u)));
+            (0..n).collect()
+        } else {
+            dfs_topo_order(n, &succ, &pred)
+        };
         let mut pos = vec![0; n];
         for (i, &u) in topo.iter().enumerate() {
             pos[u] = i;
         }
-        UnitDag { n, succ, pred, topo, pos, tensors, produces, consumes }
+        UnitDag { n, succ, pred, topo, pos, tensors, produces, consumes, kinds: vec![0; n], round: 0 }
     }
 
     /// Bytes of the tensors entering and leaving a group (each distinct tensor once).
@@ -216,11 +243,21 @@ pub trait Partitioner: Send + Sync {
     /// Propose disjoint convex groups of 2..=max_size units, best first. Units left out stay
     /// as they are. The driver drops groups that would make the quotient cyclic.
     fn group(&self, dag: &UnitDag, max_size: usize, cfg: &PartitionConfig) -> Vec<Vec<usize>>;
+    /// Whether the units' order is their index order (the forward ops' topological order,
+    /// then the order of the groups) rather than a depth-first order; a partitioner that cuts
+    /// intervals of that order asks for it.
+    fn index_order(&self) -> bool {
+        false
+    }
 }
 
-/// The partitioner called `name` ("bottom_up" or "topo_interval").
+/// The default partitioner's name (the one that plans best on the benchmark set).
+pub const DEFAULT_PARTITIONER: &str = "contiguous";
+
+/// The partitioner called `name` ("contiguous", "bottom_up" or "topo_interval").
 pub fn partitioner_by_name(name: &str) -> Result<Box<dyn Partitioner>, PartitionError> {
     match name {
+        "contiguous" => Ok(Box::new(Contiguous)),
         "bottom_up" => Ok(Box::new(BottomUp)),
         "topo_interval" => Ok(Box::new(TopoInterval)),
         other => Err(PartitionError::UnknownPartitioner(other.to_string())),
@@ -413,60 +450,57 @@ impl Hierarchy {
     }
 }
 
-/// Anchor of each op: forward ops anchor to themselves; a backward op to the forward op it
-/// differentiates, else to its latest forward dependency, else to the anchor of a backward op
-/// reading its outputs (so gradient accumulations join the cluster that consumes the sum),
-/// else to the anchor of a backward op it reads from; None when nothing applies (it then
-/// belongs to the root).
-pub fn backward_anchors(g: &Graph) -> Vec<Option<OpId>> {
+/// The block each backward op belongs to, given the blocks of the forward ops
+/// (`block_of_fwd[o]`; `usize::MAX` for ops outside every block): the block of the forward op it
+/// differentiates; without that link (operator logs of other tools carry none) the latest block
+/// whose forward values (their storages' producers) it reads, or `last` when it reads none; and
+/// never a later block than a backward op it reads from. When the blocks are intervals of a
+/// topological order of the forward ops, numbered in that order, block numbers then never
+/// increase along backward data flow, so the blocks' backward parts form a DAG. Forward ops get
+/// `usize::MAX`. The hierarchy's leaves and block checkpointing both use this rule.
+pub fn backward_owners(g: &Graph, block_of_fwd: &[usize], last: usize) -> Vec<usize> {
     let producer = g.producers();
-    let consumers = g.consumers();
+    let roots = g.storage_roots();
     let order = crate::io::topo_order(g, &producer);
-    let mut pos = vec![usize::MAX; g.ops.len()];
-    for (i, &o) in order.iter().enumerate() {
-        pos[o] = i;
-    }
-    let mut anchor: Vec<Option<OpId>> = vec![None; g.ops.len()];
-    let mut pending = Vec::new();
+    let block = |o: OpId| block_of_fwd.get(o).copied().filter(|&b| b != usize::MAX && g.ops[o].phase == Phase::Forward);
+    let mut owner = vec![usize::MAX; g.ops.len()];
     for &o in &order {
         let op = &g.ops[o];
         if op.phase == Phase::Forward {
-            anchor[o] = Some(o);
             continue;
         }
-        if let Some(d) = op.differentiates.filter(|&d| d < g.ops.len()) {
-            if g.ops[d].phase == Phase::Forward {
-                anchor[o] = Some(d);
-                continue;
+        let mut want = match op.differentiates.filter(|&d| d < g.ops.len()) {
+            Some(d) => block(d).unwrap_or(last),
+            None => op.inputs.iter().filter_map(|&t| producer[roots[t]]).filter_map(block).max().unwrap_or(last),
+        };
+        // backward producers come earlier in `order`, so their owners are known
+        for &t in &op.inputs {
+            if let Some(p) = producer[t] {
+                if owner[p] != usize::MAX {
+                    want = want.min(owner[p]);
+                }
             }
         }
-        anchor[o] = op
-            .inputs
-            .iter()
-            .filter_map(|&t| producer[t])
-            .filter(|&p| g.ops[p].phase == Phase::Forward)
-            .max_by_key(|&p| pos[p]);
-        if anchor[o].is_none() {
-            pending.push(o);
-        }
+        owner[o] = want;
     }
-    // consumers run later, so resolve in reverse order
-    for &o in pending.iter().rev() {
-        anchor[o] = g.ops[o].outputs.iter().flat_map(|&t| consumers[t].iter()).find_map(|&c| anchor[c]);
+    owner
+}
+
+/// Anchor of each op: forward ops anchor to themselves; a backward op to the forward op
+/// [`backward_owners`] gives it when every forward op is a block of its own, in topological
+/// order; None when the graph has no forward op.
+pub fn backward_anchors(g: &Graph) -> Vec<Option<OpId>> {
+    let order = crate::io::topo_order(g, &g.producers());
+    let fwd: Vec<OpId> = order.iter().copied().filter(|&o| g.ops[o].phase == Phase::Forward).collect();
+    let mut pos = vec![usize::MAX; g.ops.len()];
+    for (i, &o) in fwd.iter().enumerate() {
+        pos[o] = i;
     }
-    // otherwise (e.g. a parameter-gradient accumulation) join the producer that runs last
-    for &o in &pending {
-        if anchor[o].is_none() {
-            anchor[o] = g.ops[o]
-                .inputs
-                .iter()
-                .filter_map(|&t| producer[t])
-                .filter(|&p| anchor[p].is_some())
-                .max_by_key(|&p| pos[p])
-                .and_then(|p| anchor[p]);
-        }
-    }
-    anchor
+    let Some(last) = fwd.len().checked_sub(1) else { return vec![None; g.ops.len()] };
+    let owner = backward_owners(g, &pos, last);
+    (0..g.ops.len())
+        .map(|o| Some(if g.ops[o].phase == Phase::Forward { o } else { fwd[owner[o]] }))
+        .collect()
 }
 
 /// Bytes counted for each tensor's storage (0 for views and pre-existing storages).
@@ -505,6 +539,12 @@ pub fn build_hierarchy_cancellable(
         return Err(PartitionError::Config(format!(
             "max_size must be at least 2 (got {}); it bounds the children of a cluster",
             cfg.max_size
+        )));
+    }
+    if cfg.leaf_size < 1 || cfg.group_size < 2 {
+        return Err(PartitionError::Config(format!(
+            "leaf_size must be at least 1 and group_size at least 2 (got {} and {})",
+            cfg.leaf_size, cfg.group_size
         )));
     }
     if cfg.top_max_size < 1 {
@@ -548,6 +588,7 @@ pub fn build_hierarchy_cancellable(
         bc.dedup();
         tensors.push(BoundaryTensor {
             tensor: t,
+            storage: roots[t],
             bytes: bytes[roots[t]],
             producer: unit_of_op[p],
             fwd_consumers: fc,
@@ -559,7 +600,13 @@ pub fn build_hierarchy_cancellable(
     // Each current unit is either an op (before the first round) or a cluster id.
     let mut clusters: Vec<Cluster> = Vec::new();
     let mut unit_items: Vec<usize> = fwd.clone();
-    let mut dag = UnitDag::new(unit_items.len(), tensors);
+    let new_dag = |n: usize, tensors: Vec<BoundaryTensor>, kinds: Vec<u64>, round: usize| {
+        let mut dag = if partitioner.index_order() { UnitDag::in_index_order(n, tensors) } else { UnitDag::new(n, tensors) };
+        dag.kinds = kinds;
+        dag.round = round;
+        dag
+    };
+    let mut dag = new_dag(unit_items.len(), tensors, fwd.iter().map(|&o| op_signature(g, &g.ops[o])).collect(), 0);
     let mut round = 0usize;
     let mut mark = vec![false; dag.n];
     loop {
@@ -610,12 +657,20 @@ pub fn build_hierarchy_cancellable(
         }
         new_units.sort_by_key(|(p, _)| *p);
         let mut new_items = Vec::with_capacity(new_units.len());
+        let mut new_kinds = Vec::with_capacity(new_units.len());
         for (i, (_, members)) in new_units.iter().enumerate() {
             let mut members = members.clone();
             members.sort_by_key(|&u| dag.pos[u]);
             for &u in &members {
                 new_of_old[u] = i;
             }
+            new_kinds.push(if members.len() == 1 {
+                dag.kinds[members[0]]
+            } else {
+                let mut h = DefaultHasher::new();
+                members.iter().map(|&u| dag.kinds[u]).collect::<Vec<u64>>().hash(&mut h);
+                h.finish()
+            });
             // in the first round every op ends in a leaf (singletons included)
             if first || members.len() > 1 {
                 let id = clusters.len();
@@ -656,9 +711,9 @@ pub fn build_hierarchy_cancellable(
             })
             .collect();
         unit_items = new_items;
-        dag = UnitDag::new(unit_items.len(), tensors);
-        mark = vec![false; dag.n];
         round += 1;
+        dag = new_dag(unit_items.len(), tensors, new_kinds, round);
+        mark = vec![false; dag.n];
     }
 
     // root
@@ -678,9 +733,28 @@ pub fn build_hierarchy_cancellable(
             }
         }
     }
-    for (o, op) in g.ops.iter().enumerate() {
-        if op.phase == Phase::Backward {
-            op_cluster[o] = anchors[o].map_or(root, |a| op_cluster[a]);
+    // backward ops: the owner rule over the leaves, numbered left to right
+    let mut leaves_in_order: Vec<usize> = Vec::new();
+    let mut stack = vec![root];
+    while let Some(c) = stack.pop() {
+        if clusters[c].is_leaf {
+            leaves_in_order.push(c);
+        } else {
+            stack.extend(clusters[c].children.iter().rev());
+        }
+    }
+    if let Some(last) = leaves_in_order.len().checked_sub(1) {
+        let mut block_of_fwd = vec![usize::MAX; g.ops.len()];
+        for (rank, &leaf) in leaves_in_order.iter().enumerate() {
+            for &o in &clusters[leaf].children {
+                block_of_fwd[o] = rank;
+            }
+        }
+        let owner = backward_owners(g, &block_of_fwd, last);
+        for (o, op) in g.ops.iter().enumerate() {
+            if op.phase == Phase::Backward {
+                op_cluster[o] = leaves_in_order[owner[o]];
+            }
         }
     }
     // Backward fragments must be able to run atomically. Where anchoring made siblings'
