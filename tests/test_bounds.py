@@ -193,6 +193,21 @@ def test_run_highs_stops_at_its_deadline() -> None:
     assert h.modelStatusToString(h.getModelStatus()) == "Interrupted by user"
 
 
+def test_run_highs_stops_a_search_that_stopped_improving() -> None:
+    """With ``stall``, a MIP whose best schedule has stopped improving is stopped, keeping that
+    schedule, long before its own limit; a deadline still wins when it comes first."""
+    from hrockmate.ilp import run_highs
+
+    h = _hard_knapsack()  # its own time_limit is 120 s and it runs well past 10 s
+    start = time.perf_counter()
+    why = run_highs(h, deadline=start + 60.0, stall=0.5)
+    assert why == "stall"
+    assert time.perf_counter() - start < 30.0
+    assert h.getInfo().primal_solution_status == 2  # the best schedule found is kept
+    h = _hard_knapsack()
+    assert run_highs(h, deadline=time.perf_counter() + 0.3, stall=60.0) == "deadline"
+
+
 # ---- item 3: Ctrl-C ----------------------------------------------------------------------------
 
 def interrupt_after_start(code: str, wait: float = 1.0) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -583,7 +583,13 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
         _cancel.event = None
 
 
-def run_highs(h: Any, deadline: float | None = None) -> None:
+# A schedule better than the best one by less than this (relative) is no improvement for
+# ``run_highs``'s stall rule.
+STALL_IMPROVEMENT = 1e-3
+STALL_FACTOR = 0.5
+
+
+def run_highs(h: Any, deadline: float | None = None, stall: float | None = None) -> str | None:
     """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s.
 
     HiGHS runs on a worker thread while this thread waits; on KeyboardInterrupt, HiGHS's
@@ -594,19 +600,38 @@ def run_highs(h: Any, deadline: float | None = None) -> None:
     ``deadline`` (a ``time.perf_counter`` time) is a hard stop: HiGHS's own ``time_limit`` is
     checked between phases only, and on large models its presolve and first LP ran minutes
     past it. Past the deadline HiGHS is interrupted and returns the best schedule it has.
+
+    ``stall`` (seconds) stops a MIP whose best schedule has not improved (by more than
+    ``STALL_IMPROVEMENT``) for ``max(stall, STALL_FACTOR x the time it took to find it)``.
+    Returns why it stopped HiGHS early: ``"deadline"``, ``"stall"``, or None.
     """
     cancel: threading.Event | None = getattr(_cancel, "event", None)
     if cancel is not None and cancel.is_set():
         raise SolveCancelled("the solve was cancelled")
     stop = threading.Event()
+    why: list[str] = []
+    started = _time.perf_counter()
+    best = [math.inf, started]  # best objective so far, and when it was found
 
     def interrupt_when_asked(event: Any) -> None:
         if stop.is_set() or (cancel is not None and cancel.is_set()):
             event.interrupt()
 
+    def note_better(event: Any) -> None:
+        value = event.data_out.objective_function_value
+        if value < best[0] - STALL_IMPROVEMENT * abs(value):
+            best[0], best[1] = value, _time.perf_counter()
+            logger.debug("MIP: better schedule %.6g after %.1f s", value, best[1] - started)
+
+    def stalled() -> bool:
+        if stall is None or not math.isfinite(best[0]):
+            return False
+        return _time.perf_counter() - best[1] > max(stall, STALL_FACTOR * (best[1] - started))
+
     h.cbSimplexInterrupt += interrupt_when_asked
     h.cbIpmInterrupt += interrupt_when_asked
     h.cbMipInterrupt += interrupt_when_asked
+    h.cbMipImprovingSolution += note_better
     failure: list[BaseException] = []
     done = threading.Event()
 
@@ -623,8 +648,13 @@ def run_highs(h: Any, deadline: float | None = None) -> None:
     threading.Thread(target=solve, name="highs", daemon=True).start()
     try:
         while not done.wait(0.05):
-            if deadline is not None and _time.perf_counter() > deadline:
-                stop.set()
+            if not stop.is_set():
+                if deadline is not None and _time.perf_counter() > deadline:
+                    why.append("deadline")
+                    stop.set()
+                elif stalled():
+                    why.append("stall")
+                    stop.set()
     except KeyboardInterrupt:
         stop.set()
         done.wait()
@@ -633,10 +663,12 @@ def run_highs(h: Any, deadline: float | None = None) -> None:
         h.cbSimplexInterrupt -= interrupt_when_asked
         h.cbIpmInterrupt -= interrupt_when_asked
         h.cbMipInterrupt -= interrupt_when_asked
+        h.cbMipImprovingSolution -= note_better
     if failure:
         raise failure[0]
     if cancel is not None and cancel.is_set():
         raise SolveCancelled("the solve was cancelled")
+    return why[0] if why else None
 
 
 def solve_level(
@@ -647,8 +679,10 @@ def solve_level(
     mip_rel_gap: float = 1e-4,
     minimize_peak: bool = False,
     boundary_limit: float | None = None,
+    stall: float | None = None,
 ) -> StagePlan:
     """Solve one level at ``budget`` bytes (or for its smallest peak with ``minimize_peak``).
+    ``stall``: stop once the best schedule stops improving (``run_highs``).
 
     Raises ``LevelInfeasible`` when proven infeasible and ``LevelNoSolution`` when the time limit
     passed without any feasible schedule.
@@ -669,7 +703,7 @@ def solve_level(
         h.setOptionValue("presolve", "off")
         h.setOptionValue("mip_detect_symmetry", False)
     h.passModel(lp)
-    run_highs(h, None if time_limit is None else t0 + time_limit)
+    stopped = run_highs(h, None if time_limit is None else t0 + time_limit, stall)
     status = h.getModelStatus()
     t_solve = _time.perf_counter() - t0 - t_build
     MS = highspy.HighsModelStatus
@@ -682,6 +716,8 @@ def solve_level(
         "solve_seconds": round(t_solve, 4),
         "status": h.modelStatusToString(status),
     }
+    if stopped is not None:
+        stats["stopped"] = stopped  # HiGHS was stopped early: at the deadline, or stalled
     if status == MS.kInfeasible:
         raise LevelInfeasible(f"level '{p.name}' has no schedule within {budget} bytes")
     has_solution = info.primal_solution_status == 2  # feasible point available
