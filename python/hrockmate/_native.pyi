@@ -140,8 +140,8 @@ def build_hierarchy(
 def backward_owners(
     block_of_fwd: NDArray[np.int64], last: int, **graph: _GraphArg
 ) -> NDArray[np.int64]:
-    """The block of every backward op given the forward ops' blocks (-1: none), by the rule of
-    docs/hierarchy.md ("Backward ops"); -1 for forward ops."""
+    """The block of every backward op given the forward ops' blocks (-1: none), by the owner rule of
+    docs/hierarchy.md ("Clusters"); -1 for forward ops."""
 
 def simplify(
     fold_views: bool = True, merge_chains: bool = True, **graph: _GraphArg

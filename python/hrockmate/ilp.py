@@ -609,7 +609,7 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None)
     if cancel is not None and cancel.is_set():
         raise SolveCancelled("the solve was cancelled")
     stop = threading.Event()
-    why: list[str] = []
+    why: str | None = None
     started = _time.perf_counter()
     best = [math.inf, started]  # best objective so far, and when it was found
 
@@ -650,10 +650,10 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None)
         while not done.wait(0.05):
             if not stop.is_set():
                 if deadline is not None and _time.perf_counter() > deadline:
-                    why.append("deadline")
-                    stop.set()
+                    why = "deadline"
                 elif stalled():
-                    why.append("stall")
+                    why = "stall"
+                if why is not None:
                     stop.set()
     except KeyboardInterrupt:
         stop.set()
@@ -668,7 +668,7 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None)
         raise failure[0]
     if cancel is not None and cancel.is_set():
         raise SolveCancelled("the solve was cancelled")
-    return why[0] if why else None
+    return why
 
 
 def solve_level(

@@ -79,6 +79,7 @@ def _one_round(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
     choices = _keep_choices(graph, steps, base.timeline, budget, deadline)
     if not choices:
         return None
+
     def attempt(n: int) -> Refined | None:
         """The first ``n`` choices applied, if that simulates within budget and faster."""
         new_steps, new_fl = _apply(graph, steps, forward_len, choices[:n])

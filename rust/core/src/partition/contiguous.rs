@@ -33,11 +33,11 @@ impl Partitioner for Contiguous {
             let groups = (n.div_ceil(cfg.group_size.max(1))).max(2);
             round_half_even(n as f64 / groups as f64).max(1)
         };
-        let starts = cut_points(&forward_crossing(dag), &dag.kinds, target);
+        let starts = cut_points(&forward_crossing(dag), &dag.kinds, target, max_size);
         let mut groups = Vec::new();
         for (k, &a) in starts.iter().enumerate() {
             let b = starts.get(k + 1).copied().unwrap_or(n);
-            if b - a >= 2 && b - a <= max_size {
+            if b - a >= 2 {
                 groups.push((a..b).map(|i| dag.topo[i]).collect());
             }
         }
@@ -45,7 +45,8 @@ impl Partitioner for Contiguous {
     }
 }
 
-/// Python's `round`: halves go to the even neighbour.
+/// Rounding with halves to the even neighbour, as the planner's earlier Python partitioner did
+/// (so that its trees, which the benchmarks validated, stay the same).
 fn round_half_even(x: f64) -> usize {
     let r = x.round();
     let r = if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 { r - 1.0 } else { r };
@@ -82,9 +83,10 @@ fn forward_crossing(dag: &UnitDag) -> Vec<u64> {
 }
 
 /// Starts of consecutive groups of about `target` units over positions 0..n (the first is 0).
-/// A group spans 0.6x to 1.4x the target; the cut inside that window has the fewest bytes
-/// crossing, then a context seen at an earlier cut, then the farthest position.
-fn cut_points(cross: &[u64], kinds: &[u64], target: usize) -> Vec<usize> {
+/// A group spans 0.6x to 1.4x the target, and at most `max_size` units; the cut inside that
+/// window has the fewest bytes crossing, then a context seen at an earlier cut, then the
+/// farthest position.
+fn cut_points(cross: &[u64], kinds: &[u64], target: usize, max_size: usize) -> Vec<usize> {
     let n = cross.len() - 1;
     let w = target.max(1);
     let context: Vec<u64> = (0..=n)
@@ -94,7 +96,8 @@ fn cut_points(cross: &[u64], kinds: &[u64], target: usize) -> Vec<usize> {
             h.finish()
         })
         .collect();
-    let (lo_size, hi_size) = (0.6 * target as f64, 1.4 * target as f64);
+    let hi_size = (1.4 * target as f64).min(max_size.max(1) as f64);
+    let lo_size = (0.6 * target as f64).min(hi_size);
     let mut seen: HashSet<u64> = HashSet::new();
     let mut starts = vec![0];
     let mut k = 0;
@@ -143,7 +146,7 @@ mod tests {
         cross[0] = 0;
         cross[4] = 0;
         cross[8] = 0;
-        let starts = cut_points(&cross, &[0; 12], 4);
+        let starts = cut_points(&cross, &[0; 12], 4, 20);
         assert_eq!(starts, vec![0, 4, 8]);
     }
 
@@ -151,10 +154,21 @@ mod tests {
     fn equal_crossings_repeat_the_structure() {
         // period-3 layers, all cuts equal: the cuts repeat with period 3 once one is seen
         let kinds: Vec<u64> = (0..30).map(|i| (i % 3) as u64).collect();
-        let starts = cut_points(&[0; 31], &kinds, 4);
+        let starts = cut_points(&[0; 31], &kinds, 4, 20);
         let offsets: HashSet<usize> = starts[1..].iter().map(|s| s % 3).collect();
         assert_eq!(offsets.len(), 1, "cuts {starts:?}");
         assert!(starts.windows(2).all(|w| w[1] - w[0] <= 6 && w[1] - w[0] >= 2));
+    }
+
+    #[test]
+    fn groups_stay_within_max_size() {
+        // target 20 with max_size 20: groups of up to 20, not 28 (which the driver would drop,
+        // leaving single-op leaves)
+        let starts = cut_points(&[0; 101], &[0; 100], 20, 20);
+        assert!(starts.len() >= 5, "cuts {starts:?}");
+        let mut bounds = starts.clone();
+        bounds.push(100);
+        assert!(bounds.windows(2).all(|w| w[1] - w[0] <= 20 && w[1] - w[0] >= 12), "cuts {starts:?}");
     }
 
     #[test]

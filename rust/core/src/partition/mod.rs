@@ -2,7 +2,8 @@
 //!
 //! The FORWARD ops are partitioned; each backward op then joins a leaf by [`backward_owners`]
 //! (the leaf of the forward op it differentiates, else the latest leaf whose forward values it
-//! reads, never later than a backward op it reads from), or the root when there is no leaf. Partitioning proceeds in rounds: every round a [`Partitioner`] groups the current
+//! reads, never later than a backward op it reads from), or the root when there is no leaf.
+//! Partitioning proceeds in rounds: every round a [`Partitioner`] groups the current
 //! top-level units (ops in the first round, clusters after) into convex groups of at most
 //! `max_size` units, adding one hierarchy level, until at most `top_max_size` units remain.
 //! The driver here checks what partitioners return (disjoint, in range, size limits, acyclic
@@ -250,9 +251,6 @@ pub trait Partitioner: Send + Sync {
         false
     }
 }
-
-/// The default partitioner's name (the one that plans best on the benchmark set).
-pub const DEFAULT_PARTITIONER: &str = "contiguous";
 
 /// The partitioner called `name` ("contiguous", "bottom_up" or "topo_interval").
 pub fn partitioner_by_name(name: &str) -> Result<Box<dyn Partitioner>, PartitionError> {
