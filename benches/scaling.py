@@ -45,8 +45,8 @@ def _families() -> dict[str, Callable[[int], tuple[Any, Any]]]:
 
 def solve_case(graph: Any, budget: float, method: str, time_limit: float) -> dict[str, Any]:
     """Solve one graph; returns seconds, status and the plan's predicted figures."""
-    from hrockmate.plan import InfeasibleBudget
-    from hrockmate.planner import solve_graph
+    from hrockmate.ir.plan import InfeasibleBudget
+    from hrockmate.planning.api import solve_graph
 
     t0 = time.perf_counter()
     try:
@@ -74,8 +74,8 @@ def solve_case(graph: Any, budget: float, method: str, time_limit: float) -> dic
 def run(layers: list[int], budget: float, time_limit: float, graphs: Path | None,
         checkmate_max_ops: int, out: Path) -> dict[str, Any]:
     from hrockmate.bench import machine_info
-    from hrockmate.graph import Graph
-    from hrockmate.tracing import trace_model
+    from hrockmate.capture.tracing import trace_model
+    from hrockmate.ir.graph import Graph
 
     report: dict[str, Any] = {"machine": machine_info("cpu"), "budget": budget,
                               "time_limit": time_limit, "command": " ".join(sys.argv),

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import hrockmate
-from hrockmate.graph import Graph, write_atomic
-from hrockmate.plan import InfeasibleBudget
+from hrockmate.ir.graph import Graph, write_atomic
+from hrockmate.ir.plan import InfeasibleBudget
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("checkpoint", "selective", "rotor", "greedy")
@@ -58,7 +58,7 @@ def run_one(g: Graph, fraction: float, method: str, time_limit: float) -> dict[s
                                          time_limit=time_limit)
     except InfeasibleBudget:
         return {"fits": False, "seconds": time.perf_counter() - t0}
-    except hrockmate.literature.NotAChainError:
+    except hrockmate.planning.literature.NotAChainError:
         return {"fits": False, "not_a_chain": True, "seconds": time.perf_counter() - t0}
     return {"fits": True, "overhead": plan.time / plan.baseline_time - 1,
             "peak_fraction": plan.peak_bytes / plan.baseline_peak_bytes,

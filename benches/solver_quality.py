@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import hrockmate
-from hrockmate import solvers
-from hrockmate.graph import Graph, Op, Tensor
-from hrockmate.graph import write_atomic
-from hrockmate.plan import InfeasibleBudget
+from hrockmate.ir.graph import Graph, Op, Tensor, write_atomic
+from hrockmate.ir.plan import InfeasibleBudget
+from hrockmate.planning import strategies
 
-solve_mod = importlib.import_module("hrockmate.planner")
+hierarchy_mod = importlib.import_module("hrockmate.planning.hierarchy")
 REPO = Path(__file__).resolve().parents[1]
 BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3)
 
@@ -63,8 +62,8 @@ def _plan_row(fn: Any) -> dict[str, Any]:
 def _exact_row(g: Graph, budget: int, time_limit: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
-        r = solvers.solve_checkmate(g, budget, time_limit=time_limit)
-    except solvers.SolverInfeasible as exc:
+        r = strategies.solve_checkmate(g, budget, time_limit=time_limit)
+    except strategies.SolverInfeasible as exc:
         return {"status": "infeasible" if exc.proven else "no solution in time limit",
                 "seconds": round(time.perf_counter() - t0, 2)}
     sim = hrockmate.simulate(g, hrockmate.Schedule(r.steps, r.forward_len))
@@ -126,7 +125,7 @@ def quality(graphs: list[tuple[str, Graph]], budgets: tuple[float, ...], exact_l
                     key = repr(kw.get("solvers"))
                     if key not in hierarchies:
                         t0 = time.perf_counter()
-                        hierarchies[key] = (solve_mod.prepare(
+                        hierarchies[key] = (hierarchy_mod.prepare(
                             g, flat_ops=0, progress=False, solvers=kw.get("solvers")),
                             time.perf_counter() - t0)
                     kw["hierarchy"] = hierarchies[key][0]

@@ -6,7 +6,7 @@ Per model and budget, in one process:
 - ``works``: HRockmate built and trained; ``exact``: one training step's parameter gradients
   and buffers against plain PyTorch from the same state ("exact" bitwise, "close" within 1e-4
   relative, else "differ");
-- the budget and the measured peak (``hrockmate.memory``: allocations above the start of the
+- the budget and the measured peak (``hrockmate.capture.memory``: allocations above the start of the
   step, parameter gradients excluded), and the predicted peak;
 - predicted and measured overhead against plain autograd (median of paired iterations);
 - ``plan_s``: building HRockmate with an empty plan cache (trace, op times, solve); ``cached_s``:
@@ -42,8 +42,8 @@ import torch  # noqa: E402
 
 import hrockmate  # noqa: E402
 from hrockmate.bench import _compare_grads  # noqa: E402
-from hrockmate.budget import parse_budget  # noqa: E402
-from hrockmate.memory import eager_training_step  # noqa: E402
+from hrockmate.capture.memory import eager_training_step  # noqa: E402
+from hrockmate.ir.budget import parse_budget  # noqa: E402
 from hrockmate.thirdparty import BUILDERS  # noqa: E402
 
 

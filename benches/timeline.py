@@ -21,8 +21,8 @@ from typing import Any
 
 def load_graph(model: str | None, size: str, graph: Path | None) -> Any:
     """The graph to plan: a graph file, or a zoo model traced (estimated op times)."""
-    from hrockmate.graph import Graph
-    from hrockmate.tracing import trace_model
+    from hrockmate.capture.tracing import trace_model
+    from hrockmate.ir.graph import Graph
 
     if graph is not None:
         return Graph.load(graph)
@@ -41,7 +41,7 @@ def plot_timeline(graph: Any, plan: Any, path: Path) -> dict[str, int]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hrockmate.schedule import simulate, store_all_schedule
+    from hrockmate.ir.schedule import simulate, store_all_schedule
 
     base_sched = store_all_schedule(graph)
     base = simulate(graph, base_sched)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget must be a fraction in (0, 1], got {args.budget}")
     import torch
 
-    from hrockmate.planner import solve_graph
+    from hrockmate.planning.api import solve_graph
 
     torch.set_num_threads(1)
     graph = load_graph(args.model, args.size, args.graph)

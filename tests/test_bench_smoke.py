@@ -19,6 +19,7 @@ from hrockmate.bench import (  # noqa: E402
     run,
 )
 
+
 def _tiny_mlp(size: str) -> tuple[torch.nn.Module, torch.Tensor]:
     """Three residual-free MLP blocks and a head; the blocks are what checkpointing wraps."""
     nn = torch.nn

@@ -16,16 +16,17 @@ from pathlib import Path
 import pytest
 
 import hrockmate
-from hrockmate import _native, literature
-from hrockmate.graph import Graph, GraphError, Op, Tensor
-from hrockmate.plan import InfeasibleBudget
-from hrockmate.schedule import (
+from hrockmate import _native
+from hrockmate.ir.graph import Graph, GraphError, Op, Tensor
+from hrockmate.ir.plan import InfeasibleBudget
+from hrockmate.ir.schedule import (
     Schedule,
     ScheduleError,
     recompute_all_schedule,
     simulate,
     store_all_schedule,
 )
+from hrockmate.planning import literature
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,7 +75,7 @@ def run_python(code: str, timeout: float = 60.0) -> subprocess.CompletedProcess[
 
 def test_recompute_all_of_a_200k_op_chain_is_refused_quickly_in_little_memory() -> None:
     r = run_python("""
-        from hrockmate.schedule import recompute_all_schedule
+        from hrockmate.ir.schedule import recompute_all_schedule
         g = training_chain(100_000)
         before = peak_rss_mb()
         start = time.perf_counter()
@@ -175,7 +176,7 @@ def test_checkmate_refuses_a_milp_too_large_for_its_time_limit(caplog: pytest.Lo
 
 def test_a_milp_past_the_size_cap_is_refused_naming_its_size(monkeypatch: pytest.MonkeyPatch
                                                              ) -> None:
-    from hrockmate import ilp
+    from hrockmate.planning import ilp
 
     monkeypatch.setattr(ilp, "MAX_MODEL_NONZEROS", 10_000)
     level = ilp.op_level(training_chain(40))
@@ -184,7 +185,7 @@ def test_a_milp_past_the_size_cap_is_refused_naming_its_size(monkeypatch: pytest
 
 
 def test_run_highs_stops_at_its_deadline() -> None:
-    from hrockmate.ilp import run_highs
+    from hrockmate.planning.ilp import run_highs
 
     h = _hard_knapsack()  # its own time_limit is 120 s
     start = time.perf_counter()
@@ -196,7 +197,7 @@ def test_run_highs_stops_at_its_deadline() -> None:
 def test_run_highs_stops_a_search_that_stopped_improving() -> None:
     """With ``stall``, a MIP whose best schedule has stopped improving is stopped, keeping that
     schedule, long before its own limit; a deadline still wins when it comes first."""
-    from hrockmate.ilp import run_highs
+    from hrockmate.planning.ilp import run_highs
 
     h = _hard_knapsack()  # its own time_limit is 120 s and it runs well past 10 s
     start = time.perf_counter()
@@ -252,7 +253,7 @@ def _hard_knapsack() -> object:
 
 def test_ctrl_c_stops_a_native_rotor_call() -> None:
     done, seconds = interrupt_after_start("""
-        from hrockmate import literature
+        from hrockmate.planning import literature
         g = training_chain(1_000)
         print("started", flush=True)
         literature.rotor(g, 20_000, max_table_bytes=2**27)
@@ -264,7 +265,7 @@ def test_ctrl_c_stops_a_native_rotor_call() -> None:
 
 def test_ctrl_c_stops_a_highs_solve() -> None:
     done, seconds = interrupt_after_start("""
-        from hrockmate.ilp import run_highs
+        from hrockmate.planning.ilp import run_highs
         from test_bounds import _hard_knapsack
         h = _hard_knapsack()
         print("started", flush=True)
@@ -282,8 +283,10 @@ def test_ctrl_c_stops_every_thread_solving_blocks(monkeypatch: pytest.MonkeyPatc
     import os
     import threading
 
-    from hrockmate import ilp, planner
     from test_ilp import training_graph
+
+    from hrockmate.planning import hierarchy as planner
+    from hrockmate.planning import ilp
 
     started = threading.Semaphore(0)
 
@@ -318,7 +321,7 @@ def test_ctrl_c_stops_every_thread_solving_blocks(monkeypatch: pytest.MonkeyPatc
 def test_a_cancelled_solve_stops_within_a_second() -> None:
     import threading
 
-    from hrockmate import ilp
+    from hrockmate.planning import ilp
 
     cancel = threading.Event()
     outcome: list[BaseException | None] = []

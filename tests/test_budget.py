@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hrockmate
-from hrockmate.budget import BudgetError, format_bytes, parse_budget
+from hrockmate.ir.budget import BudgetError, format_bytes, parse_budget
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hrockmate.budget import format_bytes
 from hrockmate.cli import main
-from hrockmate.graph import Graph
-from hrockmate.plan import load_plan
+from hrockmate.ir.budget import format_bytes
+from hrockmate.ir.graph import Graph
+from hrockmate.ir.plan import load_plan
 
 SUBCOMMANDS = ("demo", "solve", "simulate", "bench")
 
@@ -162,7 +162,7 @@ def test_too_small_byte_budget_fails_at_once_naming_the_minimum(
                                     "--budget", "2"])
     # no solver ran: the graph's cheap lower bound refused the budget
     assert time.perf_counter() - start < 5
-    from hrockmate.schedule import peak_lower_bound
+    from hrockmate.ir.schedule import peak_lower_bound
 
     graph = Graph.load(data_graphs / "resnet_like_train.json")
     floor, _why = peak_lower_bound(graph)

@@ -10,8 +10,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from hrockmate import models
-from hrockmate.costmodel import annotate_costs, estimate_time, op_signature
-from hrockmate.tracing import placeholder_values, run_joint, trace_model
+from hrockmate.capture.costs import annotate_costs, estimate_time, op_signature
+from hrockmate.capture.tracing import placeholder_values, run_joint, trace_model
 
 SCRATCH_BYTES = 4000
 

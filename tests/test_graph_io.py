@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from hrockmate import _native
-from hrockmate.graph import Graph, GraphError, Op, Tensor
-from hrockmate.schedule import recompute_all_schedule, simulate, store_all_schedule
+from hrockmate.ir.graph import Graph, GraphError, Op, Tensor
+from hrockmate.ir.schedule import recompute_all_schedule, simulate, store_all_schedule
 
 
 def mlp_graph() -> Graph:

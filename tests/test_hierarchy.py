@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import corpus_files
 
 from hrockmate import _native
-from hrockmate.graph import ROLE_CODE, Graph, Op, Tensor
-from hrockmate.hierarchy import Hierarchy, HierarchyError, build_hierarchy, simplify
+from hrockmate.ir.graph import ROLE_CODE, Graph, Op, Tensor
+from hrockmate.planning.blocks import Block
+from hrockmate.planning.clusters import Hierarchy, HierarchyError, build_hierarchy, simplify
 
 
 def chain_model(n: int, *, repeat: bool = False, free_views: bool = False) -> Graph:
@@ -106,14 +106,14 @@ def test_chain_hierarchy_and_options(partitioner: str) -> None:
 def test_the_planner_plans_on_the_rust_hierarchy(data_graphs: Path) -> None:
     """The planner's block tree is the Rust core's contiguous hierarchy, cluster for cluster:
     same ops per block at every level, same root-owned backward ops."""
-    from hrockmate import planner
+    from hrockmate.planning import hierarchy as planner
 
     g = Graph.load(data_graphs / "gpt2_tiny_oplog.json")
     h = build_hierarchy(g, partitioner="contiguous", leaf_size=6, group_size=planner.GROUP_SIZE,
                         max_size=20, top_max_size=16, options=False)
     root = planner.build_hierarchy(g, leaf_size=6, group_size=planner.GROUP_SIZE, top_size=16)
 
-    def same(block: planner.Block, cluster_id: int) -> None:
+    def same(block: Block, cluster_id: int) -> None:
         c = h.clusters[cluster_id]
         assert sorted(block.fwd_ops) == sorted(c.fwd_ops)
         assert sorted(block.bwd_ops) == sorted(c.bwd_ops)

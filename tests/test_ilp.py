@@ -1,4 +1,4 @@
-"""The stage MILP (hrockmate.ilp): exactness on tiny graphs against brute force, options and
+"""The stage MILP (hrockmate.planning.ilp): exactness on tiny graphs against brute force, options and
 pairs, model building and input checks."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 import pytest
 
 import hrockmate
-from hrockmate import ilp, solvers
-from hrockmate.graph import PREEXISTING_ROLES, Graph, Op, Tensor
+from hrockmate.ir.graph import PREEXISTING_ROLES, Graph, Op, Tensor
+from hrockmate.planning import ilp, strategies
 
 
 def training_graph(
@@ -149,13 +149,13 @@ def _sim(graph: Graph, steps: list[tuple[str, int]], fl: int) -> tuple[int, floa
 def test_exact_ilp_matches_brute_force(seed: int) -> None:
     g = training_graph(3 + seed % 2, seed, skips=seed % 3 == 0)
     base = _sim(g, *_store_all(g))
-    low_steps, low_fl, proven, _ = solvers.min_peak_checkmate(g)
+    low_steps, low_fl, proven, _ = strategies.min_peak_checkmate(g)
     low = _sim(g, low_steps, low_fl)[0]
     assert proven
     for budget in sorted({low, (low + base[0]) // 2, base[0]}):
         expected = brute_force_time(g, budget)
         assert expected is not None, "the min-peak schedule must be feasible for brute force"
-        r = solvers.solve_checkmate(g, budget)
+        r = strategies.solve_checkmate(g, budget)
         peak, t = _sim(g, r.steps, r.forward_len)
         assert r.optimal
         assert peak <= budget
@@ -164,13 +164,13 @@ def test_exact_ilp_matches_brute_force(seed: int) -> None:
 
 def test_min_peak_is_the_least_feasible_budget() -> None:
     g = training_graph(4, 11)
-    steps, fl, proven, bound = solvers.min_peak_checkmate(g)
+    steps, fl, proven, bound = strategies.min_peak_checkmate(g)
     low = _sim(g, steps, fl)[0]
     assert proven and bound <= low + 1
     assert brute_force_time(g, low) is not None
     assert brute_force_time(g, low - 1) is None or low - 1 >= bound - 1
-    with pytest.raises(solvers.SolverInfeasible) as info:
-        solvers.solve_checkmate(g, low - 1)
+    with pytest.raises(strategies.SolverInfeasible) as info:
+        strategies.solve_checkmate(g, low - 1)
     assert info.value.proven or brute_force_time(g, low - 1) is None
 
 

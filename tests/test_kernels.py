@@ -1,4 +1,4 @@
-"""The kernels that run traced ops (``hrockmate.kernels``): BatchNorm runs as eager does."""
+"""The kernels that run traced ops (``hrockmate.capture.kernels``): BatchNorm runs as eager does."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from hrockmate import kernels, models
+from hrockmate import models
+from hrockmate.capture import kernels
 from hrockmate.runtime import HRockmate
 
 aten = torch.ops.aten
@@ -65,10 +66,10 @@ def test_runtime_with_the_eager_batch_norm_kernels_trains_exactly(monkeypatch: p
     table = kernels._EAGER_CUDA
     real = kernels.kernel.__wrapped__
     monkeypatch.setattr(kernels, "kernel", lambda t, d: table[t] if t in table else real(t, d))
-    import hrockmate.costmodel
-    import hrockmate.runtime
-    import hrockmate.tracing
-    for mod in (hrockmate.costmodel, hrockmate.runtime, hrockmate.tracing):
+    import hrockmate.capture.costs
+    import hrockmate.capture.tracing
+    import hrockmate.runtime.compiler
+    for mod in (hrockmate.capture.costs, hrockmate.runtime.compiler, hrockmate.capture.tracing):
         monkeypatch.setattr(mod, "kernel", kernels.kernel)
     model, x = models.cnn_bn(batch=4, image=8, width=8)
     ref = copy.deepcopy(model)

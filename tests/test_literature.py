@@ -6,9 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import corpus_files
 
-from hrockmate.graph import Graph, Op, Tensor
-from hrockmate.literature import (
+from hrockmate.ir.graph import Graph, Op, Tensor
+from hrockmate.ir.plan import InfeasibleBudget
+from hrockmate.ir.schedule import simulate, store_all_schedule
+from hrockmate.planning.literature import (
     ChainStage,
     NotAChainError,
     StateOption,
@@ -18,10 +21,6 @@ from hrockmate.literature import (
     rotor_chain,
     twremat,
 )
-from hrockmate.plan import InfeasibleBudget
-from hrockmate.schedule import simulate, store_all_schedule
-
-from conftest import corpus_files
 
 
 @pytest.fixture(scope="module")

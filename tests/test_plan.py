@@ -14,8 +14,8 @@ import pytest
 from test_ilp import training_graph
 
 import hrockmate
-from hrockmate import solvers
-from hrockmate.plan import InfeasibleBudget, Plan, PlanError, load_plan
+from hrockmate.ir.plan import InfeasibleBudget, Plan, PlanError, load_plan
+from hrockmate.planning import strategies
 
 try:
     import fcntl
@@ -27,7 +27,7 @@ except ImportError:
 def plan_and_graph() -> tuple[Plan, hrockmate.Graph]:
     g = training_graph(6, 1)
     base = hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes
-    steps, fl, _, _ = solvers.min_peak_checkmate(g)
+    steps, fl, _, _ = strategies.min_peak_checkmate(g)
     low = hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).peak_bytes
     assert low < base
     return hrockmate.solve_graph(g, (low + base) // 2, progress=False), g
@@ -221,8 +221,8 @@ def test_shortfall_says_what_happened(plan_and_graph: tuple[Plan, hrockmate.Grap
 
 _KILLED_SAVE = """
 import os, signal, sys
-import hrockmate.graph as graph_module
-from hrockmate.plan import load_plan
+import hrockmate.ir.graph as graph_module
+from hrockmate.ir.plan import load_plan
 
 plan = load_plan(sys.argv[1])
 def die(fd):  # SIGKILL in the middle of Plan.save, after the temporary file is written

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import hrockmate
-import hrockmate.costmodel
-import hrockmate.planner
+import hrockmate.capture.costs
+import hrockmate.planning.api
 from hrockmate import models
-from hrockmate.costmodel import TIME_GRID_STEPS, round_times
-from hrockmate.plan import load_plan
-from hrockmate.plan_cache import CACHE_ENV, PlanCacheWarning, default_cache_dir, open_cache
+from hrockmate.capture.costs import TIME_GRID_STEPS, round_times
+from hrockmate.ir.plan import load_plan
+from hrockmate.planning.cache import CACHE_ENV, PlanCacheWarning, default_cache_dir, open_cache
 from hrockmate.runtime import HRockmate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def _entries(cache_dir: Path, kind: str) -> list[Path]:
 def no_measuring_or_solving(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail if op times are measured or a graph is solved (workspaces may still be measured:
     tracing does that)."""
-    measure = hrockmate.costmodel.annotate_costs
+    measure = hrockmate.capture.costs.annotate_costs
 
     def no_measure(*args: Any, mode: str = "measure", **kwargs: Any) -> Any:
         assert mode != "measure", "op times were measured again"
@@ -53,8 +53,8 @@ def no_measuring_or_solving(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_solve(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the graph was solved again")
 
-    monkeypatch.setattr(hrockmate.costmodel, "annotate_costs", no_measure)
-    monkeypatch.setattr(hrockmate.planner, "solve_graph", no_solve)
+    monkeypatch.setattr(hrockmate.capture.costs, "annotate_costs", no_measure)
+    monkeypatch.setattr(hrockmate.planning.api, "solve_graph", no_solve)
 
 
 # ---- reuse ---------------------------------------------------------------------------------------
@@ -77,13 +77,13 @@ def test_second_build_reuses_the_plan(tmp_path: Path, request: pytest.FixtureReq
 def test_new_budget_reuses_the_measured_times(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     _build(tmp_path, budget=0.8)
-    measure = hrockmate.costmodel.annotate_costs
+    measure = hrockmate.capture.costs.annotate_costs
 
     def no_measure(*args: Any, mode: str = "measure", **kwargs: Any) -> Any:
         assert mode != "measure", "op times were measured again"
         return measure(*args, mode=mode, **kwargs)
 
-    monkeypatch.setattr(hrockmate.costmodel, "annotate_costs", no_measure)
+    monkeypatch.setattr(hrockmate.capture.costs, "annotate_costs", no_measure)
     other = _build(tmp_path, budget=0.9)
     assert other.plan.stats.get("cache") is None  # solved: a plan per budget
     assert len(_entries(tmp_path, "plans")) == 2 and len(_entries(tmp_path, "times")) == 1
@@ -184,7 +184,7 @@ def test_rounded_times_ignore_a_uniform_change_of_speed() -> None:
 
 _RUN = textwrap.dedent("""
     import hashlib, json, sys
-    import hrockmate.costmodel as costmodel
+    import hrockmate.capture.costs as costmodel
     from hrockmate import models
     from hrockmate.runtime import HRockmate
     measured = []

@@ -1,4 +1,4 @@
-"""Schedule refinement (``hrockmate.refine``): a plan's memory slack spent on dropping
+"""Schedule refinement (``hrockmate.planning.refine``): a plan's memory slack spent on dropping
 recomputations, every result simulated valid, within budget and faster."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from test_ilp import training_graph
 
 import hrockmate
-from hrockmate.graph import Graph
-from hrockmate.refine import refine
-from hrockmate.schedule import recompute_all_schedule
+from hrockmate.ir.graph import Graph
+from hrockmate.ir.schedule import recompute_all_schedule
+from hrockmate.planning.refine import refine
 
 DATA = Path(__file__).resolve().parent / "data" / "graphs"
 

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 import hrockmate
 from hrockmate import models
-from hrockmate.graph import Graph
+from hrockmate.ir.graph import Graph
 from hrockmate.runtime import HRockmate, InputMismatchError, RuntimeScheduleError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -465,7 +465,7 @@ def test_eager_peak_of_a_named_loss_matches_the_store_all_plan(traced_tangents: 
     model = _WithLoss("dict")
     sample = {"x": torch.randn(64, 6), "labels": torch.randint(0, 4, (64,))}
     hm = HRockmate(model, sample, loss_fn="loss")
-    got = hrockmate.memory.measure_eager_peak(
+    got = hrockmate.capture.memory.measure_eager_peak(
         model, sample, loss_fn="loss", traced=hm.traced if traced_tangents else None)
     pred = hm.predicted_peak_bytes
     assert abs(got.peak_bytes - pred) <= 0.05 * pred, f"measured {got.peak_bytes} vs {pred}"
@@ -794,7 +794,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("name,cudnn", [("gpt2_tiny", True), ("cnn_bn", False), ("cnn_bn", True)])
 def test_cuda_training_matches_plain_pytorch(name: str, cudnn: bool) -> None:
     """Bitwise equal to eager on CUDA, with cuDNN on and off: BatchNorm runs the kernel eager
-    picks (``hrockmate.kernels``), so cuDNN's BatchNorm when cuDNN is on."""
+    picks (``hrockmate.capture.kernels``), so cuDNN's BatchNorm when cuDNN is on."""
     with torch.backends.cudnn.flags(enabled=cudnn):
         _cuda_training_matches_plain_pytorch(name, rel=0.0 if name == "cnn_bn" else 1e-6)
 

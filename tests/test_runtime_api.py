@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from hrockmate import models
+from hrockmate.capture.tracing import trace_model
 from hrockmate.runtime import HRockmate
-from hrockmate.tracing import trace_model
 
 
 def _recompute_model() -> tuple[nn.Module, torch.Tensor]:

@@ -11,8 +11,8 @@ import pytest
 
 import hrockmate
 from hrockmate import _native
-from hrockmate.graph import Graph, GraphError, Op, Tensor
-from hrockmate.schedule import (
+from hrockmate.ir.graph import Graph, GraphError, Op, Tensor
+from hrockmate.ir.schedule import (
     Schedule,
     ScheduleError,
     SimulationResult,

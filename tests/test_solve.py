@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from test_ilp import training_graph
 
 import hrockmate
-from hrockmate import solvers
-from hrockmate.graph import Graph, Op, Tensor
-from hrockmate.plan import InfeasibleBudget, Plan
-from hrockmate.schedule import peak_lower_bound
+from hrockmate.ir.graph import Graph, Op, Tensor
+from hrockmate.ir.plan import InfeasibleBudget, Plan
+from hrockmate.ir.schedule import peak_lower_bound
+from hrockmate.planning import strategies
 
-solve_mod = importlib.import_module("hrockmate.planner")
+solve_mod = importlib.import_module("hrockmate.planning.api")
+hierarchy_mod = importlib.import_module("hrockmate.planning.hierarchy")
 METHODS = ("hrockmate", "checkmate", "checkpoint", "recompute-all", "store-all")
 
 
@@ -34,7 +35,7 @@ def _check(plan: Plan, graph: Graph) -> None:
 
 
 def _min_peak(graph: Graph) -> int:
-    steps, fl, proven, _ = solvers.min_peak_checkmate(graph)
+    steps, fl, proven, _ = strategies.min_peak_checkmate(graph)
     assert proven
     return hrockmate.simulate(graph, hrockmate.Schedule(steps, fl)).peak_bytes
 
@@ -72,8 +73,8 @@ def test_every_plan_is_valid_and_within_budget(n: int, seed: int, frac: float, m
 def test_hierarchy_is_close_to_exact_on_small_graphs(seed: int) -> None:
     g = training_graph(9, seed)
     base = hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes
-    h = solve_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False)
-    steps, fl, _, _ = solve_mod.solve_top(h, None, time_limit=30, mip_rel_gap=1e-4,
+    h = hierarchy_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False)
+    steps, fl, _, _ = hierarchy_mod.solve_top(h, None, time_limit=30, mip_rel_gap=1e-4,
                                        minimize_peak=True)
     h_low = hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).peak_bytes
     assert _min_peak(g) <= h_low <= base
@@ -82,7 +83,7 @@ def test_hierarchy_is_close_to_exact_on_small_graphs(seed: int) -> None:
     hier = hrockmate.solve_graph(g, budget, hierarchy=h)
     _check(hier, g)
     # the top level's own schedule, before cheaper alternatives (Rotor, checkpointing) compete
-    own_steps, own_fl, _, _ = solve_mod.solve_top(h, budget, time_limit=30, mip_rel_gap=1e-4)
+    own_steps, own_fl, _, _ = hierarchy_mod.solve_top(h, budget, time_limit=30, mip_rel_gap=1e-4)
     own = hrockmate.simulate(g, hrockmate.Schedule(own_steps, own_fl))
     assert hier.stats["levels"] >= 2
     assert exact.time <= hier.time + 1e-9
@@ -255,8 +256,8 @@ def test_progress_is_logged(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_worker_threads_give_the_same_options() -> None:
     g = training_graph(16, 9)
-    one = solve_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=1)
-    two = solve_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=2)
+    one = hierarchy_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=1)
+    two = hierarchy_mod.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=2)
 
     def keys(h: object) -> list[list[tuple[float, float, int, int, int]]]:
         out = []
@@ -318,19 +319,19 @@ def test_blocks_of_repeated_layers_are_solved_once() -> None:
 
     model, sample = models.gpt2_tiny(n_layer=4)
     g = hrockmate.trace(model, sample)
-    h = solve_mod.prepare(g, flat_ops=0, progress=False)
+    h = hierarchy_mod.prepare(g, flat_ops=0, progress=False)
     assert h.solved_blocks < h.blocks / 2
     # a copy's renamed options cost exactly what solving the copy itself gives
-    st = solve_mod._Settings(None, 1.0, 1e-4)
+    st = hierarchy_mod._Settings(None, 1.0, 1e-4)
     firsts: dict[object, object] = {}
     compared = 0
     stack = list(h.root.children)
     while stack:
         b = stack.pop()
         stack.extend(b.children)
-        key = solve_mod._block_shape(h.ctx, b).key
+        key = hierarchy_mod._block_shape(h.ctx, b).key
         if key in firsts and compared < 3:
-            direct = solve_mod._block_options(h.ctx, b, st)
+            direct = hierarchy_mod._block_options(h.ctx, b, st)
             assert [o.key() for o in b.options] == [o.key() for o in direct]
             assert [o.key() for o in b.options] == [o.key() for o in firsts[key].options]
             compared += 1
@@ -385,10 +386,10 @@ _SMALL_LEVELS = dict(flat_ops=0, leaf_size=3, group_size=3, top_size=4, progress
 
 @pytest.mark.parametrize("seed", [1, 3])
 def test_rotor_on_chain_levels_and_at_the_top(seed: int) -> None:
-    from hrockmate import level_solvers
+    from hrockmate.planning import level_solvers
 
     g = training_graph(40, seed, skips=False)
-    h = solve_mod.prepare(g, solvers={"chains": "rotor", "top": "rotor"}, **_SMALL_LEVELS)
+    h = hierarchy_mod.prepare(g, solvers={"chains": "rotor", "top": "rotor"}, **_SMALL_LEVELS)
     assert h.solver_counts().get("rotor", 0) >= 1
     chain = level_solvers.chain_level(h.ctx, h.root)
     assert chain is not None and len(chain.stages) == len(h.root.children)
@@ -406,10 +407,10 @@ def test_rotor_on_chain_levels_and_at_the_top(seed: int) -> None:
 
 
 def test_rotor_top_on_a_non_chain_uses_the_ilp(caplog: pytest.LogCaptureFixture) -> None:
-    from hrockmate import level_solvers
+    from hrockmate.planning import level_solvers
 
     g = training_graph(30, 1)  # its long skip connections cross the top's blocks
-    h = solve_mod.prepare(g, solvers={"top": "rotor"}, **_SMALL_LEVELS)
+    h = hierarchy_mod.prepare(g, solvers={"top": "rotor"}, **_SMALL_LEVELS)
     assert level_solvers.chain_level(h.ctx, h.root) is None
     with caplog.at_level(logging.INFO, logger="hrockmate"):
         plan = hrockmate.solve_graph(g, 0.8, hierarchy=h)
@@ -455,9 +456,9 @@ def test_default_workers_follow_the_cores_and_a_container_quota(monkeypatch, tmp
         return read
 
     monkeypatch.setattr(Path, "read_text", cpu_max("max 100000\n"))
-    assert solve_mod.default_workers() == solve_mod.MAX_WORKERS == 8
+    assert hierarchy_mod.default_workers() == hierarchy_mod.MAX_WORKERS == 8
     monkeypatch.setattr(Path, "read_text", cpu_max("250000 100000\n"))
-    assert solve_mod.default_workers() == 3
+    assert hierarchy_mod.default_workers() == 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(Path, "read_text", cpu_max("max 100000\n"))
-    assert solve_mod.default_workers() == 2
+    assert hierarchy_mod.default_workers() == 2

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from test_ilp import training_graph
 
 import hrockmate
-from hrockmate import solvers
-from hrockmate.graph import Graph
-from hrockmate.plan import InfeasibleBudget
-from hrockmate.planner import _simulate
+from hrockmate.ir.graph import Graph
+from hrockmate.ir.plan import InfeasibleBudget
+from hrockmate.planning import strategies
+from hrockmate.planning.policy import simulate_steps
 
 
 def _backward_runs_once(graph: Graph, steps: list[tuple[str, int]], forward_len: int) -> None:
@@ -32,8 +32,8 @@ def _backward_runs_once(graph: Graph, steps: list[tuple[str, int]], forward_len:
 def test_block_checkpoint_schedules_are_valid(n: int, seed: int, blocks: int, selective: bool,
                                               skips: bool) -> None:
     g = training_graph(n, seed, skips=skips)
-    extra = solvers.heavy_outputs(g) if selective else set()
-    steps, fl = solvers.block_checkpoint_schedule(g, solvers.contiguous_blocks(g, blocks), extra)
+    extra = strategies.heavy_outputs(g) if selective else set()
+    steps, fl = strategies.block_checkpoint_schedule(g, strategies.contiguous_blocks(g, blocks), extra)
     sim = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))  # raises on an invalid schedule
     store = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
     _backward_runs_once(g, steps, fl)
@@ -46,10 +46,10 @@ def test_block_checkpoint_schedules_are_valid(n: int, seed: int, blocks: int, se
 def test_block_checkpointing_frees_memory_on_a_transformer(data_graphs: Path) -> None:
     g = Graph.load(data_graphs / "gpt2_tiny_oplog.json")
     store = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
-    points = solvers.checkpoint_points(g, _simulate)
+    points = strategies.checkpoint_points(g, simulate_steps)
     peak, t, blocks, _, _ = min(points)
     assert peak < 0.8 * store.peak_bytes and t > store.time
-    sel = {p[2]: p for p in solvers.checkpoint_points(g, _simulate, selective=True)}
+    sel = {p[2]: p for p in strategies.checkpoint_points(g, simulate_steps, selective=True)}
     # at the same block count, keeping the matmul outputs recomputes less
     for peak, t, blocks, _, _ in points:
         if 2 <= blocks <= 8:
@@ -66,8 +66,8 @@ def test_selective_is_a_method(data_graphs: Path) -> None:
 def test_unpaired_backward_ops_join_the_blocks_whose_values_they_read(data_graphs: Path) -> None:
     g = Graph.load(data_graphs / "gpt2_tiny_oplog.json")
     assert all(o.differentiates is None for o in g.ops)
-    blocks = solvers.contiguous_blocks(g, 8)
-    owner = solvers.backward_owners(g, blocks, 7)
+    blocks = strategies.contiguous_blocks(g, 8)
+    owner = strategies.backward_owners(g, blocks, 7)
     # spread over the blocks, not all in the last one
     assert len(set(owner.values())) >= 6
     prod = g.producers()
@@ -84,7 +84,7 @@ def test_block_counts_share_one_topological_sort(data_graphs: Path, name: str,
     # computed once per graph (a sort per count made rnn_loop(steps=180) twice as slow), and
     # sharing them changes no schedule (e.g. no count may alter the shared sets)
     g = Graph.load(data_graphs / f"{name}.json")  # an operator log (no pairing) and a paired one
-    sort = hrockmate.ilp.topological_ops
+    sort = hrockmate.planning.ilp.topological_ops
     calls = 0
 
     def counted(graph: Graph) -> list[int]:
@@ -92,14 +92,14 @@ def test_block_counts_share_one_topological_sort(data_graphs: Path, name: str,
         calls += 1
         return sort(graph)
 
-    monkeypatch.setattr(hrockmate.ilp, "topological_ops", counted)
+    monkeypatch.setattr(hrockmate.planning.ilp, "topological_ops", counted)
     for selective in (False, True):
         calls = 0
-        points = solvers.checkpoint_points(g, _simulate, selective)
+        points = strategies.checkpoint_points(g, simulate_steps, selective)
         assert len(points) >= 5 and calls == 1
-        extra = solvers.heavy_outputs(g) if selective else set()
+        extra = strategies.heavy_outputs(g) if selective else set()
         for _, _, blocks, steps, fl in points:
-            alone = solvers.block_checkpoint_schedule(g, solvers.contiguous_blocks(g, blocks),
+            alone = strategies.block_checkpoint_schedule(g, strategies.contiguous_blocks(g, blocks),
                                                       extra)
             assert (steps, fl) == alone, blocks
 
@@ -126,7 +126,7 @@ def test_plans_never_cost_more_than_the_simple_strategies(data_graphs: Path, nam
     for method in ("checkpoint", "selective", "rotor"):
         try:
             other = hrockmate.solve_graph(g, fraction, method=method, progress=False)
-        except (InfeasibleBudget, hrockmate.literature.NotAChainError):
+        except (InfeasibleBudget, hrockmate.planning.literature.NotAChainError):
             continue
         if other.stats.get("fallback"):
             continue  # the strategy itself did not fit
@@ -140,7 +140,7 @@ def test_recompute_all_is_a_last_resort_and_the_log_says_why(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # greedy eviction reaches almost every budget recompute-all reaches; take it out, so that
     # here (cnn_bn log at 33%) nothing but recompute-all fits
-    monkeypatch.setattr(solvers, "greedy_eviction_schedule", lambda *a, **k: None)
+    monkeypatch.setattr(strategies, "greedy_eviction_schedule", lambda *a, **k: None)
     g = Graph.load(data_graphs / "cnn_bn_oplog.json")
     with caplog.at_level(logging.WARNING, logger="hrockmate"):
         plan = hrockmate.solve_graph(g, 0.33, progress=False, exact_ops=0, time_limit=30)
@@ -186,7 +186,7 @@ def test_greedy_eviction_schedules_are_valid_and_within_budget(n: int, seed: int
     g = training_graph(n, seed, skips=skips)
     store = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
     budget = int(fraction * store.peak_bytes)
-    found = solvers.greedy_eviction_schedule(g, budget)
+    found = strategies.greedy_eviction_schedule(g, budget)
     if found is None:
         return  # stuck: the caller uses another strategy
     steps, fl = found
@@ -225,7 +225,7 @@ def test_greedy_eviction_serves_long_skips(data_graphs: Path) -> None:
 def test_selective_keeps_matmul_convolution_and_attention_outputs(target: str, heavy: bool
                                                                    ) -> None:
     # attention kernels have one name per backend: matched by stem, not by exact name
-    from hrockmate.solvers import is_heavy_op
+    from hrockmate.planning.strategies import is_heavy_op
 
     assert is_heavy_op(target) is heavy
 
@@ -234,7 +234,7 @@ def test_selective_keeps_attention_outputs_of_a_traced_model() -> None:
     import torch
     import torch.nn.functional as F
 
-    from hrockmate.solvers import heavy_outputs, is_heavy_op
+    from hrockmate.planning.strategies import heavy_outputs, is_heavy_op
 
     class Attn(torch.nn.Module):
         def __init__(self) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import hrockmate
-from hrockmate.budget import parse_budget
+from hrockmate.ir.budget import parse_budget
 from hrockmate.runtime import HRockmate
 from hrockmate.thirdparty import BUILDERS
 

@@ -12,15 +12,15 @@ import torch.utils._pytree as pytree
 
 import hrockmate
 from hrockmate import models
-from hrockmate.graph import PREEXISTING_ROLES
-from hrockmate.tracing import (
-    TraceError,
+from hrockmate.capture.tracing import (
     Traced,
+    TraceError,
     placeholder_values,
     run_joint,
     split_sample,
     trace_model,
 )
+from hrockmate.ir.graph import PREEXISTING_ROLES
 
 _CACHE: dict[str, tuple[nn.Module, Any, Traced]] = {}
 

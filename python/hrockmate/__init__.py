@@ -1,10 +1,16 @@
 """hrockmate: hierarchical re-materialization planning and runtime for PyTorch training.
 
-Pipeline (one module per stage): ``tracing`` -> ``graph`` -> simplify/partition/options (Rust,
-``hierarchy``) -> ``planner`` (blocks and the H-ILP: ``ilp``, ``level_solvers``) ->
-``schedule`` (+ ``simulate``) -> ``runtime``.
-Public names are imported lazily so that ``import hrockmate`` stays cheap (torch is only
-imported by the stages that need it).
+One subpackage per stage of the pipeline:
+
+- ``capture``: trace one training iteration into a graph, measure op costs and peaks;
+- ``ir``: the graph, schedules and their simulator (Rust), plans and budgets;
+- ``planning``: hierarchy (Rust) -> block options -> H-ILP (HiGHS) -> schedule, with the
+  fallback policy and the simple strategies it must never lose to;
+- ``runtime``: the schedule compiled to straight-line code, run inside autograd (``HRockmate``).
+
+``cli``, ``demo``, ``bench`` and the model zoos are the tools around them. Public names are
+imported lazily so that ``import hrockmate`` stays cheap (torch is only imported by the stages
+that need it).
 """
 
 from __future__ import annotations
@@ -16,28 +22,29 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
-    "Graph": "hrockmate.graph",
-    "GraphError": "hrockmate.graph",
-    "Schedule": "hrockmate.schedule",
-    "ScheduleError": "hrockmate.schedule",
-    "SimulationResult": "hrockmate.schedule",
-    "simulate": "hrockmate.schedule",
-    "store_all_schedule": "hrockmate.schedule",
-    "recompute_all_schedule": "hrockmate.schedule",
-    "trace": "hrockmate.tracing",
-    "trace_model": "hrockmate.tracing",
-    "Traced": "hrockmate.tracing",
-    "TraceError": "hrockmate.tracing",
-    "measure_peak_memory": "hrockmate.memory",
-    "PeakMeasurement": "hrockmate.memory",
-    "solve": "hrockmate.planner",
-    "solve_graph": "hrockmate.planner",
-    "pareto": "hrockmate.planner",
-    "Plan": "hrockmate.plan",
-    "load_plan": "hrockmate.plan",
-    "PlanError": "hrockmate.plan",
-    "InfeasibleBudget": "hrockmate.plan",
-    "parse_budget": "hrockmate.budget",
+    "Graph": "hrockmate.ir.graph",
+    "GraphError": "hrockmate.ir.graph",
+    "Schedule": "hrockmate.ir.schedule",
+    "ScheduleError": "hrockmate.ir.schedule",
+    "SimulationResult": "hrockmate.ir.schedule",
+    "simulate": "hrockmate.ir.schedule",
+    "store_all_schedule": "hrockmate.ir.schedule",
+    "recompute_all_schedule": "hrockmate.ir.schedule",
+    "trace": "hrockmate.capture.tracing",
+    "trace_model": "hrockmate.capture.tracing",
+    "Traced": "hrockmate.capture.tracing",
+    "TraceError": "hrockmate.capture.tracing",
+    "measure_peak_memory": "hrockmate.capture.memory",
+    "PeakMeasurement": "hrockmate.capture.memory",
+    "solve": "hrockmate.planning.api",
+    "solve_graph": "hrockmate.planning.api",
+    "pareto": "hrockmate.planning.api",
+    "Plan": "hrockmate.ir.plan",
+    "load_plan": "hrockmate.ir.plan",
+    "PlanError": "hrockmate.ir.plan",
+    "InfeasibleBudget": "hrockmate.ir.plan",
+    "SolveError": "hrockmate.ir.plan",
+    "parse_budget": "hrockmate.ir.budget",
     "HRockmate": "hrockmate.runtime",
 }
 

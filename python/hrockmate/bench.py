@@ -10,14 +10,14 @@ measured peak of plain autograd, the *store-all* peak), all in one process:
   model's blocks (all of them, 3/4, 1/2, 1/4), the manual practice;
 - ``selective``: the same blocks under selective activation checkpointing (torchtitan's
   practice): the outputs of matmuls, convolutions and attention are saved
-  (``hrockmate.solvers.is_heavy_op``), the rest of each block runs again in its backward;
+  (``hrockmate.planning.strategies.is_heavy_op``), the rest of each block runs again in its backward;
 - ``compile``: ``torch.compile(backend="aot_eager_decomp_partition")`` with
   ``torch._functorch.config.activation_memory_budget`` swept over the budget fractions (that
   knob is a fraction of saved activations, not a peak bound, so every setting is measured);
 - ``checkmate``: Checkmate's exact MILP over every op of the graph, on graphs of at most
   ``checkmate_max_ops`` ops and within ``checkmate_time_limit`` seconds.
 
-Every point records the measured activation peak (the budget definition: ``hrockmate.memory``),
+Every point records the measured activation peak (the budget definition: ``hrockmate.capture.memory``),
 the median iteration time (forward + backward), the overhead against plain autograd, whether
 the parameter gradients equal plain autograd's (bitwise ``exact``, ``close`` within float
 reassociation, or ``differ``) and the solve/compile time. Per budget, hrockmate and the exact
@@ -101,7 +101,7 @@ class BenchConfig:
     checkmate_max_ops: int = 300
     plot: bool = True
     echo: bool = True
-    # threads solving the hierarchy's blocks (None: hrockmate.planner.default_workers())
+    # threads solving the hierarchy's blocks (None: hrockmate.planning.hierarchy.default_workers())
     workers: int | None = None
 
     def check(self) -> None:
@@ -148,7 +148,7 @@ class _Harness:
         import torch
         import torch.utils._pytree as pytree
 
-        from hrockmate.tracing import split_sample
+        from hrockmate.capture.tracing import split_sample
 
         self.model = model
         self.sample = sample
@@ -197,7 +197,7 @@ class _Harness:
         model's)."""
         import torch
 
-        from hrockmate.memory import measure_peak_memory
+        from hrockmate.capture.memory import measure_peak_memory
 
         params = dict(owner.named_parameters())
         step = self.step_of(fn)
@@ -297,10 +297,11 @@ def _guard(method: str, setting: str, fn: Callable[[], dict[str, Any]]) -> dict[
 def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConfig,
                    info: dict[str, Any], echo: Callable[[str], None]) -> list[dict[str, Any]]:
     """hrockmate and the exact MILP on one traced graph: one plan per budget."""
-    from hrockmate.costmodel import annotate_costs
-    from hrockmate.plan import InfeasibleBudget
+    from hrockmate.capture.costs import annotate_costs
+    from hrockmate.ir.plan import InfeasibleBudget
+    from hrockmate.planning.api import solve_graph
+    from hrockmate.planning.hierarchy import HierarchyTimeout, prepare
     from hrockmate.runtime import HRockmate
-    from hrockmate.planner import HierarchyTimeout, prepare, solve_graph
 
     t0 = time.perf_counter()
     hmod = HRockmate(h.model, h.sample)  # store-all until a plan is installed
@@ -390,7 +391,7 @@ def _selective_context() -> Any:
 
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    from hrockmate.solvers import is_heavy_op
+    from hrockmate.planning.strategies import is_heavy_op
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         return (CheckpointPolicy.MUST_SAVE if is_heavy_op(str(func))
@@ -631,7 +632,7 @@ def run(specs: Iterable[ModelSpec], cfg: BenchConfig, out_dir: str | os.PathLike
 
 
 def _write_json(path: Path, data: Any) -> None:
-    from hrockmate.graph import write_atomic
+    from hrockmate.ir.graph import write_atomic
 
     def clean(v: Any) -> Any:  # JSON has no inf/nan
         if isinstance(v, float) and not math.isfinite(v):
@@ -816,8 +817,8 @@ def load_zoo(path: str | os.PathLike[str] | None = None) -> dict[str, ModelSpec]
 
 def _fraction_list(text: str) -> tuple[float, ...]:
     """``1,0.5,30%``: fractions of the store-all peak, read as every budget is
-    (``hrockmate.budget``); BudgetError naming a bad item."""
-    from hrockmate.budget import parse_fraction
+    (``hrockmate.ir.budget``); BudgetError naming a bad item."""
+    from hrockmate.ir.budget import parse_fraction
 
     return tuple(parse_fraction(x.strip()) for x in text.split(",") if x.strip())
 

@@ -14,8 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from hrockmate.budget import format_bytes
-
+from hrockmate.ir.budget import format_bytes
 
 BUDGET_HELP = (
     "a number in (0, 1] or a percentage (50%%) is that fraction of the store-all peak; a whole "
@@ -98,7 +97,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     graph = hrockmate.Graph.load(args.graph)
     if args.schedule:
-        from hrockmate.plan import load_schedule_or_plan
+        from hrockmate.ir.plan import load_schedule_or_plan
 
         schedule = load_schedule_or_plan(args.schedule, graph)
     elif args.reference == "recompute-all":

@@ -14,8 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from hrockmate.budget import BudgetLike, parse_budget
-from hrockmate.budget import format_bytes
+from hrockmate.ir.budget import BudgetLike, format_bytes, parse_budget
 
 
 def _median_time(step: Callable[[], Any], iterations: int) -> float:
@@ -45,7 +44,7 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the demo and print a report; returns the figures as a dict. ``threads``: torch's CPU
     threads for the run (None: leave torch's setting)."""
-    from hrockmate.memory import measure_eager_peak, measure_peak_memory
+    from hrockmate.capture.memory import measure_eager_peak, measure_peak_memory
     from hrockmate.models import gpt2_tiny
     from hrockmate.runtime import HRockmate
 

@@ -185,7 +185,7 @@ fn simulate<'py>(
     sim_result_dict(py, &r)
 }
 
-/// A simulation result as Python receives it (python/hrockmate/schedule.py
+/// A simulation result as Python receives it (python/hrockmate/ir/schedule.py
 /// `SimulationResult.from_native`).
 pub(crate) fn sim_result_dict<'py>(py: Python<'py>, r: &SimResult) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);

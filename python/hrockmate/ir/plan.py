@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hrockmate.budget import format_bytes
-from hrockmate.graph import read_text_file, write_atomic
-from hrockmate.schedule import SCHEDULE_FORMAT, SCHEDULE_VERSION
+from hrockmate.ir.budget import format_bytes
+from hrockmate.ir.graph import read_text_file, write_atomic
+from hrockmate.ir.schedule import SCHEDULE_FORMAT, SCHEDULE_VERSION
 
 if TYPE_CHECKING:
-    from hrockmate.graph import Graph
-    from hrockmate.schedule import Schedule
+    from hrockmate.ir.graph import Graph
+    from hrockmate.ir.schedule import Schedule
 
 PLAN_FORMAT = "hrockmate-plan"
 PLAN_VERSION = 1
@@ -31,6 +31,10 @@ Step = tuple[str, int]
 
 class PlanError(ValueError):
     """A plan file is unreadable or corrupt, or a plan does not belong to the given graph."""
+
+
+class SolveError(RuntimeError):
+    """The solver produced a schedule the simulator rejects (a bug); the message says which."""
 
 
 class InfeasibleBudget(ValueError):
@@ -96,7 +100,7 @@ class Plan:
 
     @property
     def schedule(self) -> "Schedule":
-        from hrockmate.schedule import Schedule
+        from hrockmate.ir.schedule import Schedule
 
         return Schedule(steps=list(self.steps), forward_len=self.forward_len)
 
@@ -331,7 +335,7 @@ def load_plan(path: str | os.PathLike[str], graph: "Graph | None" = None) -> Pla
 
 def load_schedule_or_plan(path: str | os.PathLike[str], graph: "Graph") -> "Schedule":
     """A schedule file, or the schedule of a plan file (which must belong to ``graph``)."""
-    from hrockmate.schedule import Schedule
+    from hrockmate.ir.schedule import Schedule
 
     p = Path(path)
     text = read_text_file(p, "schedule", PlanError)

@@ -1,4 +1,4 @@
-"""The execution runtime: run a schedule over the traced joint graph inside autograd.
+"""The ``HRockmate`` module: run a compiled schedule over the traced joint graph inside autograd.
 
 ``HRockmate(model, sample, budget)`` traces one training iteration of ``model`` (see
 ``hrockmate.trace``), picks a schedule (store-all when the budget allows it, otherwise the
@@ -11,11 +11,7 @@ autograd while the backward still runs. Parameters are inputs of these nodes, so
 accumulates into their ``.grad`` (existing gradients are added to; DDP/FSDP hooks fire as
 usual).
 
-The schedule is compiled once into straight-line Python functions (the forward segment and each
-backward chunk) over a list ``E`` indexed by IR tensor id: a compute step is one call of the ATen
-op with its arguments read from ``E``; a free step drops the reference. Everything the hot path
-needs (op callables, constants, where outputs go, which random ops must replay their generator
-state, where buffers are written back, where the backward is cut) is decided while compiling.
+The schedule is compiled once into straight-line Python functions (``compiler``).
 
 Semantics kept from eager PyTorch:
 
@@ -32,7 +28,7 @@ for the new input (its plan depends on the shapes). Each call also compares the 
 model as traced (``_model_fingerprint``, no tensor data read): a changed ``requires_grad`` or
 training flag makes it trace and plan again; an edit (modules or tensors added, removed,
 replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times are cached on disk
-(``hrockmate.plan_cache``). Pickling keeps the model and the plan and rebuilds the trace and
+(``hrockmate.planning.cache``). Pickling keeps the model and the plan and rebuilds the trace and
 code at the first training call.
 """
 
@@ -40,8 +36,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
-import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -51,8 +45,8 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from hrockmate.kernels import kernel
-from hrockmate.tracing import rebuild_output
+from hrockmate.capture.tracing import rebuild_output
+from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
 
 __all__ = ["HRockmate", "InputMismatchError", "ModelChangedError", "RuntimeScheduleError"]
 
@@ -62,10 +56,6 @@ logger = logging.getLogger(__name__)
 
 class InputMismatchError(ValueError):
     """A call's inputs do not match the sample the module was traced (and planned) with."""
-
-
-class RuntimeScheduleError(ValueError):
-    """A schedule cannot be executed on the traced graph; the message names the step."""
 
 
 class ModelChangedError(RuntimeError):
@@ -84,566 +74,6 @@ def _leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
         root = "args" if getattr(head, "idx", 0) == 0 else "kwargs"
         names.append(root + "".join(str(k) for k in rest))
     return names
-
-
-# ---------------------------------------------------------------------------------------------
-# Compilation of a schedule into straight-line code
-# ---------------------------------------------------------------------------------------------
-_LITERAL_TYPES = (bool, int, str, type(None))
-_PREEXISTING = frozenset({"input", "parameter", "buffer", "tangent"})
-
-
-@dataclass
-class _Segment:
-    fn: Callable[..., Any]
-    source: str
-
-
-@dataclass
-class Program:
-    """A schedule compiled for one traced graph (what the autograd Functions execute).
-
-    ``forward.fn(P, B, X, S) -> E``: P parameters by slot, B buffers by slot, X tensor inputs by
-    slot, S the list of saved generator states (filled here); returns the environment.
-    ``chunks[i].fn(E, B, T, S, GP, GX)``: the i-th part of the backward segment (T the output
-    gradients); it stores gradients per parameter / tensor-input slot into GP / GX.
-
-    The backward segment is cut into chunks so that gradients reach autograd (and thus
-    ``.grad``, DDP hooks...) while the backward still runs, not all at its end: each chunk is one
-    autograd node and hands over the gradients of ``chunk_params[i]`` / ``chunk_inputs[i]``.
-    Cuts are placed only where holding the finished gradients longer would raise the peak.
-    """
-
-    forward: _Segment
-    chunks: list[_Segment]
-    chunk_params: list[list[int]]
-    chunk_inputs: list[list[int]]
-    num_tensors: int
-    num_rng_slots: int
-    output_ids: list[int]
-    tangent_contiguous: list[bool]  # per output: traced gradient layout was contiguous
-    #: per output: (shape, strides, dtype) of its gradient in the plan, None for outputs
-    #: without one (returned as non-differentiable tensors)
-    tangent_layout: list[tuple[Any, ...] | None]
-    num_param_slots: int
-    num_input_slots: int
-    recomputed_ops: int  # compute steps that re-run an op already run in this iteration
-    modelled_peak_bytes: int  # peak of the runtime's own memory model (gradients as handed over)
-    #: what the runtime adds to the graph's peak: the saved generator states of replayed random
-    #: ops (by how much they raise the modelled peak), and old values of buffers that
-    #: recomputations read after write-back (at most)
-    extra_bytes: int
-
-
-def _resolve_generator(node: torch.fx.Node) -> torch.Generator:
-    """The default generator a random op draws from, from the device of its traced output."""
-    val = node.meta.get("val")
-    first = val[0] if isinstance(val, (tuple, list)) and val else val
-    device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-    if device.type == "cpu":
-        return torch.default_generator
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.init()
-        return torch.cuda.default_generators[idx]
-    raise RuntimeScheduleError(
-        f"random op '{node.name}' runs on device {device}; replaying its random numbers is "
-        "supported on cpu and cuda only"
-    )
-
-
-def _state_nbytes(gen: torch.Generator) -> int:
-    """Bytes of one saved state of ``gen`` (5056 for the CPU Mersenne twister, 16 on CUDA)."""
-    return int(gen.get_state().nbytes)
-
-
-def _is_random(node: torch.fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
-
-
-class _Compiler:
-    """Turns (traced graph, schedule) into the Python source of the two segments."""
-
-    def __init__(
-        self,
-        traced: Any,
-        steps: Sequence[tuple[str, int]],
-        forward_len: int,
-        param_slot: dict[str, int],
-        buffer_slot: dict[str, int],
-        input_slot: dict[int, int],
-    ) -> None:
-        self.traced = traced
-        self.graph = traced.graph
-        self.steps = [(str(k), int(i)) for k, i in steps]
-        self.forward_len = int(forward_len)
-        self.param_slot = param_slot
-        self.buffer_slot = buffer_slot
-        self.input_slot = input_slot
-        self.namespace: dict[str, Any] = {}
-        self._consts: dict[int, str] = {}
-        self._node_key: dict[tuple[torch.fx.Node, int | None], int] = {}
-        for tid, (node, idx) in enumerate(traced.tensor_nodes):
-            if node is None:
-                continue
-            self._node_key[(node, idx)] = tid
-            if node.op == "call_function" and node.target is operator.getitem and idx is None:
-                self._node_key[(node.args[0], node.args[1])] = tid
-
-    # ---- argument expressions ------------------------------------------------------------
-    def _const(self, value: Any) -> str:
-        key = id(value)
-        name = self._consts.get(key)
-        if name is None:
-            name = f"K{len(self._consts)}"
-            self._consts[key] = name
-            self.namespace[name] = value
-        return name
-
-    def _tensor_of(self, node: torch.fx.Node, op_name: str) -> int:
-        tid = self._node_key.get((node, None))
-        if tid is None and node.op == "call_function" and node.target is operator.getitem:
-            tid = self._node_key.get((node.args[0], node.args[1]))
-        if tid is None:
-            raise RuntimeScheduleError(
-                f"op '{op_name}' reads fx node '{node.name}', which is no tensor of the graph "
-                "IR; the trace is inconsistent (re-trace the model)"
-            )
-        return tid
-
-    def _expr(self, a: Any, op_name: str, reads: list[int]) -> str:
-        if isinstance(a, torch.fx.Node):
-            tid = self._tensor_of(a, op_name)
-            reads.append(tid)
-            return f"E[{tid}]"
-        if isinstance(a, (list, tuple)):
-            inner = ", ".join(self._expr(x, op_name, reads) for x in a)
-            if isinstance(a, tuple):
-                return f"({inner},)" if len(a) == 1 else f"({inner})"
-            return f"[{inner}]"
-        if isinstance(a, _LITERAL_TYPES) and not isinstance(a, torch.SymInt):
-            return repr(a)
-        if isinstance(a, float) and math.isfinite(a):
-            return repr(a)
-        return self._const(a)
-
-    def _call(self, op_id: int, reads: list[int]) -> str:
-        node = self.traced.op_nodes[op_id]
-        name = f"F{op_id}"
-        if name not in self.namespace:
-            self.namespace[name] = kernel(node.target, self.traced.device.type)
-        parts = [self._expr(a, node.name, reads) for a in node.args]
-        parts += [f"{k}={self._expr(v, node.name, reads)}" for k, v in node.kwargs.items()]
-        return f"{name}({', '.join(parts)})"
-
-    def _output_slots(self, op_id: int) -> list[tuple[int, int | None]]:
-        """(tensor id, position in the op's tuple result or None) for each IR output."""
-        node = self.traced.op_nodes[op_id]
-        out = []
-        for tid in self.graph.ops[op_id].outputs:
-            src, idx = self.traced.tensor_nodes[tid]
-            if src is not node:  # registered on the getitem node that unpacks the result
-                if src.op == "call_function" and src.target is operator.getitem:
-                    idx = src.args[1]
-                else:
-                    raise RuntimeScheduleError(
-                        f"tensor '{self.graph.tensors[tid].name}' is an output of op "
-                        f"'{self.graph.ops[op_id].name}' in the IR but not of its fx node"
-                    )
-            out.append((tid, idx))
-        return out
-
-    # ---- the whole program -------------------------------------------------------------
-    def compile(self) -> Program:
-        g = self.graph
-        tr = self.traced
-        n_t = g.num_tensors
-        if not 0 <= self.forward_len <= len(self.steps):
-            raise RuntimeScheduleError(
-                f"forward_len {self.forward_len} is outside the schedule of {len(self.steps)} steps"
-            )
-        roles = [t.role for t in g.tensors]
-        preexisting = [r in _PREEXISTING for r in roles]
-
-        # Where each gradient goes: ("GP", parameter slot) or ("GX", tensor-input slot).
-        grad_slot: dict[int, tuple[str, int]] = {}
-        for pname, tid in tr.param_grads.items():
-            if pname not in self.param_slot:
-                raise RuntimeScheduleError(
-                    f"the trace has a gradient for parameter '{pname}', which the model no "
-                    "longer has; re-create HRockmate for the current model"
-                )
-            grad_slot[tid] = ("GP", self.param_slot[pname])
-        for flat_idx, tid in tr.input_grads.items():
-            grad_slot[tid] = ("GX", self.input_slot[int(flat_idx)])
-        slot_uses: dict[tuple[str, int], int] = {}
-        for slot in grad_slot.values():
-            slot_uses[slot] = slot_uses.get(slot, 0) + 1
-        buffer_of_update = {tid: b for b, tid in tr.buffer_updates.items()}
-        buffer_tensor: dict[str, int] = {}
-        head_fwd: list[str] = [f"E = [None] * {n_t}"]
-        head_bwd: list[str] = []
-        for tid, (kind, key) in tr.sources.items():
-            tid = int(tid)
-            if kind == "param":
-                head_fwd.append(f"E[{tid}] = P[{self.param_slot[key]}]")
-            elif kind == "buffer":
-                head_fwd.append(f"E[{tid}] = B[{self.buffer_slot[key]}]")
-                buffer_tensor[key] = tid
-            elif kind == "input":
-                slot = self.input_slot.get(int(key))
-                if slot is None:
-                    raise RuntimeScheduleError(
-                        f"graph input '{g.tensors[tid].name}' comes from sample leaf {key}, "
-                        "which is not a tensor"
-                    )
-                head_fwd.append(f"E[{tid}] = X[{slot}]")
-            elif kind == "tangent":
-                head_bwd.append(f"E[{tid}] = T[{int(key)}]")
-            elif kind == "constant":  # a tensor the model closes over: the same object each call
-                head_fwd.append(f"E[{tid}] = {self._const(getattr(tr.gm, key))}")
-            else:
-                raise RuntimeScheduleError(f"unknown source kind {kind!r} for tensor {tid}")
-
-        # First pass: check reads, count how often each op runs, find the last read of each
-        # tensor (a buffer written back must keep its old value for later recomputations).
-        alive = list(preexisting)
-        runs = [0] * g.num_ops
-        calls: list[str | None] = []
-        last_read: dict[int, int] = {}
-        for pos, (kind, ident) in enumerate(self.steps):
-            where = f"schedule step {pos} ({kind} {ident})"
-            if kind == "compute":
-                if not 0 <= ident < g.num_ops:
-                    raise RuntimeScheduleError(f"{where}: no op {ident} in the graph")
-                if pos < self.forward_len and g.ops[ident].phase == "backward":
-                    raise RuntimeScheduleError(
-                        f"{where}: backward op '{g.ops[ident].name}' in the forward segment"
-                    )
-                reads: list[int] = []
-                calls.append(self._call(ident, reads))
-                for t in reads:
-                    if not alive[t]:
-                        raise RuntimeScheduleError(
-                            f"{where}: op '{g.ops[ident].name}' reads tensor "
-                            f"'{g.tensors[t].name}', which is not alive at that point"
-                        )
-                    last_read[t] = pos
-                runs[ident] += 1
-                for t in g.ops[ident].outputs:
-                    alive[t] = True
-            elif kind == "free":
-                if not 0 <= ident < n_t:
-                    raise RuntimeScheduleError(f"{where}: no tensor {ident} in the graph")
-                if roles[ident] in _PREEXISTING or roles[ident] == "output":
-                    raise RuntimeScheduleError(
-                        f"{where}: tensor '{g.tensors[ident].name}' has role "
-                        f"'{roles[ident]}', which a schedule may not free"
-                    )
-                if not alive[ident]:
-                    raise RuntimeScheduleError(
-                        f"{where}: tensor '{g.tensors[ident].name}' is not alive"
-                    )
-                calls.append(None)
-                alive[ident] = False
-            else:
-                raise RuntimeScheduleError(f"{where}: unknown step kind {kind!r}")
-        freed = {i for k, i in self.steps if k == "free"}
-        for t in grad_slot:
-            if not alive[t] and t not in freed:
-                raise RuntimeScheduleError(
-                    f"the schedule never produces gradient '{g.tensors[t].name}'"
-                )
-        for t in tr.output_ids:
-            if not alive[t]:
-                raise RuntimeScheduleError(
-                    f"output '{g.tensors[t].name}' is not produced by the schedule"
-                )
-
-        random_ops = [k for k in range(g.num_ops) if g.ops[k].random or _is_random(tr.op_nodes[k])]
-        self._check_random_order(random_ops)
-        rng_slot: dict[int, int] = {}
-        state_bytes: dict[int, int] = {}
-        for k in random_ops:
-            if runs[k] > 1:  # only ops that run again need their generator state kept
-                rng_slot[k] = len(rng_slot)
-                gen = _resolve_generator(tr.op_nodes[k])
-                self.namespace[f"RG{rng_slot[k]}"] = gen
-                state_bytes[k] = _state_nbytes(gen)
-
-        cuts, rng_bytes = self._chunk_cuts(grad_slot, state_bytes, runs)
-
-        # Second pass: emit code.
-        extra_bytes = 0
-        alive = list(preexisting)
-        done = [0] * g.num_ops
-        written_back: set[int] = set()
-        fwd_body: list[str] = []
-        chunk_bodies: list[list[str]] = [list(head_bwd)]
-        pending: list[int] = []  # gradients stashed since the last cut
-        chunk_grads: list[list[int]] = []
-        for pos, (kind, ident) in enumerate(self.steps):
-            if pos in cuts:
-                chunk_grads.append(pending)
-                pending = []
-                chunk_bodies.append([])
-            out = fwd_body if pos < self.forward_len else chunk_bodies[-1]
-            if kind == "free":
-                t = ident
-                if t in grad_slot:
-                    out.append(self._stash(t, grad_slot[t], slot_uses))
-                    pending.append(t)
-                out.append(f"E[{t}] = None")
-                alive[t] = False
-                continue
-            k = ident
-            fresh = [(t, i) for t, i in self._output_slots(k) if not alive[t]]
-            call = calls[pos]
-            assert call is not None
-            lines: list[str] = []
-            if not fresh:
-                lines.append(call)  # every output is alive: a temporary, dropped at once
-            elif len(fresh) == 1 and fresh[0][1] is None:
-                lines.append(f"E[{fresh[0][0]}] = {call}")
-            else:
-                lines.append(f"_r = {call}")
-                lines += [f"E[{t}] = _r[{i}]" for t, i in fresh]
-                lines.append("del _r")
-            if k in rng_slot:
-                r = rng_slot[k]
-                if done[k] == 0:
-                    lines.insert(0, f"S[{r}] = RG{r}.get_state()")
-                else:
-                    lines.insert(0, f"_c = RG{r}.get_state(); RG{r}.set_state(S[{r}])")
-                    lines.append(f"RG{r}.set_state(_c); del _c")
-                    if done[k] == runs[k] - 1:
-                        lines.append(f"S[{r}] = None")  # last replay: the state is not needed
-            done[k] += 1
-            for t, _ in fresh:
-                alive[t] = True
-                b = buffer_of_update.get(t)
-                if b is not None and t not in written_back:
-                    written_back.add(t)
-                    bt = buffer_tensor.get(b)
-                    if bt is not None and last_read.get(bt, -1) > pos:
-                        # a later recomputation reads the buffer: keep its old value for it
-                        lines.append(f"E[{bt}] = E[{bt}].clone()")
-                        extra_bytes += g.tensors[bt].bytes
-                    lines.append(f"B[{self.buffer_slot[b]}].copy_(E[{t}])")
-            out.extend(lines)
-        tail = []
-        for t in grad_slot:
-            if alive[t]:
-                tail.append(self._stash(t, grad_slot[t], slot_uses))
-                pending.append(t)
-        chunk_bodies[-1].extend(tail)
-        chunk_grads.append(pending)
-
-        self.namespace["_acc"] = _accumulate
-        fwd_src = "def forward_segment(P, B, X, S):\n" + "".join(
-            f"    {line}\n" for line in head_fwd + fwd_body + ["return E"]
-        )
-        chunks = []
-        for i, body in enumerate(chunk_bodies):
-            src = f"def backward_chunk_{i}(E, B, T, S, GP, GX):\n" + "".join(
-                f"    {line}\n" for line in body + ["return None"]
-            )
-            chunks.append(_Segment(self._exec(src, f"backward_chunk_{i}"), src))
-
-        # Each slot is handed over with the chunk that stashes its last gradient.
-        slot_chunk: dict[tuple[str, int], int] = {}
-        for i, grads in enumerate(chunk_grads):
-            for t in grads:
-                slot_chunk[grad_slot[t]] = i
-        chunk_params: list[list[int]] = [[] for _ in chunks]
-        chunk_inputs: list[list[int]] = [[] for _ in chunks]
-        n_params = len(set(self.param_slot.values()))
-        for j in range(n_params):
-            chunk_params[slot_chunk.get(("GP", j), 0)].append(j)
-        for j in range(len(self.input_slot)):
-            chunk_inputs[slot_chunk.get(("GX", j), 0)].append(j)
-
-        tangent_contig: list[bool] = []
-        for o in tr.output_ids:
-            node, idx = tr.tensor_nodes[o]
-            val = node.meta.get("val")
-            if isinstance(val, (tuple, list)) and idx is not None:
-                val = val[idx]
-            tangent_contig.append(not isinstance(val, torch.Tensor) or val.is_contiguous())
-        # The layout the backward expects of each output gradient (None: the output has none).
-        tangent_layout: list[tuple[Any, ...] | None] = [None] * len(tr.output_ids)
-        for tid, (kind, key) in tr.sources.items():
-            if kind == "tangent":
-                meta = tr.tensor_nodes[int(tid)][0].meta["val"]
-                tangent_layout[int(key)] = (tuple(meta.shape), meta.stride(), meta.dtype)
-        return Program(
-            forward=_Segment(self._exec(fwd_src, "forward_segment"), fwd_src),
-            chunks=chunks,
-            chunk_params=chunk_params,
-            chunk_inputs=chunk_inputs,
-            num_tensors=n_t,
-            num_rng_slots=len(rng_slot),
-            output_ids=list(tr.output_ids),
-            tangent_contiguous=tangent_contig,
-            tangent_layout=tangent_layout,
-            num_param_slots=n_params,
-            num_input_slots=len(self.input_slot),
-            recomputed_ops=sum(max(0, r - 1) for r in runs),
-            modelled_peak_bytes=self._modelled_peak,
-            extra_bytes=rng_bytes + extra_bytes,
-        )
-
-    def _check_random_order(self, random_ops: list[int]) -> None:
-        """Plain PyTorch draws random numbers in forward order; the schedule must run each
-        random op for the first time in the forward segment and in that order."""
-        first: list[tuple[int, int]] = []
-        seen: set[int] = set()
-        wanted = set(random_ops)
-        for pos, (kind, ident) in enumerate(self.steps):
-            if kind == "compute" and ident in wanted and ident not in seen:
-                seen.add(ident)
-                first.append((pos, ident))
-        for (pos, k), (_, prev) in zip(first[1:], first):
-            if k < prev:
-                raise RuntimeScheduleError(
-                    f"schedule step {pos} runs random op '{self.graph.ops[k].name}' for the first "
-                    f"time after random op '{self.graph.ops[prev].name}', which comes later in "
-                    "the forward pass; plain PyTorch's random numbers could not be reproduced"
-                )
-        for pos, k in first:
-            if pos >= self.forward_len:
-                raise RuntimeScheduleError(
-                    f"schedule step {pos} runs random op '{self.graph.ops[k].name}' for the first "
-                    "time in the backward segment; it must first run in the forward segment"
-                )
-
-    def _chunk_cuts(self, grad_slot: dict[int, tuple[str, int]], state_bytes: dict[int, int],
-                    runs: list[int]) -> tuple[set[int], int]:
-        """Step positions (in the backward segment) before which the finished gradients are
-        handed to autograd, and how much the saved generator states raise the peak. Memory
-        model of docs/graph-ir.md (storages of alive tensors, plus new outputs and workspace at
-        a compute step); first the schedule as written (gradients gone when freed), then with
-        freed gradients held until the next cut, cutting as late as possible without exceeding
-        the first peak; last with those cuts and the generator states of the replayed random
-        ops ``state_bytes`` (op -> bytes): each saved from its first run to its last, plus the
-        current state held during a replay."""
-        g = self.graph
-        roles = [t.role for t in g.tensors]
-        root = list(range(g.num_tensors))
-        for t in range(g.num_tensors):
-            r = t
-            seen = 0
-            while g.tensors[r].alias_of is not None and seen <= g.num_tensors:
-                r = g.tensors[r].alias_of
-                seen += 1
-            root[t] = r
-        counted = [roles[root[t]] not in _PREEXISTING for t in range(g.num_tensors)]
-        nbytes = [g.tensors[t].bytes for t in range(g.num_tensors)]
-
-        def run(hold: bool, limit: int | None, fixed_cuts: set[int] | None = None,
-                states: bool = False) -> tuple[int, set[int]]:
-            refs: dict[int, int] = {}
-            live = 0
-            alive = [r in _PREEXISTING for r in roles]
-            held: list[int] = []
-            cuts: set[int] = set()
-            peak = 0
-            saved_states = 0
-            done: dict[int, int] = {}
-
-            def ref(t: int) -> None:
-                nonlocal live
-                r = root[t]
-                if counted[t]:
-                    if refs.get(r, 0) == 0:
-                        live += nbytes[r]
-                    refs[r] = refs.get(r, 0) + 1
-
-            def unref(t: int) -> None:
-                nonlocal live
-                r = root[t]
-                if counted[t]:
-                    refs[r] -= 1
-                    if refs[r] == 0:
-                        live -= nbytes[r]
-
-            for pos, (kind, ident) in enumerate(self.steps):
-                if kind == "compute":
-                    op = g.ops[ident]
-                    new_roots = {root[t] for t in op.outputs if counted[t]}
-                    extra = sum(nbytes[r] for r in new_roots if refs.get(r, 0) == 0 or any(
-                        alive[t] and root[t] == r for t in op.outputs))
-                    mem = live + extra + op.workspace
-                    if fixed_cuts is not None:
-                        cut = pos in fixed_cuts
-                    else:
-                        cut = (hold and limit is not None and held and mem > limit
-                               and pos >= self.forward_len)
-                    if cut:
-                        cuts.add(pos)
-                        for t in held:
-                            unref(t)
-                        held = []
-                        mem = live + extra + op.workspace
-                    nb = state_bytes.get(ident, 0) if states else 0
-                    if nb:
-                        done[ident] = done.get(ident, 0) + 1
-                        if done[ident] == 1:
-                            saved_states += nb  # saved right before the first run
-                        else:
-                            mem += nb  # the current state, kept while the op replays
-                    peak = max(peak, mem + saved_states)
-                    if nb and done[ident] == runs[ident]:
-                        saved_states -= nb  # dropped after the last replay
-                    for t in op.outputs:
-                        if not alive[t]:
-                            alive[t] = True
-                            ref(t)
-                else:
-                    t = ident
-                    if alive[t]:
-                        alive[t] = False
-                        if hold and t in grad_slot:
-                            held.append(t)  # the reference moves to the gradient list
-                        else:
-                            unref(t)
-            return peak, cuts
-
-        base_peak, _ = run(False, None)
-        held_peak, cuts = run(True, base_peak)
-        with_states, _ = run(True, None, fixed_cuts=cuts, states=True)
-        self._modelled_peak = with_states
-        return cuts, with_states - held_peak
-
-    @staticmethod
-    def _stash(t: int, slot: tuple[str, int], uses: dict[tuple[str, int], int]) -> str:
-        arr, j = slot
-        if uses[slot] > 1:  # several traced gradients of one parameter (tied under two names)
-            return f"{arr}[{j}] = _acc({arr}[{j}], E[{t}])"
-        return f"{arr}[{j}] = E[{t}]"
-
-    def _exec(self, src: str, name: str) -> Callable[..., Any]:
-        code = compile(src, f"<hrockmate {name} of {self.graph.name or 'graph'}>", "exec")
-        scope = dict(self.namespace)
-        exec(code, scope)  # generated from the traced graph only; no user strings are inlined
-        return scope[name]
-
-
-def _accumulate(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
-    return g if acc is None else acc + g
-
-
-def compile_schedule(
-    traced: Any,
-    steps: Sequence[tuple[str, int]],
-    forward_len: int,
-    param_slot: dict[str, int],
-    buffer_slot: dict[str, int],
-    input_slot: dict[int, int],
-) -> Program:
-    """Compile a schedule for a traced graph (see ``Program``)."""
-    return _Compiler(traced, steps, forward_len, param_slot, buffer_slot, input_slot).compile()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -831,7 +261,7 @@ class _PlanRequest:
     plan: Any
     cache: Any
     solve_options: dict[str, Any]
-    loss_fn: Any = None  # see hrockmate.tracing.trace_model
+    loss_fn: Any = None  # see hrockmate.capture.tracing.trace_model
 
 
 #: Left out when pickling (rebuilt by tracing again at the first training call).
@@ -978,7 +408,7 @@ class HRockmate(nn.Module):
       (plain autograd's memory).
     - ``plan``: a ``Plan`` (from ``hrockmate.solve`` or ``load_plan``) or a ``Schedule`` for this
       model and sample; when given, ``budget`` and ``solve_options`` are not used.
-    - ``cache``: the plan cache (``hrockmate.plan_cache``): ``None`` the default location, a
+    - ``cache``: the plan cache (``hrockmate.planning.cache``): ``None`` the default location, a
       directory, or ``False`` to plan afresh without reading or writing it.
     - ``solve_options``: passed to ``hrockmate.solve`` when a budget below the store-all peak
       needs a plan.
@@ -1018,7 +448,7 @@ class HRockmate(nn.Module):
         given, else what the constructor's arguments ask for."""
         model: nn.Module = self.__dict__["_hr_model"]
         request: _PlanRequest = self._hr_request
-        from hrockmate.tracing import split_sample, trace_model
+        from hrockmate.capture.tracing import split_sample, trace_model
 
         fingerprint = _model_fingerprint(model)
         args, kwargs = split_sample(sample)
@@ -1207,7 +637,7 @@ class HRockmate(nn.Module):
         """The model differs from the traced one: raise ``ModelChangedError`` when it was
         edited; trace and plan again when only trainable parameters or training flags changed,
         or when the module was unpickled."""
-        from hrockmate.plan import PlanError
+        from hrockmate.ir.plan import PlanError
 
         sample = self._sample_of_call(args, kwargs)
         request: _PlanRequest = self._hr_request
@@ -1311,7 +741,7 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def _output_structure(traced: Any) -> tuple[list[Any], Any]:
-    """(leaf template, spec): see ``output_spec`` in ``hrockmate.tracing``."""
+    """(leaf template, spec): see ``output_spec`` in ``hrockmate.capture.tracing``."""
     spec, leaves = traced.output_spec
     return list(leaves), spec
 
@@ -1333,9 +763,9 @@ def _choose_schedule(
     """(schedule, plan, simulated peak, compiled program) for the given arguments. Without a
     solver plan (store-all, or a hand-given schedule) a ``Plan`` describing the schedule is made,
     with ``stats["method"]`` "store-all" or "given". A solver plan comes from the plan cache
-    (``hrockmate.plan_cache``) when it holds one for this graph, budget and options; otherwise
+    (``hrockmate.planning.cache``) when it holds one for this graph, budget and options; otherwise
     the op times are measured (or taken from the cache), the graph solved and the plan cached."""
-    from hrockmate.schedule import simulate, store_all_schedule
+    from hrockmate.ir.schedule import simulate, store_all_schedule
 
     graph = traced.graph
     if plan is not None:
@@ -1358,15 +788,15 @@ def _choose_schedule(
     program = compile_fn(store_all)
     budget_bytes = baseline + program.extra_bytes
     if budget is not None:
-        from hrockmate.budget import parse_budget
+        from hrockmate.ir.budget import parse_budget
 
         budget_bytes = parse_budget(budget, baseline)
     if budget_bytes >= baseline + program.extra_bytes:
         made = _describe(graph, store_all, base, base, budget_bytes, "store-all")
         return store_all, made, baseline, program
-    from hrockmate.plan import InfeasibleBudget
-    from hrockmate.plan_cache import device_kind, measured_times, open_cache
-    from hrockmate.planner import solve_graph, with_hierarchy
+    from hrockmate.ir.plan import InfeasibleBudget
+    from hrockmate.planning.api import solve_graph, with_hierarchy
+    from hrockmate.planning.cache import device_kind, measured_times, open_cache
 
     options = dict(solve_options)
     cost = options.pop("cost", "measure")
@@ -1415,7 +845,7 @@ def _choose_schedule(
 def _describe(graph: Any, schedule: Any, sim: Any, base: Any, budget_bytes: int,
               method: str) -> Any:
     """A ``Plan`` for a schedule that did not come from the solver."""
-    from hrockmate.plan import Plan
+    from hrockmate.ir.plan import Plan
 
     return Plan(
         graph_hash=graph.structure_hash(),

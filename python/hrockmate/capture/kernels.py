@@ -10,7 +10,7 @@ with TF32 convolutions) and the native kernel was slower. Here the forward op ru
 is functional: it returns the updated statistics instead of writing them). When cuDNN was
 picked, its reserve space (an extra output the graph does not have, empty for plain BatchNorm)
 is attached to the saved mean, and the backward op runs ``cudnn_batch_norm_backward`` as
-eager's autograd does. Times are measured (``hrockmate.costmodel``) and workspaces sized with
+eager's autograd does. Times are measured (``hrockmate.capture.costs``) and workspaces sized with
 the same kernels the runtime calls.
 """
 

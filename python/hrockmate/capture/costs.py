@@ -48,8 +48,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from hrockmate.kernels import kernel
-from hrockmate.tracing import (
+from hrockmate.capture.kernels import kernel
+from hrockmate.capture.tracing import (
     Traced,
     allocated_bytes,
     one_trace_at_a_time,
@@ -239,7 +239,7 @@ def _measure_workspace_cpu(
 ) -> tuple[list[int], int]:
     from torch.profiler import record_function
 
-    from hrockmate.memory import cpu_memory_profile
+    from hrockmate.capture.memory import cpu_memory_profile
 
     n = len(traced.op_nodes)
     resized = 0

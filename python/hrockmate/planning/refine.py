@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hrockmate.graph import Graph
-from hrockmate.schedule import Schedule, ScheduleError, SimulationResult, Step, simulate
+from hrockmate.ir.graph import Graph
+from hrockmate.ir.schedule import Schedule, ScheduleError, SimulationResult, Step, simulate
 
 __all__ = ["Refined", "refine"]
 

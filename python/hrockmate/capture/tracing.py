@@ -6,7 +6,7 @@ CONTRACT (shared by the tracer and the runtime; keep this docstring true):
 (``hrockmate.trace(model, sample, ...)`` with the same arguments returns just the graph.)
 
 ``Traced`` fields:
-- ``graph``: the IR (``hrockmate.graph.Graph``), ops in the joint graph's execution order
+- ``graph``: the IR (``hrockmate.ir.graph.Graph``), ops in the joint graph's execution order
   (forward ops, then backward ops).
 - ``gm``: a ``torch.fx.GraphModule`` holding the AOTAutograd joint graph (ATen level, functional):
   placeholders are the primals (parameters, buffers, flattened user inputs) then the tangents;
@@ -83,8 +83,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import traceback as fx_traceback
 
-from hrockmate.graph import Graph, Op, Tensor
-from hrockmate.kernels import kernel
+from hrockmate.capture.kernels import kernel
+from hrockmate.ir.graph import Graph, Op, Tensor
 
 __all__ = [
     "COST_MODES", "LossFn", "TensorHolder", "TraceError", "Traced", "coerce_like",
@@ -1078,7 +1078,7 @@ def trace_model(
     traced.input_meta = [_leaf_meta(x) for x in leaves]
     traced.device = device
     if cost != "none":
-        from hrockmate.costmodel import annotate_costs
+        from hrockmate.capture.costs import annotate_costs
 
         t1 = time.perf_counter()
         annotate_costs(traced, model, sample, mode=cost)
@@ -1086,7 +1086,7 @@ def trace_model(
     traced.trace_seconds = time.perf_counter() - t0
     traced.graph.meta.update(
         {
-            "source": "hrockmate.tracing",
+            "source": "hrockmate.capture.tracing",
             "cost": cost,
             "compiling_paths": compiling_paths,
             "device": str(device),
@@ -1224,7 +1224,7 @@ def trace(
 
 # ---- command line: the truth table ---------------------------------------------------------------
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hrockmate.tracing")
+    p = argparse.ArgumentParser(prog="python -m hrockmate.capture.tracing")
     p.add_argument("--truth-table", action="store_true",
                    help="compare simulated and measured store-all peaks on the built-in models")
     p.add_argument("--out", default="bench-results/truth_table.json")
@@ -1232,7 +1232,7 @@ def _main(argv: list[str] | None = None) -> int:
     if not ns.truth_table:
         p.print_help()
         return 2
-    from hrockmate.memory import truth_table
+    from hrockmate.capture.memory import truth_table
 
     truth_table(out=ns.out, echo=True)
     return 0

@@ -2,7 +2,7 @@
 
 See docs/hierarchy.md for the data model. Typical use::
 
-    from hrockmate.hierarchy import build_hierarchy
+    from hrockmate.planning.clusters import build_hierarchy
     h = build_hierarchy(graph)                 # partition + options of every leaf
     for leaf in h.leaves():
         for opt in h.options[leaf.id]:
@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from hrockmate.graph import ROLES, Graph, Op, Tensor
+from hrockmate.ir.graph import ROLES, Graph, Op, Tensor
 
 __all__ = [
     "Cluster",

@@ -30,8 +30,8 @@ import logging
 import math
 import threading
 import time as _time
-from dataclasses import dataclass, field
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np

@@ -23,9 +23,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hrockmate.graph import Graph, GraphError
-from hrockmate.plan import InfeasibleBudget
-from hrockmate.schedule import Schedule, SimulationResult
+from hrockmate.ir.graph import Graph, GraphError
+from hrockmate.ir.plan import InfeasibleBudget
+from hrockmate.ir.schedule import Schedule, SimulationResult
 
 __all__ = [
     "NotAChainError",
@@ -278,7 +278,7 @@ def rotor_chain(
 
     ``input_bytes`` is the chain input (stored throughout), ``final_grad_bytes`` the gradient
     given to the last stage. Memory is discretised into ``slots`` slots (refined when rounding
-    alone loses a limit the exact model meets). Raises ``hrockmate.plan.InfeasibleBudget``
+    alone loses a limit the exact model meets). Raises ``hrockmate.ir.plan.InfeasibleBudget``
     (with ``min_bytes``, the exact smallest limit the program can meet) when the limit is too
     small, and ValueError naming the field at fault for bad input. ``time_limit`` and
     ``max_table_bytes`` bound the program as in :func:`rotor`.

@@ -13,7 +13,7 @@ each level is solved by the H-ILP. This module lets other solvers take a level's
   options for its backward. Below the top, the block's options are Rotor's schedules at several
   memory limits; at the top, the schedule at the user's budget.
 
-Whatever a plug-in returns is measured on its real steps (``solve._option_from_steps``) and the
+Whatever a plug-in returns is measured on its real steps (``solve.option_from_steps``) and the
 final plan is simulated, so a loose cost model costs quality, never validity.
 """
 
@@ -23,19 +23,16 @@ import logging
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from hrockmate import literature
-from hrockmate.graph import PREEXISTING_ROLES, Graph, GraphError, Op, Tensor
-from hrockmate.plan import InfeasibleBudget
-from hrockmate.planner import (
+from hrockmate.ir.graph import PREEXISTING_ROLES, Graph, GraphError, Op, Tensor
+from hrockmate.ir.plan import InfeasibleBudget
+from hrockmate.planning import literature
+from hrockmate.planning.blocks import Block, BlockOption, GraphFacts, Step
+from hrockmate.planning.level import (
     FREEABLE_ROLES,
-    Block,
-    BlockOption,
-    Step,
-    _alive_after,
-    _Ctx,
-    _leftover_frees,
-    _option_from_steps,
-    _pareto_filter,
+    alive_after,
+    leftover_frees,
+    option_from_steps,
+    pareto_filter,
 )
 
 logger = logging.getLogger("hrockmate")
@@ -71,7 +68,7 @@ def check_solvers(solvers: Mapping[str, str] | None) -> dict[str, str]:
 # TW-Remat at the leaves
 
 
-def _block_subgraph(ctx: _Ctx, block: Block) -> tuple[Graph, list[int], list[int]]:
+def _block_subgraph(ctx: GraphFacts, block: Block) -> tuple[Graph, list[int], list[int]]:
     """The block as a graph of its own: tensors made outside are given (forward ones as inputs,
     backward ones as tangents), forward outputs leaving the block are outputs, gradients
     leaving it must be produced. Returns the graph and its op and tensor ids in ``ctx.graph``."""
@@ -121,7 +118,7 @@ def _block_subgraph(ctx: _Ctx, block: Block) -> tuple[Graph, list[int], list[int
     return sub, ops, tensor_of
 
 
-def twremat_leaf_options(ctx: _Ctx, block: Block) -> list[BlockOption] | None:
+def twremat_leaf_options(ctx: GraphFacts, block: Block) -> list[BlockOption] | None:
     """TW-Remat's schedules of a leaf block as its options (None when TW-Remat cannot take
     the block; the caller then uses the ILP)."""
     try:
@@ -143,11 +140,11 @@ def twremat_leaf_options(ctx: _Ctx, block: Block) -> list[BlockOption] | None:
                 steps.append(("free", tensor_of[int(i)]))
         fl = int(p.schedule.forward_len)
         fwd, bwd = steps[:fl], steps[fl:]
-        made = _alive_after(ctx.graph, fwd)
+        made = alive_after(ctx.graph, fwd)
         saved = frozenset(x for x in made if x not in interface)
-        bwd += _leftover_frees(g, fwd + bwd, interface)
-        options.append(_option_from_steps(ctx, block, fwd, bwd, saved))
-    return _pareto_filter(options) if options else None
+        bwd += leftover_frees(g, fwd + bwd, interface)
+        options.append(option_from_steps(ctx, block, fwd, bwd, saved))
+    return pareto_filter(options) if options else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,13 +168,13 @@ class ChainLevel:
     grads_in: list[frozenset[int]]  # per child: what its backward receives from the next child
 
 
-def _storage_bytes(ctx: _Ctx, tensors: Iterable[int]) -> int:
+def _storage_bytes(ctx: GraphFacts, tensors: Iterable[int]) -> int:
     g = ctx.graph
     roots = {ctx.root[x] for x in tensors if not ctx.fixed[x]}
     return sum(g.tensors[r].bytes for r in roots if not ctx.fixed[r])
 
 
-def chain_level(ctx: _Ctx, block: Block) -> ChainLevel | None:
+def chain_level(ctx: GraphFacts, block: Block) -> ChainLevel | None:
     """The chain formed by ``block``'s children, or None when they do not form one."""
     kids = block.children
     n = len(kids)
@@ -243,7 +240,7 @@ def chain_level(ctx: _Ctx, block: Block) -> ChainLevel | None:
     return ChainLevel(list(kids), stages, plain, outputs, handed_back, grads_in)
 
 
-def expand_chain(ctx: _Ctx, block: Block, chain: ChainLevel,
+def expand_chain(ctx: GraphFacts, block: Block, chain: ChainLevel,
                  plan: literature.ChainPlan) -> tuple[list[Step], list[Step]]:
     """IR steps of a Rotor plan over a chain of blocks: (forward, backward) fragments."""
     g = ctx.graph
@@ -297,11 +294,11 @@ def expand_chain(ctx: _Ctx, block: Block, chain: ChainLevel,
         fwd, out = out, []
     bwd = out
     if not block.is_root:
-        bwd = bwd + _leftover_frees(g, fwd + bwd, interface)
+        bwd = bwd + leftover_frees(g, fwd + bwd, interface)
     return fwd, bwd
 
 
-def _chain_bounds(chain: ChainLevel) -> tuple[int, int]:
+def chain_bounds(chain: ChainLevel) -> tuple[int, int]:
     """(least memory Rotor needs, memory that lets it keep every stage's fastest state)."""
     try:
         literature.rotor_chain(chain.stages, 0)
@@ -321,12 +318,12 @@ def rotor_plan(chain: ChainLevel, limit: int) -> literature.ChainPlan | None:
         return None
 
 
-def rotor_block_options(ctx: _Ctx, block: Block, chain: ChainLevel,
+def rotor_block_options(ctx: GraphFacts, block: Block, chain: ChainLevel,
                         fractions: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
                         ) -> list[BlockOption]:
     """A chain block's options: Rotor's schedules at limits from its least memory up to what
     keeping every state needs."""
-    lo, hi = _chain_bounds(chain)
+    lo, hi = chain_bounds(chain)
     options = []
     for f in fractions:
         limit = int(lo * 1.01 + f * (hi - lo)) + 1 if f < 1.0 else 2 * hi
@@ -334,8 +331,8 @@ def rotor_block_options(ctx: _Ctx, block: Block, chain: ChainLevel,
         if plan is None:
             continue
         fwd, bwd = expand_chain(ctx, block, chain, plan)
-        made = _alive_after(ctx.graph, fwd)
+        made = alive_after(ctx.graph, fwd)
         interface = set(block.fwd_out) | set(block.bwd_out)
         saved = frozenset(x for x in made if x not in interface)
-        options.append(_option_from_steps(ctx, block, fwd, bwd, saved))
-    return _pareto_filter(options)
+        options.append(option_from_steps(ctx, block, fwd, bwd, saved))
+    return pareto_filter(options)

@@ -39,15 +39,15 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from hrockmate.graph import write_atomic
+from hrockmate.ir.graph import write_atomic
 
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from hrockmate.graph import Graph
-    from hrockmate.plan import Plan
-    from hrockmate.tracing import Traced
+    from hrockmate.capture.tracing import Traced
+    from hrockmate.ir.graph import Graph
+    from hrockmate.ir.plan import Plan
 
 __all__ = [
     "CACHE_ENV", "PlanCache", "PlanCacheWarning", "default_cache_dir", "device_kind",
@@ -148,7 +148,7 @@ class PlanCache:
 
     def load_plan(self, key: str | None, graph: "Graph") -> "Plan | None":
         """The cached plan under ``key``, if there is a readable one for ``graph``."""
-        from hrockmate.plan import PlanError, load_plan
+        from hrockmate.ir.plan import PlanError, load_plan
 
         if key is None:
             return None
@@ -219,7 +219,7 @@ def measured_times(traced: "Traced", model: "nn.Module", sample: Any,
     """Give ``traced.graph`` measured op times: the cached ones when this graph was measured
     before on this kind of device, otherwise measure them (``annotate_costs``, keeping the
     workspaces and sizes the trace measured) and cache them."""
-    from hrockmate.costmodel import annotate_costs
+    from hrockmate.capture.costs import annotate_costs
 
     device = device_kind(traced.device)
     if cache is not None and cache.load_times(traced.graph, device):

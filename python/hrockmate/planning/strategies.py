@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hrockmate import ilp
-from hrockmate.graph import PREEXISTING_ROLES, Graph
+from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
+from hrockmate.planning import ilp
 
 Step = tuple[str, int]
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import sys
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,7 +167,7 @@ def _backward_roots(out: Any, loss_fn: Any) -> tuple[Any, list[torch.Tensor]]:
     """(the step's result, the tensors backward starts from) for a model output and a
     ``loss_fn`` as in ``hrockmate.trace``: a function's result, or the named loss member."""
     if isinstance(loss_fn, (str, int)):
-        from hrockmate.tracing import select_loss
+        from hrockmate.capture.tracing import select_loss
 
         return out, [select_loss(out, loss_fn)]
     if loss_fn is not None:
@@ -188,7 +188,7 @@ def eager_training_step(
     the loss when ``loss_fn`` names it) with ``tangents`` (one per such output, in pytree
     order; create them beforehand, default ones made on first use). Returns the outputs, so
     they stay alive until the step ends."""
-    from hrockmate.tracing import split_sample
+    from hrockmate.capture.tracing import split_sample
 
     args, kwargs = split_sample(sample)
 
@@ -227,7 +227,7 @@ def measure_eager_peak(
             tangents.append(torch.ones(t.shape or [], dtype=getattr(torch, t.dtype or "float32"),
                                        device=traced.device))
     else:
-        from hrockmate.tracing import split_sample
+        from hrockmate.capture.tracing import split_sample
 
         args, kwargs = split_sample(sample)
         with torch.enable_grad():
@@ -248,7 +248,7 @@ def truth_row(
     """Trace ``model`` (estimated times, measured workspaces), simulate the store-all schedule
     and measure plain autograd's peak on the same iteration: one row of the truth table."""
     import hrockmate
-    from hrockmate.tracing import trace_model
+    from hrockmate.capture.tracing import trace_model
 
     t0 = time.perf_counter()
     traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate", name=name)
@@ -293,7 +293,7 @@ def truth_table(
     if echo:
         print(format_truth_table(rows))
     if out is not None:
-        from hrockmate.graph import write_atomic
+        from hrockmate.ir.graph import write_atomic
 
         write_atomic(Path(out), json.dumps({"device": "cpu", "torch": torch.__version__,
                                             "rows": rows}, indent=2))

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from hrockmate.graph import PREEXISTING_ROLES, Graph, GraphError, load_json_file, write_atomic
+from hrockmate.ir.graph import PREEXISTING_ROLES, Graph, GraphError, load_json_file, write_atomic
 
 SCHEDULE_FORMAT = "hrockmate-schedule"
 SCHEDULE_VERSION = 1

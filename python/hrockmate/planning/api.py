@@ -1,0 +1,274 @@
+"""The planning entry points: ``solve`` (a model), ``solve_graph`` (a graph or graph file) and
+``pareto`` (many budgets from one hierarchy)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import time as _time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from hrockmate.ir.budget import BudgetLike, parse_budget
+from hrockmate.ir.graph import Graph
+from hrockmate.ir.plan import InfeasibleBudget, Plan
+from hrockmate.ir.schedule import peak_lower_bound
+from hrockmate.planning.hierarchy import GROUP_SIZE, Hierarchy, HierarchyTimeout, prepare
+from hrockmate.planning.policy import (
+    Candidate,
+    baseline_schedule,
+    check_method,
+    run_method,
+    simulate_steps,
+    time_left,
+    validate,
+)
+
+logger = logging.getLogger("hrockmate")
+
+def _as_graph(graph_or_path: Graph | str | os.PathLike[str]) -> Graph:
+    if isinstance(graph_or_path, Graph):
+        return graph_or_path
+    if isinstance(graph_or_path, (str, os.PathLike)):
+        return Graph.load(Path(graph_or_path))
+    raise TypeError(
+        f"expected a hrockmate.Graph or the path of a graph file, got "
+        f"{type(graph_or_path).__name__}; for a torch model use hrockmate.solve(model, sample, "
+        "budget)"
+    )
+
+
+def solve_graph(
+    graph_or_path: Graph | str | os.PathLike[str],
+    budget: BudgetLike,
+    *,
+    method: str = "hrockmate",
+    time_limit: float | None = 300.0,
+    mip_rel_gap: float = 1e-4,
+    flat_ops: int = 60,
+    leaf_size: int = 6,
+    group_size: int = GROUP_SIZE,
+    top_size: int = 16,
+    sub_time_limit: float = 1.0,
+    progress: bool = True,
+    hierarchy: Hierarchy | None = None,
+    solvers: Mapping[str, str] | None = None,
+    exact_ops: int = 100,
+) -> Plan:
+    """Plan one training iteration given as a graph (IR JSON or a node-link file).
+
+    Args:
+        budget: a number in (0, 1] or a percentage (a fraction of the store-all peak), a whole
+            number above 1 (bytes) or a string with a unit (``"6GiB"``); see
+            ``hrockmate.parse_budget``.
+        method: ``"hrockmate"`` (hierarchical H-ILP; graphs of at most ``flat_ops`` ops are
+            solved at the op level, i.e. exactly), ``"checkmate"`` (exact MILP over all ops),
+            ``"checkpoint"`` (per-block checkpointing), ``"selective"`` (the same, keeping
+            matmul/conv/attention outputs), ``"twremat"`` (the fastest of TW-Remat's recursion
+            depths that fits), ``"rotor"`` (Rotor's dynamic program; the graph must split into
+            a chain of stages), ``"recompute-all"`` or ``"store-all"``.
+        time_limit: seconds (positive, or None for no limit) for the whole solve: the blocks'
+            options get 75% of it, then the top level and the simple strategies the rest.
+            When it runs out the best plan found is returned with a warning and
+            ``plan.stats["optimal"] = False``.
+        exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose
+            hierarchy plan is beaten by a fallback, is missing, or recomputes over 10% are
+            also tried at the op level, for at most 60 s.
+        solvers: (method ``"hrockmate"``) the solver of each kind of level:
+            ``{"leaves": "ilp" | "twremat", "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
+            (missing keys: ``"ilp"``). Rotor takes a level only when its children form a chain
+            and TW-Remat a leaf only when it can schedule it; the ILP solves the others.
+            ``plan.stats["block_solvers"]`` counts the blocks each solver gave options to and
+            ``plan.stats["top_solver"]`` says which solved the top.
+
+    The plan never costs more than block checkpointing, selective checkpointing or (on
+    chain-shaped graphs) whole-graph Rotor at the same budget: when one of them is faster it
+    is returned (``plan.stats["fallback"]`` names it). Raises ``hrockmate.InfeasibleBudget``
+    (stating the smallest peak reached) when no schedule fits. A budget at or above the
+    store-all peak returns the store-all schedule.
+    """
+    check_method(method)
+    if time_limit is not None and not (isinstance(time_limit, (int, float))
+                                       and math.isfinite(time_limit) and time_limit > 0):
+        raise ValueError(f"time_limit must be a positive number of seconds or None, "
+                         f"got {time_limit!r}")
+    from hrockmate.planning.level_solvers import check_solvers
+
+    chosen = check_solvers(solvers)
+    graph = _as_graph(graph_or_path)
+    t0 = _time.perf_counter()
+    base_steps, base_fl, base_peak, base_time = baseline_schedule(graph)
+    budget_bytes = parse_budget(budget, base_peak)
+
+    def plan_of(c: Candidate, peak: int, t: float) -> Plan:
+        stats = dict(c.stats)
+        stats["optimal"] = bool(c.optimal)
+        stats["solve_seconds"] = round(_time.perf_counter() - t0, 4)
+        return Plan(
+            graph_hash=graph.structure_hash(),
+            graph_name=graph.name,
+            budget_bytes=budget_bytes,
+            peak_bytes=peak,
+            time=t,
+            baseline_peak_bytes=base_peak,
+            baseline_time=base_time,
+            steps=list(c.steps),
+            forward_len=c.forward_len,
+            time_unit=graph.time_unit,
+            stats=stats,
+        )
+
+    if budget_bytes >= base_peak:
+        c = Candidate(base_steps, base_fl, True,
+                      {"method": "store-all",
+                       "note": "the budget is at or above the store-all peak"})
+        return plan_of(c, base_peak, base_time)
+    if method == "store-all":
+        raise InfeasibleBudget(budget_bytes, base_peak, graph.name)
+    floor, why = peak_lower_bound(graph)  # refuses a budget far too small at once
+    if budget_bytes < floor:
+        raise InfeasibleBudget(budget_bytes, floor, graph.name, why=why)
+
+    kw = dict(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
+              leaf_size=leaf_size, group_size=group_size, top_size=top_size,
+              sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
+              deadline=None if time_limit is None else t0 + time_limit)
+    cand, lowest = run_method(graph, method, budget_bytes, hierarchy, kw)
+    if (method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
+            and (cand is None or cand.stats.get("fallback")
+                 or simulate_steps(graph, cand.steps, cand.forward_len)[1] > 1.1 * base_time)):
+        # the hierarchy's own plan lost to a fallback, there is none, or it recomputes much:
+        # on a graph this small the op-level MILP often does better, within a short limit
+        # (long skips, as in U-Nets, are where the hierarchy's blocks hold the most)
+        logger.info("the hierarchy of '%s' fell back or recomputes over 10%%; trying the "
+                    "op-level MILP", graph.name)
+        # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
+        # fallbacks are already known)
+        # 60 s when the hierarchy has no plan of its own, 20 s to improve one it has
+        cap = 60.0 if cand is None or cand.stats.get("fallback") else 20.0
+        left = time_left(kw)
+        flat_kw = {**kw, "flat_ops": graph.num_ops,
+                   "time_limit": min(cap if left is None else left, cap),
+                   "deadline": _time.perf_counter() + min(cap if left is None else left, cap),
+                   "lowest_peak": False, "hierarchy_retry": False}
+        alt, alt_lowest = run_method(graph, method, budget_bytes, None, flat_kw)
+        if alt is not None and not alt.stats.get("fallback") and (
+                cand is None or simulate_steps(graph, alt.steps, alt.forward_len)[1]
+                < simulate_steps(graph, cand.steps, cand.forward_len)[1]):
+            cand = alt
+        lowest = min(lowest, alt_lowest) if cand is None else 0
+    if cand is None:
+        raise InfeasibleBudget(budget_bytes, lowest, graph.name)
+    peak, t = validate(graph, cand, budget_bytes)
+    plan = plan_of(cand, peak, t)
+    shortfall = plan.shortfall(time_limit)
+    if shortfall:
+        import warnings
+
+        warnings.warn(shortfall, stacklevel=2)
+    logger.info("%s", plan.summary())
+    return plan
+
+
+def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
+          cache: Any = None, **options: Any) -> Plan:
+    """Trace one training iteration of ``model`` on ``sample`` and plan it within ``budget``.
+
+    ``options`` are those of ``solve_graph`` (``method``, ``time_limit``, ...). The budget bounds
+    activation memory: the peak, during forward and backward, of memory allocated by the
+    iteration beyond what existed before it, not counting the parameters' ``.grad`` tensors.
+    ``cache``: the plan cache (``hrockmate.planning.cache``): ``None`` the default location, a
+    directory, or ``False`` to measure op times and solve afresh without reading or writing it.
+    """
+    from hrockmate.capture.tracing import trace_model
+    from hrockmate.ir.schedule import simulate, store_all_schedule
+    from hrockmate.planning.cache import device_kind, measured_times, open_cache
+
+    store = open_cache(cache)
+    traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate")
+    graph = traced.graph
+    key = None
+    if store is not None:
+        baseline = int(simulate(graph, store_all_schedule(graph)).peak_bytes)
+        key = store.plan_key(graph, parse_budget(budget, baseline), options,
+                             device_kind(traced.device), purpose="solve")
+        cached = store.load_plan(key, graph)
+        if cached is not None:
+            return cached
+    measured_times(traced, model, sample, store)
+    plan = solve_graph(graph, budget, **options)
+    if store is not None:
+        store.save_plan(key, plan)
+    return plan
+
+
+
+
+@dataclass
+class ParetoPoint:
+    budget_bytes: int
+    plan: Plan | None  # None when the budget is infeasible
+
+    @property
+    def feasible(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return None if self.plan is None else self.plan.peak_bytes
+
+    @property
+    def time(self) -> float | None:
+        return None if self.plan is None else self.plan.time
+
+
+def with_hierarchy(graph: Graph, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``solve_graph`` options for several solves of ``graph`` (other budgets): with method
+    ``"hrockmate"`` the hierarchy and its block options are built once here and reused, so
+    each solve only solves the top level. When the time limit runs out while building it, the
+    options are returned as they are (each solve then falls back as it would alone)."""
+    options = dict(options)
+    if options.get("method", "hrockmate") == "hrockmate" and options.get("hierarchy") is None:
+        keys = ("flat_ops", "leaf_size", "group_size", "top_size", "time_limit",
+                "sub_time_limit", "mip_rel_gap", "progress", "solvers")
+        defaults = inspect.signature(solve_graph).parameters  # as solve_graph would prepare it
+        try:
+            options["hierarchy"] = prepare(
+                graph, **{k: options.get(k, defaults[k].default) for k in keys})
+        except HierarchyTimeout:
+            pass
+    return options
+
+
+def pareto(
+    graph_or_model: Any,
+    budgets: Sequence[BudgetLike],
+    sample: Any = None,
+    *,
+    loss_fn: Any = None,
+    **options: Any,
+) -> list[ParetoPoint]:
+    """Time against memory over many budgets, from one hierarchy (block options are computed
+    once and reused; only the top level is solved per budget). ``graph_or_model`` is a Graph, a
+    graph file, or a torch model together with ``sample``."""
+    if sample is not None:
+        from hrockmate.capture.tracing import trace
+
+        graph = trace(graph_or_model, sample) if loss_fn is None else trace(
+            graph_or_model, sample, loss_fn=loss_fn)
+    else:
+        graph = _as_graph(graph_or_model)
+    check_method(options.get("method", "hrockmate"))
+    options = with_hierarchy(graph, options)
+    points = []
+    for b in budgets:
+        try:
+            points.append(ParetoPoint(0, solve_graph(graph, b, **options)))
+            points[-1].budget_bytes = points[-1].plan.budget_bytes  # type: ignore[union-attr]
+        except InfeasibleBudget as exc:
+            points.append(ParetoPoint(exc.budget_bytes, None))
+    return points
+

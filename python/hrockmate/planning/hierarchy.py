@@ -1,0 +1,484 @@
+"""The block tree over the Rust core's hierarchy, and the options of every block: repeated
+blocks are solved once, blocks of one height in parallel; ``solve_top`` solves the root."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time as _time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from hrockmate.ir.graph import Graph
+from hrockmate.ir.plan import SolveError
+from hrockmate.planning import clusters, ilp, level_solvers
+from hrockmate.planning.blocks import Block, BlockOption, GraphFacts, Step
+from hrockmate.planning.level import (
+    block_level,
+    expand_level,
+    fragment_peak,
+    make_option,
+    option_from_steps,
+    own_storages,
+    pareto_filter,
+)
+
+logger = logging.getLogger("hrockmate")
+
+def _interfaces(ctx: GraphFacts, block: Block) -> None:
+    """Fill a block's interface tensor lists from its op sets."""
+    g = ctx.graph
+    ops = set(block.all_ops)
+    produced = {x for j in ops for x in g.ops[j].outputs}
+    out: set[int] = set()
+    for x in produced:
+        if g.tensors[x].role == "output" or any(r not in ops for r in ctx.readers[x]):
+            out.add(x)
+    # a view leaving the block takes its storage owner with it
+    for x in list(out):
+        r = g.tensors[x].alias_of
+        while r is not None:
+            if r in produced:
+                out.add(r)
+            r = g.tensors[r].alias_of
+    fwd_prod = {x for j in block.fwd_ops for x in g.ops[j].outputs}
+    block.fwd_out = sorted(x for x in out if x in fwd_prod)
+    block.bwd_out = sorted(x for x in out if x not in fwd_prod)
+    fwd_in: set[int] = set()
+    for j in block.fwd_ops:
+        fwd_in.update(x for x in g.ops[j].inputs if x not in fwd_prod)
+    bwd_in = set(fwd_in)
+    read_inside: set[int] = set()
+    for j in ops:
+        read_inside.update(g.ops[j].inputs)
+    for j in block.bwd_ops:
+        bwd_in.update(x for x in g.ops[j].inputs if x not in produced)
+    bwd_in.update(x for x in block.fwd_out if x in read_inside)
+    block.fwd_in = sorted(fwd_in)
+    block.bwd_in = sorted(bwd_in) if block.bwd_ops else []
+
+
+# Children per block above the leaves. 4 rather than 8: with 8, the demo GPT-2 (230 forward ops,
+# 38 leaves) had 4 blocks at the top, each spanning about 1.3 layers, and without dropout it ran
+# +22.8% at 50% (+36.5% at 40%, where block checkpointing did +29%); with 4 it has 9 and runs
+# +14.3% (+23.5% at 40%).
+GROUP_SIZE = 4
+
+
+def build_hierarchy(graph: Graph, leaf_size: int = 6, group_size: int = GROUP_SIZE,
+                    top_size: int = 16, partitioner: str = "contiguous") -> Block:
+    """Partition a graph into a tree of blocks; the root holds the whole graph.
+
+    The tree is the Rust core's hierarchy (``hrockmate.planning.clusters.build_hierarchy``, without
+    leaf options): by default contiguous stretches of the forward order, ``leaf_size`` ops per
+    leaf and ``group_size`` children per block above, at most ``top_size`` at the root; each
+    backward op joins a leaf by the owner rule of docs/hierarchy.md."""
+    ctx = GraphFacts(graph)
+    h = clusters.build_hierarchy(
+        graph, partitioner=partitioner, leaf_size=leaf_size, group_size=group_size,
+        # the contiguous partitioner's groups span up to 1.4x their target size
+        max_size=max(2, math.ceil(1.4 * max(leaf_size, group_size)) + 1),
+        top_max_size=top_size, options=False)
+    by_pos = ctx.pos.__getitem__
+
+    def block(c: clusters.Cluster) -> Block:
+        kids = [] if c.is_leaf else [block(h.clusters[k]) for k in c.children]
+        b = Block(fwd_ops=sorted(c.fwd_ops, key=by_pos), bwd_ops=sorted(c.bwd_ops, key=by_pos),
+                  children=kids)
+        _interfaces(ctx, b)
+        return b
+
+    top = h.clusters[h.root]
+    return Block(fwd_ops=list(ctx.fwd), bwd_ops=list(ctx.bwd),
+                 children=[block(h.clusters[k]) for k in top.children],
+                 loose_bwd=sorted(top.own_bwd_ops, key=by_pos), is_root=True)
+
+
+def flat_root(graph: Graph) -> Block:
+    """The hierarchy of one level: every op is a unit of the root (Checkmate's model)."""
+    ctx = GraphFacts(graph)
+    return Block(fwd_ops=list(ctx.fwd), bwd_ops=list(ctx.bwd), is_root=True)
+
+class HierarchyTimeout(ilp.LevelNoSolution):
+    """The blocks' options were not all solved before the hierarchy's share of the time limit
+    ran out (the caller then uses the simple strategies)."""
+
+
+# Share of a solve's time limit the blocks' options may use: the top level and the simple
+# strategies need the rest.
+HIERARCHY_TIME_SHARE = 0.75
+# Share of the time left after the blocks that the top level may use: the simple strategies and
+# the refinement need the rest. On the 10k-op unrolled LSTM at time_limit=60 the top level took
+# all of it (33 s, stopped with an 8.9% gap at +28.2%), and block checkpointing, then given no
+# time, tried one block count where its best fits at +22.9%.
+TOP_TIME_SHARE = 0.7
+# Share of the time left that one refinement (hrockmate.planning.refine) may use.
+REFINE_TIME_SHARE = 0.2
+
+
+@dataclass
+class _Settings:
+    time_limit: float | None
+    sub_time_limit: float
+    mip_rel_gap: float
+    # caps on what a block's forward keeps, as fractions of what its fastest schedule keeps. The
+    # 1/8 cap took the demo GPT-2 at 50% from +22.9% to +21.5% and at 30% from +48.3% to +43.7%,
+    # and the 24-layer enc-dec at 30% from +35.1% to +33.2%, for ~15% more block-solving time.
+    saved_fractions: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 0.75)
+    peak_fractions: tuple[float, ...] = (0.5,)
+    solvers: dict[str, str] = field(default_factory=dict)  # level kind -> solver
+    deadline: float | None = None  # perf_counter time by which every block must be solved
+
+
+# Time for a block's solves under a cap on what its forward keeps, in sub_time_limits: they are
+# options offered to the parent, and on blocks of thousands of ops (groups of unrolled steps)
+# proving them took 10-20 s each where the best schedule found in a few seconds is as good.
+_FRACTION_TIME = 3.0
+
+
+def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOption]:
+    """Solve a block's level at several limits and keep the Pareto-optimal results.
+
+    The limits: none (the fastest schedule); caps on what the forward keeps for the backward
+    (fractions of what the fastest keeps, 0 = keep nothing); the lowest peak; and peaks in
+    between the lowest and the fastest one. ``st.solvers`` may give leaves to TW-Remat and
+    chains of children to Rotor (``hrockmate.planning.level_solvers``); the ILP takes what they
+    cannot."""
+    extra: list[BlockOption] = []
+    if st.solvers.get("leaves") in ("twremat", "ilp+twremat") and not block.children:
+        found = level_solvers.twremat_leaf_options(ctx, block)
+        if found and st.solvers["leaves"] == "twremat":
+            block.solver = "twremat"
+            return found
+        extra = found or []
+    if st.solvers.get("chains") == "rotor" and block.children:
+        chain = level_solvers.chain_level(ctx, block)
+        found = level_solvers.rotor_block_options(ctx, block, chain) if chain else []
+        if found:
+            block.solver = "rotor"
+            return found
+    block.solver = "ilp"
+    lvl = block_level(ctx, block)
+    boundary0 = 0.0 if block.bwd_ops else None
+
+    # solves without a memory limit are easy and always have a solution: give them time
+    easy = max(10.0 * st.sub_time_limit, 30.0)
+
+    def attempt(limit: float = st.sub_time_limit, **a: Any) -> BlockOption | None:
+        # the fastest option is solved closely; the memory-limited ones, which are only
+        # choices offered to the parent and much harder, to 1%
+        limited = a.get("budget") is not None or a.get("boundary_limit") is not None
+        if st.deadline is not None:
+            left = st.deadline - _time.perf_counter()
+            if left <= 0:
+                raise HierarchyTimeout(f"the time limit ran out while solving the blocks of "
+                                       f"'{ctx.graph.name}'")
+            limit = min(limit, left)
+        try:
+            sp = ilp.solve_level(lvl.problem, **a, time_limit=limit,  # type: ignore[arg-type]
+                                 mip_rel_gap=max(st.mip_rel_gap, 1e-2 if limited else 1e-3))
+        except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+            return None
+        return make_option(ctx, block, lvl, sp)
+
+    first = attempt(easy, budget=None)
+    if first is None and st.deadline is not None and _time.perf_counter() >= st.deadline:
+        raise HierarchyTimeout(f"the time limit ran out while solving the blocks of "
+                               f"'{ctx.graph.name}'")
+    if first is None:
+        raise SolveError(f"internal error: a block of '{ctx.graph.name}' has no schedule even "
+                         "without a memory limit")
+    options = [first]
+    if block.bwd_ops and first.saved_bytes > 0:
+        for frac in st.saved_fractions:
+            o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None,
+                        boundary_limit=frac * first.saved_bytes)
+            if o is not None:
+                options.append(o)
+    low = attempt(budget=None, minimize_peak=True, boundary_limit=boundary0)
+    if low is not None:
+        options.append(low)
+        internal = _internal_storages(ctx, block)
+        hi_peak, lo_peak = _internal_peak(ctx, first, internal), _internal_peak(ctx, low, internal)
+        for frac in st.peak_fractions:
+            if hi_peak <= lo_peak:
+                break
+            o = attempt(budget=lo_peak + frac * (hi_peak - lo_peak), boundary_limit=None)
+            if o is not None:
+                options.append(o)
+    if extra:
+        block.solver = "ilp+twremat"
+    return pareto_filter(options + extra)
+
+
+def _internal_storages(ctx: GraphFacts, block: Block) -> set[int]:
+    interface = set(block.fwd_out) | set(block.bwd_out)
+    return {x for x in own_storages(ctx, block) if x not in interface}
+
+
+def _internal_peak(ctx: GraphFacts, o: BlockOption, internal: set[int]) -> int:
+    """An option's peak as its own level counts it (internal tensors only)."""
+    start = {x: (iid, b if ctx.root[x] in internal else 0) for x, (iid, b) in o.saved_state.items()}
+    return max(fragment_peak(ctx, o.fwd, internal, {})[0],
+               fragment_peak(ctx, o.bwd, internal, start)[0])
+
+
+@dataclass
+class _Shape:
+    """A block's structure up to renaming. Blocks with equal keys (repeated layers) have the same
+    level problem up to op and tensor ids, so one's options, renamed, are the other's."""
+
+    key: tuple[Any, ...]
+    ops: list[int]  # the block's ops in canonical order
+    tensors: list[int]  # the tensors they touch (and their storage owners), in canonical order
+
+
+def _block_shape(ctx: GraphFacts, block: Block) -> _Shape:
+    g = ctx.graph
+    child_of = {j: i for i, c in enumerate(block.children) for j in c.all_ops}
+    local: dict[int, int] = {}
+    tensors: list[int] = []
+
+    def ref(x: int) -> int:
+        if x not in local:
+            local[x] = len(tensors)
+            tensors.append(x)
+        return local[x]
+
+    ops = block.all_ops + block.loose_bwd
+    op_items = []
+    for j in ops:
+        o = g.ops[j]
+        op_items.append((o.phase, o.target, o.time, o.workspace, child_of.get(j, -1),
+                         tuple(ref(x) for x in o.inputs), tuple(ref(x) for x in o.outputs)))
+    flags = [set(block.fwd_in), set(block.bwd_in), set(block.fwd_out), set(block.bwd_out)]
+    tensor_items = []
+    k = 0
+    while k < len(tensors):  # storage owners join the list as they are met
+        x = tensors[k]
+        t = g.tensors[x]
+        alias = ref(t.alias_of) if t.alias_of is not None else -1
+        tensor_items.append((t.bytes, t.role, alias, ctx.fixed[x], *(x in f for f in flags)))
+        k += 1
+    return _Shape((tuple(op_items), tuple(tensor_items)), ops, tensors)
+
+
+def _renamed_options(ctx: GraphFacts, src: Block, src_shape: _Shape, dst: Block,
+                     dst_shape: _Shape) -> list[BlockOption] | None:
+    """``src``'s options for the equally shaped ``dst`` (None if a step falls outside the
+    mapping, which would be a bug in ``_block_shape``; the caller then solves ``dst``)."""
+    op_map = dict(zip(src_shape.ops, dst_shape.ops))
+    t_map = dict(zip(src_shape.tensors, dst_shape.tensors))
+
+    def steps(fragment: list[Step]) -> list[Step]:
+        return [(k, op_map[i] if k == "compute" else t_map[i]) for k, i in fragment]
+
+    try:
+        return [option_from_steps(ctx, dst, steps(o.fwd), steps(o.bwd),
+                                   frozenset(t_map[x] for x in o.saved)) for o in src.options]
+    except KeyError:
+        logger.debug("block shape mapping missed a tensor; solving the block itself")
+        return None
+
+
+@dataclass
+class Hierarchy:
+    """A graph's block tree with every non-root block's options computed."""
+
+    graph: Graph
+    root: Block
+    ctx: GraphFacts
+    seconds: float
+    blocks: int
+    solved_blocks: int  # blocks whose level was solved; the others reuse an equal block's options
+    solvers: dict[str, str] = field(default_factory=dict)
+
+    def solver_counts(self) -> dict[str, int]:
+        """How many blocks each solver gave options to (``renamed``: copied from an equal
+        block)."""
+        counts: dict[str, int] = {}
+        stack = list(self.root.children)
+        while stack:
+            b = stack.pop()
+            stack.extend(b.children)
+            counts[b.solver] = counts.get(b.solver, 0) + 1
+        return counts
+
+
+def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size: int = GROUP_SIZE,
+            top_size: int = 16, time_limit: float | None = None, sub_time_limit: float = 1.0,
+            mip_rel_gap: float = 1e-4, progress: bool = True,
+            workers: int | None = None, solvers: Mapping[str, str] | None = None) -> Hierarchy:
+    """Build the hierarchy and compute the options of every block below the root.
+
+    Blocks of the same height are independent: ``workers`` threads solve them at once (HiGHS
+    releases the GIL while it solves; model building and the rest stay serial). Default: one per
+    core, at most ``MAX_WORKERS``. Ctrl-C or an error in one block stops every thread's solve
+    within about 0.1 s."""
+    t0 = _time.perf_counter()
+    ctx = GraphFacts(graph)
+    if graph.num_ops <= flat_ops:
+        root = flat_root(graph)
+    else:
+        root = build_hierarchy(graph, leaf_size, group_size, top_size)
+    chosen = level_solvers.check_solvers(solvers)
+    st = _Settings(time_limit, sub_time_limit, mip_rel_gap, solvers=chosen,
+                   deadline=None if time_limit is None
+                   else t0 + HIERARCHY_TIME_SHARE * time_limit)
+    by_height: dict[int, list[Block]] = {}
+
+    def post(b: Block) -> int:
+        height = 1 + max((post(c) for c in b.children), default=0)
+        if not b.is_root:
+            by_height.setdefault(height, []).append(b)
+        return height
+
+    post(root)
+    total = sum(len(v) for v in by_height.values())
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    bar = _Progress(total, f"solving {total} blocks of '{graph.name}'", progress)
+    cancel = threading.Event()
+
+    def options_of(b: Block) -> list[BlockOption]:
+        with ilp.cancelled_by(cancel):
+            return _block_options(ctx, b, st)
+
+    solved = 0
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="hrockmate-blocks") if workers > 1 \
+        else None
+    try:
+        for height in sorted(by_height):
+            # repeated layers give blocks of equal shape: solve one of each, rename for the rest
+            firsts: dict[tuple[Any, ...], tuple[Block, _Shape]] = {}
+            copies: list[tuple[Block, _Shape, Block, _Shape]] = []
+            for b in by_height[height]:
+                shape = _block_shape(ctx, b)
+                if shape.key in firsts:
+                    copies.append((b, shape, *firsts[shape.key]))
+                else:
+                    firsts[shape.key] = (b, shape)
+            blocks = [b for b, _ in firsts.values()]
+            if pool is not None and len(blocks) > 1:
+                futures = [pool.submit(options_of, b) for b in blocks]
+                results: Iterable[list[BlockOption]] = (f.result() for f in futures)
+            else:
+                results = (options_of(b) for b in blocks)
+            for b, options in zip(blocks, results):
+                b.options = options
+                solved += 1
+                bar.update()
+            for b, shape, src, src_shape in copies:
+                renamed = _renamed_options(ctx, src, src_shape, b, shape)
+                if renamed is None:
+                    renamed = options_of(b)
+                    solved += 1
+                else:
+                    b.solver = "renamed"
+                b.options = renamed
+                bar.update()
+    except BaseException:
+        cancel.set()  # the other threads' solves stop at HiGHS's next interrupt check
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+    return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total, solved, chosen)
+
+
+# Block-solving threads at most: beyond this, the serial Python parts dominate.
+MAX_WORKERS = 8
+
+
+def default_workers() -> int:
+    """Threads for the hierarchy's blocks: one per available core (the CPU affinity, and a
+    container's CPU quota where cgroup v2 sets one), at most ``MAX_WORKERS``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    try:  # "max 100000" (no quota) or "<quota> <period>" in microseconds
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, min(MAX_WORKERS, cores))
+
+
+# The top MILP stops once its best schedule has not improved for this long (nor for half the
+# time it took to find it: ``ilp.run_highs``). On the T5 of the third-party tests (815 ops, 15
+# top blocks) at 40% HiGHS found its last better schedule 9.6 s into the top solve and then
+# spent the rest of a 60 s limit (or 210 s of the default 300 s) failing to prove it optimal:
+# the solve took 43.5 s, and 16.8 s with this rule, for the same plan (+25.6%).
+TOP_STALL_SECONDS = 5.0
+
+
+def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip_rel_gap: float,
+              minimize_peak: bool = False) -> tuple[list[Step], int, bool, dict[str, Any]]:
+    """The top level at ``budget`` (None: no limit, or the least peak with ``minimize_peak``):
+    (steps, forward length, proven optimal, statistics). Raises ``ilp.LevelInfeasible`` or
+    ``ilp.LevelNoSolution`` when it finds nothing."""
+    if h.solvers.get("top") == "rotor":
+        chain = level_solvers.chain_level(h.ctx, h.root)
+        if chain is not None:
+            lo, hi = level_solvers.chain_bounds(chain)
+            limit = 2 * hi if budget is None and not minimize_peak else (
+                int(lo * 1.01) + 1 if budget is None else budget)
+            plan = level_solvers.rotor_plan(chain, limit)
+            if plan is not None:
+                fwd, bwd = level_solvers.expand_chain(h.ctx, h.root, chain, plan)
+                return fwd + bwd, len(fwd), False, {"top_solver": "rotor"}
+            logger.info("Rotor finds no schedule of the top chain of '%s' within %d bytes "
+                        "(its least is %d); solving the top with the ILP", h.graph.name, limit,
+                        lo)
+        else:
+            logger.info("the top level of '%s' is not a chain; solving it with the ILP",
+                        h.graph.name)
+    lvl = block_level(h.ctx, h.root)
+    sp = ilp.solve_level(lvl.problem, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
+                         minimize_peak=minimize_peak, stall=TOP_STALL_SECONDS)
+    if sp.stats.get("stopped") == "stall":
+        gap = sp.stats.get("mip_gap")
+        logger.info("the top MILP of '%s' stopped after %.1f s: its best schedule had stopped "
+                    "improving (%s)", h.graph.name, sp.stats["solve_seconds"],
+                    "gap unknown" if gap is None else f"within {100 * gap:.1f}% of optimal")
+    fwd, bwd, _ = expand_level(h.ctx, h.root, lvl, sp)
+    return fwd + bwd, len(fwd), sp.optimal, {**sp.stats, "top_solver": "ilp"}
+
+
+class _Progress:
+    """tqdm when it is installed, else log lines at most every few seconds."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total, self.desc, self.n = total, desc, 0
+        self.t0 = self.last = _time.perf_counter()
+        self.bar = None
+        if enabled and total > 1:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, leave=False)
+            except ImportError:
+                self.bar = None
+        self.enabled = enabled
+
+    def update(self) -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        now = _time.perf_counter()
+        if self.enabled and now - self.last > 3.0:
+            self.last = now
+            logger.info("%s: %d/%d (%.0f s)", self.desc, self.n, self.total, now - self.t0)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,392 @@
+"""Which method runs and what replaces it: the single fallback policy of ``solve_graph``.
+
+Every candidate is simulated; the plan never costs more than the simple strategies at the
+same budget, and recompute-all is the last resort (the log says why)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time as _time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hrockmate.ir.graph import Graph
+from hrockmate.ir.plan import InfeasibleBudget, SolveError
+from hrockmate.planning import ilp
+from hrockmate.planning import strategies as reference
+from hrockmate.planning.blocks import Step
+from hrockmate.planning.hierarchy import (
+    REFINE_TIME_SHARE,
+    TOP_TIME_SHARE,
+    Hierarchy,
+    HierarchyTimeout,
+    prepare,
+    solve_top,
+)
+
+logger = logging.getLogger("hrockmate")
+
+METHODS = ("hrockmate", "checkmate", "checkpoint", "selective", "greedy", "twremat", "rotor",
+           "recompute-all", "store-all")
+
+def simulate_steps(graph: Graph, steps: list[Step], forward_len: int) -> tuple[int, float]:
+    from hrockmate.ir.schedule import Schedule, simulate
+
+    res = simulate(graph, Schedule(steps=list(steps), forward_len=forward_len))
+    return int(res.peak_bytes), float(res.time)
+
+
+def baseline_schedule(graph: Graph) -> tuple[list[Step], int, int, float]:
+    from hrockmate.ir.schedule import store_all_schedule
+
+    sched = store_all_schedule(graph)
+    steps = [(str(k), int(i)) for k, i in sched.steps]
+    peak, t = simulate_steps(graph, steps, int(sched.forward_len))
+    return steps, int(sched.forward_len), peak, t
+
+
+
+@dataclass
+class Candidate:
+    steps: list[Step]
+    forward_len: int
+    optimal: bool
+    stats: dict[str, Any]
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+
+def time_left(kw: Mapping[str, Any]) -> float | None:
+    """Seconds left of the solve's ``time_limit`` (None: no limit)."""
+    deadline = kw.get("deadline")
+    return None if deadline is None else max(0.0, deadline - _time.perf_counter())
+
+
+def _run_literature(graph: Graph, method: str, budget: int, time_limit: float | None = None
+                    ) -> tuple[Candidate | None, int]:
+    """TW-Remat or Rotor on the whole graph (hrockmate.planning.literature) within ``time_limit``
+    seconds: the candidate, or (None, the lowest peak the method reaches). Raises
+    TimeoutError when the time runs out, MemoryError when Rotor's tables cannot fit."""
+    from hrockmate.planning import literature
+
+    if method == "twremat":
+        points = literature.twremat(graph, time_limit=time_limit)
+        fits = [p for p in points if p.sim.peak_bytes <= budget]
+        if not fits:
+            return None, min(p.sim.peak_bytes for p in points)
+        best = min(fits, key=lambda p: p.sim.time)
+        sched, stats = best.schedule, {"depth_limit": best.depth_limit}
+    else:
+        deadline = None if time_limit is None else _time.perf_counter() + time_limit
+        try:
+            sched, _ = literature.rotor(graph, budget, time_limit=time_limit)
+        except InfeasibleBudget as exc:
+            left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
+            return None, _rotor_lowest(graph, exc.min_bytes, left)
+        stats = {}
+    steps = [(str(k), int(i)) for k, i in sched.steps]
+    return Candidate(steps, int(sched.forward_len), False, {"method": method, **stats}), 0
+
+
+def _rotor_lowest(graph: Graph, model_min: int, time_limit: float | None = None) -> int:
+    """The smallest budget Rotor is seen to solve. Its dynamic program rounds sizes up to memory
+    slots, so the chain model's minimum itself may be out of reach: probe just above it, for
+    at most ``time_limit`` seconds in all (then the model's minimum is the answer)."""
+    from hrockmate.planning import literature
+
+    deadline = None if time_limit is None else _time.perf_counter() + time_limit
+    for factor in (1.0, 1.0001, 1.001, 1.01, 1.05, 1.2):
+        left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
+        try:
+            literature.rotor(graph, int(model_min * factor), time_limit=left)
+            return int(model_min * factor)
+        except InfeasibleBudget:
+            continue
+        except TimeoutError:
+            break
+    return model_min
+
+
+def validate(graph: Graph, c: Candidate, budget_bytes: int) -> tuple[int, float]:
+    """Simulate a candidate; a rejected or over-budget schedule is a solver bug."""
+    from hrockmate.ir.schedule import ScheduleError
+
+    try:
+        peak, t = simulate_steps(graph, c.steps, c.forward_len)
+    except ScheduleError as exc:
+        raise SolveError(
+            f"internal error: method {c.stats.get('method')} produced a schedule the simulator "
+            f"rejects for '{graph.name}': {exc}"
+        ) from None
+    if peak > budget_bytes:
+        raise SolveError(
+            f"internal error: method {c.stats.get('method')} produced a schedule with peak "
+            f"{peak} bytes over the budget of {budget_bytes} bytes for '{graph.name}'"
+        )
+    return peak, t
+
+
+def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | None,
+                kw: dict[str, Any]) -> tuple[Candidate | None, int]:
+    """The method's candidate within the budget, or (None, the lowest peak that was reached).
+
+    When a MILP gives nothing within the budget, the low-memory schedules met on the way
+    (recompute-all, the MILP's own lowest-peak schedule, block checkpointing) are tried; the
+    fastest that fits is returned, marked not optimal."""
+    from hrockmate.ir.schedule import recompute_all_schedule
+
+    spares: list[tuple[Candidate, int, float]] = []  # (candidate, peak, time)
+
+    def spare(label: str, steps: list[Step], fl: int, **stats: Any) -> None:
+        peak, t = simulate_steps(graph, steps, fl)
+        spares.append((Candidate(steps, fl, False, {"method": method, "fallback": label,
+                                                       **stats}), peak, t))
+
+    try:
+        rc = recompute_all_schedule(graph)
+    except MemoryError as exc:  # TooLargeError: O(n^2) steps on a long chain
+        if method == "recompute-all":
+            raise
+        logger.info("no recompute-all fallback for '%s': %s", graph.name, exc)
+    else:
+        spare("recompute-all", [(str(k), int(i)) for k, i in rc.steps], int(rc.forward_len))
+    if method == "recompute-all":
+        spares[0][0].stats.pop("fallback")
+        return _pick(spares, budget, method, graph)
+    if method in ("checkpoint", "selective"):
+        try:
+            r = reference.solve_checkpoint(graph, budget, simulate_steps,
+                                           selective=method == "selective")
+        except reference.SolverInfeasible as exc:
+            # keeping no block at all is recompute-all, the checkpointing with least memory
+            cand, lowest = _pick(spares, budget, method, graph)
+            return cand, int(min(lowest, exc.min_bytes))
+        return Candidate(r.steps, r.forward_len, False, {"method": method, **r.stats}), 0
+
+    if method in ("twremat", "rotor"):
+        return _run_literature(graph, method, budget, time_left(kw))
+    if method == "greedy":
+        found = reference.greedy_eviction_schedule(graph, budget, time_left(kw))
+        if found is not None and simulate_steps(graph, *found)[0] <= budget:
+            return Candidate(found[0], found[1], False, {"method": "greedy"}), 0
+        cand, lowest = _pick(spares, budget, method, graph)
+        if cand is not None:
+            logger.warning("greedy eviction got stuck for '%s' within %d bytes; using %s",
+                           graph.name, budget, cand.stats["fallback"])
+        return cand, lowest
+
+    if method == "checkmate":
+        def again(b: int) -> reference.SolverResult:
+            return reference.solve_checkmate(graph, b, time_limit=time_left(kw),
+                                           mip_rel_gap=kw["mip_rel_gap"])
+
+        try:
+            r = again(budget)
+            cand = Candidate(r.steps, r.forward_len, r.optimal, {"method": "checkmate",
+                                                                  **r.stats})
+            return _retighten(graph, budget, cand, again), 0
+        except (reference.SolverInfeasible, ilp.LevelInfeasible) as exc:
+            # not proven infeasible (time limit, too large): say why before falling back
+            proven = getattr(exc, "proven", True)
+            logger.log(logging.INFO if proven else logging.WARNING, "checkmate: %s", exc)
+        try:
+            steps, fl, _, _ = reference.min_peak_checkmate(graph, time_left(kw))
+            spare("lowest-peak MILP", steps, fl)
+        except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+            pass
+    else:
+        try:
+            h = hierarchy if hierarchy is not None else prepare(
+                graph, flat_ops=kw["flat_ops"], leaf_size=kw["leaf_size"],
+                group_size=kw["group_size"], top_size=kw["top_size"],
+                time_limit=time_left(kw), sub_time_limit=kw["sub_time_limit"],
+                mip_rel_gap=kw["mip_rel_gap"], progress=kw["progress"], solvers=kw["solvers"])
+        except HierarchyTimeout as exc:
+            logger.warning("%s; using the simple strategies (raise time_limit to let the "
+                           "hierarchy finish)", exc)
+            h = None
+        if h is not None:
+            stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks,
+                       "solved_blocks": h.solved_blocks, "solvers": dict(h.solvers),
+                       "block_solvers": h.solver_counts(),
+                       "hierarchy_seconds": round(h.seconds, 4)}
+
+            def top(b: int) -> reference.SolverResult:
+                left = time_left(kw)
+                if left is not None and h.root.children:  # (a flat level is the whole solve)
+                    left *= TOP_TIME_SHARE
+                steps, fl, optimal, stats = solve_top(h, b, time_limit=left,
+                                                      mip_rel_gap=kw["mip_rel_gap"])
+                return reference.SolverResult(steps, fl, optimal, stats)
+
+            # an op-level MILP cut short by the time limit may lose to the hierarchy
+            flat = not h.root.children and kw["flat_ops"] > 0
+            try:
+                r = top(budget)
+                cand = _retighten(graph, budget, Candidate(
+                    r.steps, r.forward_len, r.optimal, {**stats_h, **r.stats}), top)
+                cand = _refined(graph, budget, cand, kw)
+                if flat and not cand.optimal and kw.get("hierarchy_retry", True):
+                    alt, _ = run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
+                    if alt is not None and (
+                            simulate_steps(graph, alt.steps, alt.forward_len)[1]
+                            < simulate_steps(graph, cand.steps, cand.forward_len)[1]):
+                        return alt, 0
+                if h.root.children:
+                    # the hierarchy's memory model is conservative; near its lowest budgets block
+                    # checkpointing, or Rotor on a chain-shaped graph, can be faster, and both cost
+                    # little to check
+                    best, best_time = cand, simulate_steps(graph, cand.steps, cand.forward_len)[1]
+                    simple, _ = _simple_strategies(graph, budget, method, time_left(kw))
+                    for alt, _peak, alt_time in simple:
+                        if alt_time < best_time:
+                            # the hierarchy's figures stay (top_solver, ...): what it did and
+                            # what beat it
+                            alt.stats = {**cand.stats, **alt.stats, "optimal": False,
+                                         "beats_hierarchy_plan": True}
+                            best, best_time = alt, alt_time
+                    if best is not cand:  # the fallback gets the same refinement
+                        best = _refined(graph, budget, best, kw)
+                    return best, 0
+                return cand, 0
+            except ilp.LevelInfeasible:
+                pass
+            except ilp.LevelNoSolution:
+                if flat and kw.get("hierarchy_retry", True):
+                    logger.info("no op-level schedule for '%s' in %s s; solving hierarchically",
+                                graph.name, kw["time_limit"])
+                    return run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
+            try:
+                if kw.get("lowest_peak", True):
+                    steps, fl, _, _ = solve_top(h, None, time_limit=time_left(kw),
+                                                mip_rel_gap=1e-3, minimize_peak=True)
+                    spare("lowest-peak H-ILP", steps, fl, **stats_h)
+            except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+                pass
+    simple, minima = _simple_strategies(graph, budget, method, time_left(kw))
+    spares.extend(simple)
+    cand, lowest = _pick(spares, budget, method, graph)
+    if cand is not None and method == "hrockmate":
+        cand = _refined(graph, budget, cand, kw)
+    if cand is None:
+        lowest = min([lowest, *minima.values()])
+    elif cand.stats["fallback"] == "recompute-all":
+        logger.warning(
+            "%s found no schedule for '%s' within %d bytes and only recompute-all fits (the "
+            "lowest peaks reached: %s)", method, graph.name, budget,
+            ", ".join(f"{k} {v} bytes" for k, v in minima.items()) or "none")
+    else:
+        logger.warning("%s found no schedule for '%s' within %d bytes; using %s", method,
+                       graph.name, budget, cand.stats["fallback"])
+    return cand, lowest
+
+
+def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float | None = None
+                       ) -> tuple[list[tuple[Candidate, int, float]], dict[str, int]]:
+    """The simple strategies no plan may lose to, each at its fastest setting within the
+    budget: block checkpointing, selective checkpointing, whole-graph Rotor (chain-shaped
+    graphs only) and greedy eviction (DTR-style, any graph), within ``time_limit`` seconds.
+    Returns them as (candidate, peak, time), marked as fallbacks, and the lowest peak each of
+    the first three reaches (for the log and the error when nothing fits)."""
+    from hrockmate.planning.literature import NotAChainError
+
+    out: list[tuple[Candidate, int, float]] = []
+    lowest: dict[str, int] = {}
+    deadline = None if time_limit is None else _time.perf_counter() + time_limit
+    # shares of the time left: checkpointing 1/4, selective 1/3 of the rest, Rotor half of
+    # what remains, greedy eviction the rest
+    for share, (label, selective) in ((4, ("checkpoint", False)), (3, ("selective", True))):
+        left = None if deadline is None else max(0.0, deadline - _time.perf_counter()) / share
+        points = reference.checkpoint_points(graph, simulate_steps, selective, left)
+        lowest[label] = min(p[0] for p in points)
+        fits = [p for p in points if p[0] <= budget]
+        if fits:
+            peak, t, blocks, steps, fl = min(fits, key=lambda p: p[1])
+            out.append((Candidate(steps, fl, False, {"method": method, "fallback": label,
+                                                      "blocks": blocks}), peak, t))
+    try:
+        rotor, rotor_lowest = _run_literature(
+            graph, "rotor", budget,
+            None if deadline is None else max(0.0, deadline - _time.perf_counter()) / 2)
+    except NotAChainError:
+        rotor = None
+    except (TimeoutError, MemoryError) as exc:  # out of time, or tables too large
+        logger.info("whole-graph Rotor skipped for '%s': %s", graph.name, exc)
+        rotor = None
+    else:
+        if rotor is None:
+            lowest["rotor"] = rotor_lowest
+        else:
+            rotor.stats = {"method": method, "fallback": "rotor"}
+            peak, t = simulate_steps(graph, rotor.steps, rotor.forward_len)
+            out.append((rotor, peak, t))
+    left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
+    found = reference.greedy_eviction_schedule(graph, budget, left)
+    if found is not None:
+        peak, t = simulate_steps(graph, *found)
+        if peak <= budget:
+            out.append((Candidate(found[0], found[1], False,
+                                   {"method": method, "fallback": "greedy"}), peak, t))
+    return out, lowest
+
+
+def _pick(spares: list[tuple[Candidate, int, float]], budget: int, method: str, graph: Graph
+          ) -> tuple[Candidate | None, int]:
+    fits = [(t, c) for c, peak, t in spares if peak <= budget]
+    if fits:
+        return min(fits, key=lambda tc: tc[0])[1], 0
+    # (no spare at all: the callers take the minimum with block checkpointing's lowest peak)
+    return None, int(min((peak for _, peak, _ in spares), default=sys.maxsize))
+
+
+def _refined(graph: Graph, budget: int, cand: Candidate, kw: Mapping[str, Any]) -> Candidate:
+    """``cand`` with the recomputations its memory slack allows dropped
+    (``hrockmate.planning.refine``); ``stats["refined"]`` counts them and gives the time before."""
+    from hrockmate.planning.refine import refine
+
+    left = time_left(kw)
+    # a share of the time left, less a margin for what follows (the simple strategies; the
+    # final simulation of a 40k-step schedule takes ~0.5 s): on the 10k-op LSTM a round takes
+    # ~2 s and the later rounds gain little
+    r = refine(graph, cand.steps, cand.forward_len, budget,
+               deadline=None if left is None
+               else _time.perf_counter() + min(left - 1.0, REFINE_TIME_SHARE * left))
+    if r is None:
+        return cand
+    logger.info("refinement dropped %d recomputations of the %s plan for '%s': time %.6g -> "
+                "%.6g", r.dropped, cand.stats.get("method"), graph.name, r.time_before, r.time)
+    return Candidate(r.steps, r.forward_len, cand.optimal,
+                      {**cand.stats, "refined": {"dropped": r.dropped,
+                                                 "time_before": r.time_before}})
+
+
+def _retighten(graph: Graph, budget: int, cand: Candidate,
+               again: Any) -> Candidate:
+    """If a MILP schedule ended over the budget (solver tolerances, or a level's memory model
+    missing a corner of the simulator's storage rules), solve again a little lower, each time
+    further. Raises ``ilp.LevelInfeasible`` when no attempt fits: the caller then falls back."""
+    target = budget
+    for attempt in range(5):
+        peak, _t = simulate_steps(graph, cand.steps, cand.forward_len)
+        if peak <= budget:
+            return cand
+        target = int(target - (peak - budget) - max(1, budget * 2e-3 * attempt))
+        logger.debug("schedule %d bytes over the budget; solving again at %d", peak - budget,
+                     target)
+        try:
+            r = again(target)
+        except (reference.SolverInfeasible, ilp.LevelInfeasible, ilp.LevelNoSolution):
+            break
+        cand = Candidate(r.steps, r.forward_len, r.optimal, {**cand.stats, **r.stats})
+    if simulate_steps(graph, cand.steps, cand.forward_len)[0] <= budget:
+        return cand
+    logger.warning("the %s schedules for '%s' stayed over the budget of %d bytes; falling back",
+                   cand.stats.get("method"), graph.name, budget)
+    raise ilp.LevelInfeasible("no schedule within the budget after re-solving lower")
+
+

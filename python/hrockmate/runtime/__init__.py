@@ -1,0 +1,8 @@
+"""The execution runtime: ``HRockmate`` (``module``) runs a schedule, compiled once into
+straight-line Python (``compiler``), inside autograd; docs/runtime.md describes it."""
+
+from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
+from hrockmate.runtime.module import HRockmate, InputMismatchError, ModelChangedError
+
+__all__ = ["HRockmate", "InputMismatchError", "ModelChangedError", "Program",
+           "RuntimeScheduleError", "compile_schedule"]
