@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import hrockmate
 from hrockmate.ir.graph import Graph, Op, Tensor
 from hrockmate.ir.plan import InfeasibleBudget, Plan
 from hrockmate.ir.schedule import peak_lower_bound
-from hrockmate.planning import strategies
+from hrockmate.planning import clusters, strategies
+from hrockmate.planning.blocks import Block
 
 solve_mod = importlib.import_module("hrockmate.planning.api")
 hierarchy_mod = importlib.import_module("hrockmate.planning.hierarchy")
@@ -346,7 +348,7 @@ def test_solvers_option_rejects_unknown_levels_and_solvers() -> None:
     g = training_graph(8, 1)
     with pytest.raises(ValueError, match="unknown level 'middle'"):
         hrockmate.solve_graph(g, 0.8, solvers={"middle": "ilp"})
-    with pytest.raises(ValueError, match="'leaves' cannot use 'rotor'.*ilp, twremat"):
+    with pytest.raises(ValueError, match="'leaves' cannot use 'rotor'.*ilp, rust"):
         hrockmate.solve_graph(g, 0.8, solvers={"leaves": "rotor"})
     with pytest.raises(TypeError, match="solvers must be a dict"):
         hrockmate.solve_graph(g, 0.8, solvers="rotor")
@@ -366,6 +368,42 @@ def test_twremat_at_the_leaves(data_graphs: Path) -> None:
                                  solvers={"leaves": "ilp+twremat"})
     _check(both, g)
     assert both.stats["block_solvers"].get("ilp+twremat", 0) >= 1
+
+
+def test_the_rust_core_enumerates_the_leaves(data_graphs: Path) -> None:
+    """``leaves="rust"``: every leaf's options come from the core's enumeration (no MILP at the
+    leaves); measured on their own steps they cost what the core says, and plans are valid."""
+    g = Graph.load(data_graphs / "resnet_like_train.json")
+    h = hierarchy_mod.prepare(g, flat_ops=0, progress=False, solvers={"leaves": "rust"})
+    leaves = [b for b in _blocks(h.root) if not b.children]
+    assert leaves and all(b.solver in ("rust", "renamed") for b in leaves)
+    core = clusters.build_hierarchy(g, leaf_size=6, group_size=hierarchy_mod.GROUP_SIZE,
+                                    max_size=10, top_max_size=16)
+    by_ops = {frozenset(c.fwd_ops) | frozenset(c.bwd_ops): c.id for c in core.clusters
+              if c.is_leaf}
+    for b in leaves:
+        fronts = {(o.fwd_time, o.bwd_time) for o in core.options[by_ops[frozenset(b.all_ops)]]}
+        for o in b.options:
+            assert any(math.isclose(o.fwd_time, f) and math.isclose(o.bwd_time, bt)
+                       for f, bt in fronts)
+    for frac in (0.7, 0.4):
+        plan = hrockmate.solve_graph(g, frac, flat_ops=0, exact_ops=0, progress=False,
+                                     solvers={"leaves": "rust"})
+        _check(plan, g)
+        assert plan.stats["block_solvers"].get("rust", 0) >= 1
+        both = hrockmate.solve_graph(g, frac, flat_ops=0, exact_ops=0, progress=False,
+                                     solvers={"leaves": "ilp+rust"})
+        _check(both, g)
+        assert both.stats["block_solvers"].get("ilp+rust", 0) >= 1
+
+
+def _blocks(root: Block) -> list[Block]:
+    out, stack = [], list(root.children)
+    while stack:
+        b = stack.pop()
+        out.append(b)
+        stack.extend(b.children)
+    return out
 
 
 def test_default_is_never_slower_than_whole_graph_rotor(data_graphs: Path) -> None:

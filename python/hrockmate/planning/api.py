@@ -78,7 +78,8 @@ def solve_graph(
             hierarchy plan is beaten by a fallback, is missing, or recomputes over 10% are
             also tried at the op level, for at most 60 s.
         solvers: (method ``"hrockmate"``) the solver of each kind of level:
-            ``{"leaves": "ilp" | "twremat", "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
+            ``{"leaves": "ilp" | "rust" | "ilp+rust" | "twremat" | "ilp+twremat",
+            "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
             (missing keys: ``"ilp"``). Rotor takes a level only when its children form a chain
             and TW-Remat a leaf only when it can schedule it; the ILP solves the others.
             ``plan.stats["block_solvers"]`` counts the blocks each solver gave options to and

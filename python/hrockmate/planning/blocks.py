@@ -54,7 +54,10 @@ class Block:
     bwd_out: list[int] = field(default_factory=list)
     options: list[BlockOption] = field(default_factory=list)
     is_root: bool = False
-    solver: str = ""  # what made the options: "ilp", "twremat", "rotor" or "renamed"
+    solver: str = ""  # what made the options: "ilp", "twremat", "rust", "rotor" or "renamed"
+    #: a leaf's options as the Rust core enumerated them, (forward steps, backward steps) each,
+    #: when the hierarchy was built with them (``solvers={"leaves": "rust"}``)
+    native_fragments: list[tuple[list[Step], list[Step]]] = field(default_factory=list)
 
     @property
     def all_ops(self) -> list[int]:

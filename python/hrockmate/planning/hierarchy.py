@@ -70,25 +70,28 @@ GROUP_SIZE = 4
 
 
 def build_hierarchy(graph: Graph, leaf_size: int = 6, group_size: int = GROUP_SIZE,
-                    top_size: int = 16, partitioner: str = "contiguous") -> Block:
+                    top_size: int = 16, partitioner: str = "contiguous",
+                    leaf_options: bool = False) -> Block:
     """Partition a graph into a tree of blocks; the root holds the whole graph.
 
-    The tree is the Rust core's hierarchy (``hrockmate.planning.clusters.build_hierarchy``, without
-    leaf options): by default contiguous stretches of the forward order, ``leaf_size`` ops per
-    leaf and ``group_size`` children per block above, at most ``top_size`` at the root; each
-    backward op joins a leaf by the owner rule of docs/hierarchy.md."""
+    The tree is the Rust core's hierarchy (``clusters.build_hierarchy``): by default contiguous
+    stretches of the forward order, ``leaf_size`` ops per leaf and ``group_size`` children per
+    block above, at most ``top_size`` at the root; each backward op joins a leaf by the owner
+    rule of docs/hierarchy.md. With ``leaf_options`` the core also enumerates every leaf's
+    options (exactly, in parallel) and each leaf block keeps their fragments."""
     ctx = GraphFacts(graph)
     h = clusters.build_hierarchy(
         graph, partitioner=partitioner, leaf_size=leaf_size, group_size=group_size,
         # the contiguous partitioner's groups span up to 1.4x their target size
         max_size=max(2, math.ceil(1.4 * max(leaf_size, group_size)) + 1),
-        top_max_size=top_size, options=False)
+        top_max_size=top_size, options=leaf_options)
     by_pos = ctx.pos.__getitem__
 
     def block(c: clusters.Cluster) -> Block:
         kids = [] if c.is_leaf else [block(h.clusters[k]) for k in c.children]
         b = Block(fwd_ops=sorted(c.fwd_ops, key=by_pos), bwd_ops=sorted(c.bwd_ops, key=by_pos),
-                  children=kids)
+                  children=kids,
+                  native_fragments=[(o.fwd_steps, o.bwd_steps) for o in h.options[c.id]])
         _interfaces(ctx, b)
         return b
 
@@ -145,14 +148,16 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
 
     The limits: none (the fastest schedule); caps on what the forward keeps for the backward
     (fractions of what the fastest keeps, 0 = keep nothing); the lowest peak; and peaks in
-    between the lowest and the fastest one. ``st.solvers`` may give leaves to TW-Remat and
-    chains of children to Rotor (``hrockmate.planning.level_solvers``); the ILP takes what they
-    cannot."""
+    between the lowest and the fastest one. ``st.solvers`` may give leaves to the Rust core's
+    enumeration or TW-Remat (alone, or beside the ILP: ``"ilp+rust"``) and chains of children to
+    Rotor (``level_solvers``); the ILP takes what they cannot."""
     extra: list[BlockOption] = []
-    if st.solvers.get("leaves") in ("twremat", "ilp+twremat") and not block.children:
-        found = level_solvers.twremat_leaf_options(ctx, block)
-        if found and st.solvers["leaves"] == "twremat":
-            block.solver = "twremat"
+    leaves = st.solvers.get("leaves", "ilp")
+    provider = leaves.removeprefix("ilp+")
+    if leaves != "ilp" and not block.children:
+        found = level_solvers.LEAF_PROVIDERS[provider](ctx, block)
+        if found and leaves == provider:
+            block.solver = provider
             return found
         extra = found or []
     if st.solvers.get("chains") == "rotor" and block.children:
@@ -193,7 +198,9 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
         raise SolveError(f"internal error: a block of '{ctx.graph.name}' has no schedule even "
                          "without a memory limit")
     options = [first]
-    if block.bwd_ops and first.saved_bytes > 0:
+    # the Rust core's front already covers what the forward keeps against what the backward
+    # recomputes, exactly: beside it the ILP adds only the options of lower peaks
+    if block.bwd_ops and first.saved_bytes > 0 and not (extra and provider == "rust"):
         for frac in st.saved_fractions:
             o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None,
                         boundary_limit=frac * first.saved_bytes)
@@ -211,7 +218,7 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
             if o is not None:
                 options.append(o)
     if extra:
-        block.solver = "ilp+twremat"
+        block.solver = leaves
     return pareto_filter(options + extra)
 
 
@@ -321,11 +328,12 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
     within about 0.1 s."""
     t0 = _time.perf_counter()
     ctx = GraphFacts(graph)
+    chosen = level_solvers.check_solvers(solvers)
     if graph.num_ops <= flat_ops:
         root = flat_root(graph)
     else:
-        root = build_hierarchy(graph, leaf_size, group_size, top_size)
-    chosen = level_solvers.check_solvers(solvers)
+        root = build_hierarchy(graph, leaf_size, group_size, top_size,
+                               leaf_options=chosen["leaves"] in ("rust", "ilp+rust"))
     st = _Settings(time_limit, sub_time_limit, mip_rel_gap, solvers=chosen,
                    deadline=None if time_limit is None
                    else t0 + HIERARCHY_TIME_SHARE * time_limit)

@@ -39,7 +39,7 @@ logger = logging.getLogger("hrockmate")
 
 #: the solvers each kind of level accepts; the first is the default
 LEVEL_SOLVERS: dict[str, tuple[str, ...]] = {
-    "leaves": ("ilp", "twremat", "ilp+twremat"),
+    "leaves": ("ilp", "rust", "ilp+rust", "twremat", "ilp+twremat"),
     "chains": ("ilp", "rotor"),
     "top": ("ilp", "rotor"),
 }
@@ -128,23 +128,40 @@ def twremat_leaf_options(ctx: GraphFacts, block: Block) -> list[BlockOption] | N
         logger.debug("TW-Remat cannot take a block of '%s' (%s); using the ILP",
                      ctx.graph.name, exc)
         return None
-    g = ctx.graph
-    interface = set(block.fwd_out) | set(block.bwd_out)
     options = []
     for p in points:
-        steps: list[Step] = []
-        for kind, i in p.schedule.steps:
-            if kind == "compute":
-                steps.append(("compute", op_of[int(i)]))
-            elif tensor_of[int(i)] not in interface:  # the parent frees interface tensors
-                steps.append(("free", tensor_of[int(i)]))
+        steps = [("compute", op_of[int(i)]) if kind == "compute" else ("free", tensor_of[int(i)])
+                 for kind, i in p.schedule.steps]
         fl = int(p.schedule.forward_len)
-        fwd, bwd = steps[:fl], steps[fl:]
-        made = alive_after(ctx.graph, fwd)
-        saved = frozenset(x for x in made if x not in interface)
-        bwd += leftover_frees(g, fwd + bwd, interface)
-        options.append(option_from_steps(ctx, block, fwd, bwd, saved))
+        options.append(_leaf_option(ctx, block, steps[:fl], steps[fl:]))
     return pareto_filter(options) if options else None
+
+
+def native_leaf_options(ctx: GraphFacts, block: Block) -> list[BlockOption] | None:
+    """The Rust core's options of a leaf block (docs/hierarchy.md, "Options": the Pareto front
+    of what the forward saves against the backward's recomputation, enumerated exactly), or
+    None when the hierarchy was built without them."""
+    if not block.native_fragments:
+        return None
+    return pareto_filter([_leaf_option(ctx, block, fwd, bwd)
+                          for fwd, bwd in block.native_fragments])
+
+
+def _leaf_option(ctx: GraphFacts, block: Block, fwd: list[Step], bwd: list[Step]
+                 ) -> BlockOption:
+    """A leaf option from a forward and a backward fragment that another solver wrote over the
+    graph's ids: frees of interface tensors are dropped (the parent frees them), what the
+    forward leaves alive inside the block is what it saves, and the backward frees the rest."""
+    interface = set(block.fwd_out) | set(block.bwd_out)
+    fwd = [s for s in fwd if s[0] == "compute" or s[1] not in interface]
+    bwd = [s for s in bwd if s[0] == "compute" or s[1] not in interface]
+    saved = frozenset(x for x in alive_after(ctx.graph, fwd) if x not in interface)
+    bwd += leftover_frees(ctx.graph, fwd + bwd, interface)
+    return option_from_steps(ctx, block, fwd, bwd, saved)
+
+
+#: leaf solvers other than the ILP: block -> options (None: cannot take this block)
+LEAF_PROVIDERS = {"twremat": twremat_leaf_options, "rust": native_leaf_options}
 
 
 # ---------------------------------------------------------------------------------------------
