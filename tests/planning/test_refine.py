@@ -7,14 +7,14 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_ilp import training_graph
+from graph_builders import training_graph
 
 import hrockmate
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.schedule import recompute_all_schedule
 from hrockmate.planning.refine import refine
 
-DATA = Path(__file__).resolve().parent / "data" / "graphs"
+DATA = Path(__file__).resolve().parents[1] / "data" / "graphs"
 
 
 def _steps(schedule: hrockmate.Schedule) -> tuple[list[tuple[str, int]], int]:

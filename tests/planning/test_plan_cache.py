@@ -24,7 +24,7 @@ from hrockmate.ir.plan import load_plan
 from hrockmate.planning.cache import CACHE_ENV, PlanCacheWarning, default_cache_dir, open_cache
 from hrockmate.runtime import HRockmate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _model() -> tuple[torch.nn.Module, torch.Tensor]:

@@ -252,7 +252,7 @@ def test_bench_loads_a_zoo_named_with_zoo(tmp_path: Path,
     assert main(["bench", "--zoo", str(mine), "--models", "list"]) == 0
     assert "my own model" in capsys.readouterr().out
     # the checkout's benches/zoo.py still serves scripts and --zoo
-    repo_zoo = Path(__file__).resolve().parents[1] / "benches" / "zoo.py"
+    repo_zoo = Path(__file__).resolve().parents[2] / "benches" / "zoo.py"
     assert main(["bench", "--zoo", str(repo_zoo), "--models", "list"]) == 0
     assert "mlp_mixer" in capsys.readouterr().out
 

@@ -28,7 +28,7 @@ from hrockmate.ir.schedule import (
 )
 from hrockmate.planning import literature
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def training_chain(n: int, nbytes: int = 1000) -> Graph:
@@ -55,7 +55,7 @@ def training_chain(n: int, nbytes: int = 1000) -> Graph:
 # What the Python code run in a subprocess starts with.
 PRELUDE = f"""
 import json, resource, sys, time
-sys.path.insert(0, {str(REPO / "tests")!r})
+sys.path.insert(0, {str(REPO / "tests" / "planning")!r})
 from test_bounds import training_chain
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -283,7 +283,7 @@ def test_ctrl_c_stops_every_thread_solving_blocks(monkeypatch: pytest.MonkeyPatc
     import os
     import threading
 
-    from test_ilp import training_graph
+    from graph_builders import training_graph
 
     from hrockmate.planning import hierarchy as planner
     from hrockmate.planning import ilp

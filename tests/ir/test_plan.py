@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_ilp import training_graph
+from graph_builders import training_graph
 
 import hrockmate
 from hrockmate.ir.plan import InfeasibleBudget, Plan, PlanError, load_plan

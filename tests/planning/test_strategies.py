@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_ilp import training_graph
+from graph_builders import training_graph
 
 import hrockmate
 from hrockmate.ir.graph import Graph
