@@ -143,6 +143,30 @@ def test_dropout_ops_are_random_and_replay_with_the_seed() -> None:
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_float_dropout_masks_get_a_one_byte_copy() -> None:
+    """CPU dropout draws float masks; each gets a bool copy (a quarter of the bytes) from which
+    the float mask is rebuilt, so a plan can keep the small one instead of drawing again; the
+    random op's own output is read by nothing else."""
+    model, sample, traced = traced_builtin("gpt2_tiny")
+    g = traced.graph
+    readers = g.consumers()
+    masks = [op for op in g.ops if op.target == "aten.bernoulli.p"]
+    assert len(masks) == 7
+    for op in masks:
+        (out,) = op.outputs
+        (ne,) = readers[out]
+        assert g.ops[ne].target == "aten.ne.Scalar" and g.ops[ne].phase == "forward"
+        (bits,) = g.ops[ne].outputs
+        assert g.tensors[bits].dtype == "bool"
+        assert g.tensors[bits].bytes * 4 <= g.tensors[out].bytes + 64  # allocator rounding
+        (back,) = readers[bits]
+        assert g.ops[back].target == "aten._to_copy.default"
+        assert g.tensors[g.ops[back].outputs[0]].dtype == g.tensors[out].dtype
+    a = joint_step(traced, model, sample, seed=5)[traced.output_ids[0]]
+    torch.manual_seed(5)
+    assert torch.equal(a, model(*sample))  # the same loss as eager, masks included
+
+
 def test_tied_weights_give_one_parameter_and_one_gradient() -> None:
     model, _sample, traced = traced_builtin("gpt2_tiny")
     assert model.lm_head.weight is model.wte.weight

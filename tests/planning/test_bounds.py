@@ -277,6 +277,37 @@ def test_ctrl_c_stops_a_highs_solve() -> None:
     assert seconds < 2.0
 
 
+def test_blocks_go_lean_when_the_time_left_would_not_do(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """When the blocks would not all be solved in their share of the time limit at the pace
+    so far, the rest get fewer options (leaves: the Rust core's fronts) and the hierarchy still
+    makes the plan. The pace is forced here (any deadline looks too close)."""
+    from graph_builders import training_graph
+
+    from hrockmate.planning import hierarchy
+
+    monkeypatch.setattr(hierarchy, "LEAN_MARGIN", 1e12)
+    monkeypatch.setattr(hierarchy, "LEAN_SAMPLE", 5)
+    g = training_graph(120, 3)
+    h = hierarchy.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=1,
+                          time_limit=600)
+    assert h.lean
+    counts = h.solver_counts()
+    assert counts.get("rust", 0) >= 1 and counts.get("ilp", 0) >= 5
+    st = hierarchy._Settings(None, 1.0, 1e-4, lean=True)
+    full = hierarchy._Settings(None, 1.0, 1e-4)
+    uppers = [b for b in h.root.children if b.children]
+    assert uppers
+    for b in uppers:  # a lean block solves its fastest, keep-nothing and lowest-peak options
+        assert len(hierarchy._block_options(h.ctx, b, st)) <= 3
+        assert len(hierarchy._block_options(h.ctx, b, full)) >= 1
+    plan = hrockmate.solve_graph(g, 0.5, hierarchy=h, progress=False, time_limit=600)
+    assert plan.peak_bytes <= plan.budget_bytes
+    assert plan.stats["lean_blocks"]
+    # the hierarchy made a plan of its own (a simple strategy may still beat it)
+    assert not plan.stats.get("fallback") or plan.stats.get("beats_hierarchy_plan")
+
+
 def test_ctrl_c_stops_every_thread_solving_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hierarchy's blocks are solved in threads; Ctrl-C reaches only the main thread, which
     cancels the other threads' HiGHS solves: all of them stop within a second."""

@@ -476,6 +476,47 @@ def _match_random_layouts(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+# ---- 0/1 random masks kept in one byte ------------------------------------------------------
+#: random ops whose output holds only 0s and 1s
+_BINARY_RANDOM_OPS = ("aten.bernoulli.p", "aten.bernoulli.default", "aten.bernoulli.Tensor")
+
+
+def _compact_random_masks(gm: fx.GraphModule) -> None:
+    """Give every floating 0/1 random mask a one-byte copy the planner can keep instead.
+
+    Dropout on CPU draws its mask as floats (``empty_like(x).bernoulli_(p)``) and the backward
+    reads it; on CPU ``bernoulli`` is among the slowest ops of a transformer (a third of the
+    demo GPT-2's forward time), so the choice between keeping a 4-byte mask and drawing it
+    again is a poor one. The op is rewritten as ``bernoulli -> ne(0) -> _to_copy(dtype)``: the
+    bool in the middle is a quarter of the bytes and the float mask comes back from it with two
+    cheap elementwise ops, bit for bit (0.0 and 1.0 convert exactly), so the random op itself
+    runs once. CUDA's fused dropout already keeps a bool mask and does not use this path.
+    """
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or _target_name(node.target) not in _BINARY_RANDOM_OPS:
+            continue
+        out = node.meta.get("val")
+        if (not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point
+                or out.element_size() < 2 or not node.users):
+            continue
+        fake_mode = getattr(out, "fake_mode", None)
+        ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+        with ctx:
+            bits = torch.ne(out, 0)
+            back = bits.to(out.dtype)
+        keep = {k: v for k, v in node.meta.items()
+                if k in ("nn_module_stack", "seq_nr", "autograd_backward")}
+        with gm.graph.inserting_after(node):
+            ne = gm.graph.call_function(aten.ne.Scalar, (node, 0))
+        ne.meta = {**keep, "val": bits}
+        with gm.graph.inserting_after(ne):
+            to = gm.graph.call_function(aten._to_copy.default, (ne,), {"dtype": out.dtype})
+        to.meta = {**keep, "val": back}
+        node.replace_all_uses_with(to, delete_user_cb=lambda user: user is not ne)
+    gm.recompile()
+
+
 # ---- capture ----------------------------------------------------------------------------------
 class _Captured(Exception):
     """Raised from the partition hook to stop AOTAutograd once the joint graph is captured."""
@@ -1071,6 +1112,7 @@ def trace_model(
     if out_box["count"] == 0:
         raise TraceError("the model's output contains no tensor; return a tensor or a loss")
     _match_random_layouts(joint)
+    _compact_random_masks(joint)
     traced = _build(joint, flat_kinds, flat_real, out_box["count"], name or type(model).__name__,
                     device)
     traced.output_spec = out_box["spec"]

@@ -135,6 +135,19 @@ class _Settings:
     peak_fractions: tuple[float, ...] = (0.5,)
     solvers: dict[str, str] = field(default_factory=dict)  # level kind -> solver
     deadline: float | None = None  # perf_counter time by which every block must be solved
+    # set when the blocks would not all be solved by the deadline with full option sets
+    # (``prepare``): then leaves take the Rust core's options and other blocks get only their
+    # fastest, keep-nothing and lowest-peak options
+    lean: bool = False
+
+
+# The blocks go lean when, at the pace of those solved so far, the rest would need more than
+# this fraction of the time left (blocks higher up are larger and slower than the leaves that
+# set the pace). The 100k-op synthetic graph of benches/solver_quality.py (18,750 leaves, 1,460
+# blocks above, nothing repeated) ran out of its share of a 540 s limit with full option sets.
+LEAN_MARGIN = 2.0
+# Blocks solved before the pace is trusted.
+LEAN_SAMPLE = 20
 
 
 # Time for a block's solves under a cap on what its forward keeps, in sub_time_limits: they are
@@ -153,6 +166,8 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
     Rotor (``level_solvers``); the ILP takes what they cannot."""
     extra: list[BlockOption] = []
     leaves = st.solvers.get("leaves", "ilp")
+    if st.lean and not block.children and block.native_fragments:
+        leaves = "rust"
     provider = leaves.removeprefix("ilp+")
     if leaves != "ilp" and not block.children:
         found = level_solvers.LEAF_PROVIDERS[provider](ctx, block)
@@ -201,7 +216,7 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
     # the Rust core's front already covers what the forward keeps against what the backward
     # recomputes, exactly: beside it the ILP adds only the options of lower peaks
     if block.bwd_ops and first.saved_bytes > 0 and not (extra and provider == "rust"):
-        for frac in st.saved_fractions:
+        for frac in st.saved_fractions[:1] if st.lean else st.saved_fractions:
             o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None,
                         boundary_limit=frac * first.saved_bytes)
             if o is not None:
@@ -211,7 +226,7 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
         options.append(low)
         internal = _internal_storages(ctx, block)
         hi_peak, lo_peak = _internal_peak(ctx, first, internal), _internal_peak(ctx, low, internal)
-        for frac in st.peak_fractions:
+        for frac in () if st.lean else st.peak_fractions:
             if hi_peak <= lo_peak:
                 break
             o = attempt(budget=lo_peak + frac * (hi_peak - lo_peak), boundary_limit=None)
@@ -303,6 +318,7 @@ class Hierarchy:
     blocks: int
     solved_blocks: int  # blocks whose level was solved; the others reuse an equal block's options
     solvers: dict[str, str] = field(default_factory=dict)
+    lean: bool = False  # some blocks got fewer options to finish in time (``_Settings.lean``)
 
     def solver_counts(self) -> dict[str, int]:
         """How many blocks each solver gave options to (``renamed``: copied from an equal
@@ -332,8 +348,10 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
     if graph.num_ops <= flat_ops:
         root = flat_root(graph)
     else:
+        # the core's leaf options: asked for, or a fallback for leaves if time runs short
         root = build_hierarchy(graph, leaf_size, group_size, top_size,
-                               leaf_options=chosen["leaves"] in ("rust", "ilp+rust"))
+                               leaf_options=chosen["leaves"] in ("rust", "ilp+rust")
+                               or time_limit is not None)
     st = _Settings(time_limit, sub_time_limit, mip_rel_gap, solvers=chosen,
                    deadline=None if time_limit is None
                    else t0 + HIERARCHY_TIME_SHARE * time_limit)
@@ -357,21 +375,39 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
         with ilp.cancelled_by(cancel):
             return _block_options(ctx, b, st)
 
+    # repeated layers give blocks of equal shape: solve one of each, rename for the rest
+    levels = []
+    for height in sorted(by_height):
+        firsts: dict[tuple[Any, ...], tuple[Block, _Shape]] = {}
+        copies: list[tuple[Block, _Shape, Block, _Shape]] = []
+        for b in by_height[height]:
+            shape = _block_shape(ctx, b)
+            if shape.key in firsts:
+                copies.append((b, shape, *firsts[shape.key]))
+            else:
+                firsts[shape.key] = (b, shape)
+        levels.append(([b for b, _ in firsts.values()], copies))
+    to_solve = sum(len(blocks) for blocks, _ in levels)
+    t_blocks = _time.perf_counter()
+
+    def pace(solved: int) -> None:
+        """Go lean when the blocks left would not be solved in time at the pace so far."""
+        if st.lean or st.deadline is None or solved < LEAN_SAMPLE:
+            return
+        now = _time.perf_counter()
+        need = (now - t_blocks) / solved * (to_solve - solved) * LEAN_MARGIN
+        if need > st.deadline - now:
+            st.lean = True
+            logger.info("'%s': %d of %d blocks solved in %.0f s; the rest would need about "
+                        "%.0f s of the %.0f s left, so they get fewer options each (leaves: "
+                        "the Rust core's)", graph.name, solved, to_solve, now - t_blocks,
+                        need / LEAN_MARGIN, st.deadline - now)
+
     solved = 0
     pool = ThreadPoolExecutor(workers, thread_name_prefix="hrockmate-blocks") if workers > 1 \
         else None
     try:
-        for height in sorted(by_height):
-            # repeated layers give blocks of equal shape: solve one of each, rename for the rest
-            firsts: dict[tuple[Any, ...], tuple[Block, _Shape]] = {}
-            copies: list[tuple[Block, _Shape, Block, _Shape]] = []
-            for b in by_height[height]:
-                shape = _block_shape(ctx, b)
-                if shape.key in firsts:
-                    copies.append((b, shape, *firsts[shape.key]))
-                else:
-                    firsts[shape.key] = (b, shape)
-            blocks = [b for b, _ in firsts.values()]
+        for blocks, copies in levels:
             if pool is not None and len(blocks) > 1:
                 futures = [pool.submit(options_of, b) for b in blocks]
                 results: Iterable[list[BlockOption]] = (f.result() for f in futures)
@@ -380,6 +416,7 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
             for b, options in zip(blocks, results):
                 b.options = options
                 solved += 1
+                pace(solved)
                 bar.update()
             for b, shape, src, src_shape in copies:
                 renamed = _renamed_options(ctx, src, src_shape, b, shape)
@@ -397,7 +434,8 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
-    return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total, solved, chosen)
+    return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total, solved, chosen,
+                     lean=st.lean)
 
 
 # Block-solving threads at most: beyond this, the serial Python parts dominate.

@@ -213,7 +213,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
         if h is not None:
             stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks,
                        "solved_blocks": h.solved_blocks, "solvers": dict(h.solvers),
-                       "block_solvers": h.solver_counts(),
+                       "block_solvers": h.solver_counts(), "lean_blocks": h.lean,
                        "hierarchy_seconds": round(h.seconds, 4)}
 
             def top(b: int) -> reference.SolverResult:
