@@ -3,10 +3,12 @@
 Traces GPT-2-style decoders and encoder-decoder Transformers (narrow widths: the graph's size
 depends on the layer count, not on the width) from 2 to 48 layers, plus the third-party training
 graphs of the shared graphs folder, and solves each at one budget (a fraction of its store-all
-peak) with hrockmate and, on graphs small enough, with Checkmate's exact MILP.
+peak) with hrockmate and, on graphs small enough, with Checkmate's exact MILP; optionally
+synthetic deep residual networks of any size (``--synthetic``).
 
     python benches/scaling.py                                 # defaults below
     python benches/scaling.py --layers 2,4,8 --budget 0.4 --graphs path/to/graphs
+    python benches/scaling.py --layers "" --no-graphs --synthetic 50000 --time-limit 540
 
 Writes ``bench-results/scaling.json`` (after every case, so a long run keeps what it has) and
 ``bench-results/scaling.png`` (log-log: ops vs solve seconds, one series per family).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 import warnings
@@ -68,11 +71,15 @@ def solve_case(graph: Any, budget: float, method: str, time_limit: float) -> dic
         "solve_s": round(time.perf_counter() - t0, 3),
         "peak_ratio": plan.peak_bytes / plan.baseline_peak_bytes,
         "overhead": plan.time / plan.baseline_time - 1 if plan.baseline_time else None,
+        "fallback": plan.stats.get("fallback"),
+        "lean_blocks": plan.stats.get("lean_blocks"),
+        # the process's peak resident memory so far (cases run in order, smallest first)
+        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
 
 
 def run(layers: list[int], budget: float, time_limit: float, graphs: Path | None,
-        checkmate_max_ops: int, out: Path) -> dict[str, Any]:
+        checkmate_max_ops: int, out: Path, synthetic: list[int] = ()) -> dict[str, Any]:
     from hrockmate.bench import machine_info
     from hrockmate.capture.tracing import trace_model
     from hrockmate.ir.graph import Graph
@@ -93,6 +100,11 @@ def run(layers: list[int], budget: float, time_limit: float, graphs: Path | None
     if graphs is not None:
         for path in sorted(graphs.glob("*.json")):
             cases.append(("shared graphs", path.stem, lambda p=path: (Graph.load(p), 0.0)))
+    for n in sorted(synthetic):  # last: the largest graphs, and the process's memory grows
+        from solver_quality import synthetic_training_graph
+
+        cases.append(("synthetic", f"{n} forward ops",
+                      lambda n=n: (synthetic_training_graph(n), 0.0)))
     out.parent.mkdir(parents=True, exist_ok=True)
     for family, label, load in cases:
         graph, trace_s = load()
@@ -117,7 +129,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=90)
     families = {"gpt2": ("tab:red", "o"), "encdec": ("tab:blue", "s"),
-                "shared graphs": ("tab:green", "^")}
+                "shared graphs": ("tab:green", "^"), "synthetic": ("tab:purple", "D")}
     for method, line, fill in (("hrockmate", "-", True), ("checkmate", "--", False)):
         for family, (color, marker) in families.items():
             pts = sorted((c["ops"], r["solve_s"]) for c in report["cases"]
@@ -126,7 +138,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
             if not pts:
                 continue
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker,
-                    ls="none" if family == "shared graphs" else line,
+                    ls="none" if family in ("shared graphs", "synthetic") else line,
                     mfc=color if fill else "none", label=f"{method}: {family}")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -155,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", type=Path, default=None,
                         help="folder of graph files (default: the shared graphs folder)")
     parser.add_argument("--no-graphs", action="store_true", help="skip the graph folder")
+    parser.add_argument("--synthetic", default="",
+                        help="forward-op counts of synthetic deep residual networks to add "
+                        "(e.g. 50000: a 112,501-op training graph)")
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "scaling.json")
     parser.add_argument("--plot-only", action="store_true",
                         help="re-draw the plot from an existing --out JSON (e.g. a cut-short run)")
@@ -166,15 +181,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()]
+        synthetic = [int(x) for x in args.synthetic.split(",") if x.strip()]
     except ValueError:
-        parser.error(f"--layers: expected comma-separated integers, got {args.layers!r}")
+        parser.error(f"--layers/--synthetic: expected comma-separated integers, got "
+                     f"{args.layers!r} / {args.synthetic!r}")
     graphs = None if args.no_graphs else (args.graphs or shared_graphs_dir())
     if graphs is not None and not graphs.is_dir():
         parser.error(f"graph folder {graphs} not found; pass --graphs DIR or --no-graphs")
     import torch
 
     torch.set_num_threads(1)
-    report = run(layers, args.budget, args.time_limit, graphs, args.checkmate_max_ops, args.out)
+    report = run(layers, args.budget, args.time_limit, graphs, args.checkmate_max_ops, args.out,
+                 synthetic)
     plot(report, png)
     print(f"results written to {args.out} and {png}")
     return 0

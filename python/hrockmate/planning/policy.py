@@ -302,11 +302,12 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
     # what remains, greedy eviction the rest
     for share, (label, selective) in ((4, ("checkpoint", False)), (3, ("selective", True))):
         left = None if deadline is None else max(0.0, deadline - _time.perf_counter()) / share
-        points = reference.checkpoint_points(graph, simulate_steps, selective, left)
+        points = reference.checkpoint_points(graph, simulate_steps, selective, left, budget)
         lowest[label] = min(p[0] for p in points)
-        fits = [p for p in points if p[0] <= budget]
+        fits = [p for p in points if p[3] is not None]  # the fastest within the budget
         if fits:
-            peak, t, blocks, steps, fl = min(fits, key=lambda p: p[1])
+            peak, t, blocks, steps, fl = fits[0]
+            assert steps is not None
             out.append((Candidate(steps, fl, False, {"method": method, "fallback": label,
                                                       "blocks": blocks}), peak, t))
     try:

@@ -426,11 +426,13 @@ Simulate = Callable[[Graph, list[Step], int], tuple[int, float]]
 
 
 def checkpoint_points(graph: Graph, simulate: Simulate, selective: bool = False,
-                      time_limit: float | None = None
-                      ) -> list[tuple[int, float, int, list[Step], int]]:
+                      time_limit: float | None = None, budget: int | None = None
+                      ) -> list[tuple[int, float, int, list[Step] | None, int]]:
     """Block checkpointing (``selective``: also keeping matmul/attention outputs) at every
     candidate block count: (peak, time, blocks, steps, forward_len) each. With ``time_limit``
-    (seconds), the counts nearest sqrt(n) come first and the rest stop when time runs out."""
+    (seconds), the counts nearest sqrt(n) come first and the rest stop when time runs out.
+    With ``budget`` only the fastest point within it keeps its steps (the others' are None):
+    dozens of whole-graph schedules held at once took 1 GB on a 45k-op graph."""
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     facts = checkpoint_facts(graph)
     n_forward = len(facts.fwd)
@@ -446,6 +448,12 @@ def checkpoint_points(graph: Graph, simulate: Simulate, selective: bool = False,
         steps, fl = block_checkpoint_schedule(graph, contiguous_blocks(graph, blocks, facts),
                                               extra, facts)
         peak, t = simulate(graph, steps, fl)
+        if budget is not None:
+            best = min((p for p in out if p[3] is not None), key=lambda p: p[1], default=None)
+            if peak > budget or (best is not None and best[1] <= t):
+                steps = None
+            elif best is not None:
+                out[out.index(best)] = (*best[:3], None, best[4])
         out.append((int(peak), float(t), blocks, steps, fl))
     return out
 
@@ -453,8 +461,8 @@ def checkpoint_points(graph: Graph, simulate: Simulate, selective: bool = False,
 def solve_checkpoint(graph: Graph, budget: int, simulate: Simulate, *, selective: bool = False,
                      **_: Any) -> SolverResult:
     """The fastest block count whose per-block checkpointing fits the budget."""
-    points = checkpoint_points(graph, simulate, selective)
-    fits = [p for p in points if p[0] <= budget]
+    points = checkpoint_points(graph, simulate, selective, budget=budget)
+    fits = [p for p in points if p[3] is not None]
     kind = "selective checkpointing" if selective else "block checkpointing"
     if not fits:
         lowest = min(p[0] for p in points)
@@ -462,7 +470,8 @@ def solve_checkpoint(graph: Graph, budget: int, simulate: Simulate, *, selective
             f"no {kind} of '{graph.name}' fits {budget} bytes (its lowest peak is {lowest} bytes)",
             proven=False, min_bytes=lowest,
         )
-    peak, t, blocks, steps, fl = min(fits, key=lambda p: p[1])
+    peak, t, blocks, steps, fl = fits[0]
+    assert steps is not None
     return SolverResult(steps, fl, False, {"blocks": blocks})
 
 
