@@ -136,7 +136,7 @@ def test_the_planner_plans_on_the_rust_hierarchy(data_graphs: Path) -> None:
 
 def test_partition_sizes_are_checked() -> None:
     g = chain_model(12)
-    with pytest.raises(HierarchyError, match="group_size at least 2 \(got 6 and 1\)"):
+    with pytest.raises(HierarchyError, match=r"group_size at least 2 \(got 6 and 1\)"):
         build_hierarchy(g, group_size=1)
     with pytest.raises(ValueError, match="block_of_fwd has 3 entries"):
         _native.backward_owners(np.zeros(3, dtype=np.int64), 0, **g.to_arrays())

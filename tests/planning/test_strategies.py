@@ -163,9 +163,13 @@ def test_the_time_limit_covers_the_blocks_and_the_simple_strategies(
     with caplog.at_level(logging.WARNING, logger="hrockmate"):
         plan = hrockmate.solve_graph(g, 0.9, progress=False, time_limit=0.5)
     elapsed = time.perf_counter() - t0
-    assert any("time limit ran out while solving the blocks" in r.getMessage()
-               for r in caplog.records)
-    assert plan.stats["fallback"] in ("checkpoint", "selective", "rotor", "greedy")
+    ran_out = any("time limit ran out while solving the blocks" in r.getMessage()
+                  for r in caplog.records)
+    # either the blocks ran out of their share (then a simple strategy plans), or they went
+    # lean in time and finished (which of the two depends on the machine's pace)
+    assert ran_out or plan.stats.get("lean_blocks")
+    if ran_out:
+        assert plan.stats["fallback"] in ("checkpoint", "selective", "rotor", "greedy")
     assert hrockmate.simulate(g, plan.schedule).peak_bytes == plan.peak_bytes <= plan.budget_bytes
     assert elapsed < 10  # 0.5 s asked; generous for loaded machines
 

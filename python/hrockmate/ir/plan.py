@@ -19,14 +19,13 @@ from hrockmate.ir.schedule import SCHEDULE_FORMAT, SCHEDULE_VERSION
 
 if TYPE_CHECKING:
     from hrockmate.ir.graph import Graph
-    from hrockmate.ir.schedule import Schedule
+    from hrockmate.ir.schedule import Schedule, Step
 
 PLAN_FORMAT = "hrockmate-plan"
 PLAN_VERSION = 1
 # HiGHS' model status when a MILP ran out of time (ilp.solve_level records it in stats["status"])
 TIME_LIMIT_STATUS = "Time limit reached"
 
-Step = tuple[str, int]
 
 
 class PlanError(ValueError):

@@ -23,7 +23,7 @@ SCHEDULE_VERSION = 1
 STEP_KINDS: tuple[str, ...] = ("compute", "free")
 MAX_ID = 2**63 - 1  # ids cross into the core as int64
 
-Step = tuple[str, int]
+Step = tuple[str, int]  # ("compute", op id) or ("free", tensor id)
 
 
 class ScheduleError(ValueError):

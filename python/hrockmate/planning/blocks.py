@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
+from hrockmate.ir.schedule import Step
 from hrockmate.planning import ilp
 
-Step = tuple[str, int]  # ("compute", op) or ("free", tensor)
 Storages = dict[int, tuple[int, int]]  # alive tensor -> (storage instance, its bytes)
 
 

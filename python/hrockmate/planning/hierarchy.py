@@ -15,8 +15,9 @@ from typing import Any, Iterable, Mapping
 
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import SolveError
+from hrockmate.ir.schedule import Step
 from hrockmate.planning import clusters, ilp, level_solvers
-from hrockmate.planning.blocks import Block, BlockOption, GraphFacts, Step
+from hrockmate.planning.blocks import Block, BlockOption, GraphFacts
 from hrockmate.planning.level import (
     block_level,
     expand_level,

@@ -9,8 +9,9 @@ from typing import Any, Iterable
 
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import SolveError
+from hrockmate.ir.schedule import Step
 from hrockmate.planning import ilp
-from hrockmate.planning.blocks import Block, BlockOption, GraphFacts, Step, Storages
+from hrockmate.planning.blocks import Block, BlockOption, GraphFacts, Storages
 
 logger = logging.getLogger("hrockmate")
 

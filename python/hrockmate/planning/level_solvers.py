@@ -25,8 +25,9 @@ from typing import Iterable, Mapping
 
 from hrockmate.ir.graph import PREEXISTING_ROLES, Graph, GraphError, Op, Tensor
 from hrockmate.ir.plan import InfeasibleBudget
+from hrockmate.ir.schedule import Step
 from hrockmate.planning import literature
-from hrockmate.planning.blocks import Block, BlockOption, GraphFacts, Step
+from hrockmate.planning.blocks import Block, BlockOption, GraphFacts
 from hrockmate.planning.level import (
     FREEABLE_ROLES,
     alive_after,

@@ -13,9 +13,9 @@ from typing import Any, Mapping
 
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import InfeasibleBudget, SolveError
+from hrockmate.ir.schedule import Step
 from hrockmate.planning import ilp
 from hrockmate.planning import strategies as reference
-from hrockmate.planning.blocks import Step
 from hrockmate.planning.hierarchy import (
     REFINE_TIME_SHARE,
     TOP_TIME_SHARE,

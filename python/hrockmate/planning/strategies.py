@@ -28,9 +28,8 @@ from typing import Any, Callable
 import numpy as np
 
 from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
+from hrockmate.ir.schedule import Step
 from hrockmate.planning import ilp
-
-Step = tuple[str, int]
 
 
 @dataclass
