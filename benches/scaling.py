@@ -100,9 +100,9 @@ def run(layers: list[int], budget: float, time_limit: float, graphs: Path | None
     if graphs is not None:
         for path in sorted(graphs.glob("*.json")):
             cases.append(("shared graphs", path.stem, lambda p=path: (Graph.load(p), 0.0)))
-    for n in sorted(synthetic):  # last: the largest graphs, and the process's memory grows
+    if synthetic:
         from solver_quality import synthetic_training_graph
-
+    for n in sorted(synthetic):  # last: the largest graphs, and the process's memory grows
         cases.append(("synthetic", f"{n} forward ops",
                       lambda n=n: (synthetic_training_graph(n), 0.0)))
     out.parent.mkdir(parents=True, exist_ok=True)

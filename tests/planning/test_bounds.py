@@ -294,7 +294,8 @@ def test_blocks_go_lean_when_the_time_left_would_not_do(monkeypatch: pytest.Monk
     assert h.lean
     counts = h.solver_counts()
     assert counts.get("rust", 0) >= 1 and counts.get("ilp", 0) >= 5
-    st = hierarchy._Settings(None, 1.0, 1e-4, lean=True)
+    st = hierarchy._Settings(None, 1.0, 1e-4)
+    st.go_lean()
     full = hierarchy._Settings(None, 1.0, 1e-4)
     uppers = [b for b in h.root.children if b.children]
     assert uppers

@@ -431,6 +431,26 @@ def _eager_faithful_dispatch() -> Iterator[None]:
             op._dispatch_cache.clear()
 
 
+# ---- rewrites of the joint graph ----------------------------------------------------------------
+def _call_beside(gm: fx.GraphModule, where: fx.Node, target: Any, args: tuple[Any, ...],
+                 val: Any, *, before: bool = False, kwargs: dict[str, Any] | None = None
+                 ) -> fx.Node:
+    """A new call of ``target`` right after (or before) ``where``, in its module, sequence
+    number and phase, with the fake value ``val``."""
+    with gm.graph.inserting_before(where) if before else gm.graph.inserting_after(where):
+        node = gm.graph.call_function(target, args, kwargs or {})
+    node.meta = {k: v for k, v in where.meta.items()
+                 if k in ("nn_module_stack", "seq_nr", "autograd_backward")}
+    node.meta["val"] = val
+    return node
+
+
+def _fake_mode_of(t: torch.Tensor) -> Any:
+    """The fake mode ``t`` belongs to (to compute fake values of new nodes), or a no-op."""
+    mode = getattr(t, "fake_mode", None)
+    return mode if mode is not None else contextlib.nullcontext()
+
+
 # ---- random ops on strided tensors ------------------------------------------------------------
 def _match_random_layouts(gm: fx.GraphModule) -> None:
     """Make functionalized random ops draw their numbers in the same positions as eager.
@@ -454,22 +474,15 @@ def _match_random_layouts(gm: fx.GraphModule) -> None:
             continue
         perm = sorted(range(src.dim()), key=lambda dim: -src.stride(dim))
         inverse = [perm.index(i) for i in range(src.dim())]
-        fake_mode = getattr(src, "fake_mode", None)
-        ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-        with ctx:
+        with _fake_mode_of(src):
             src_perm = src.permute(perm)
             if not src_perm.is_contiguous():
                 continue  # not a permuted dense layout: nothing sensible to match
             out_perm = torch.empty(src_perm.shape, dtype=out.dtype, device=out.device)
             out_back = out_perm.permute(inverse)
-        keep = {k: v for k, v in node.meta.items()
-                if k in ("nn_module_stack", "seq_nr", "autograd_backward")}
-        with gm.graph.inserting_before(node):
-            before = gm.graph.call_function(aten.permute.default, (src_node, perm))
-        before.meta = {**keep, "val": src_perm}
-        with gm.graph.inserting_after(node):
-            after = gm.graph.call_function(aten.permute.default, (node, inverse))
-        after.meta = {**keep, "val": out_back}
+        before = _call_beside(gm, node, aten.permute.default, (src_node, perm), src_perm,
+                              before=True)
+        after = _call_beside(gm, node, aten.permute.default, (node, inverse), out_back)
         node.replace_all_uses_with(after, delete_user_cb=lambda user: user is not after)
         node.args = (before, *node.args[1:])
         node.meta["val"] = out_perm
@@ -500,19 +513,12 @@ def _compact_random_masks(gm: fx.GraphModule) -> None:
         if (not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point
                 or out.element_size() < 2 or not node.users):
             continue
-        fake_mode = getattr(out, "fake_mode", None)
-        ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-        with ctx:
+        with _fake_mode_of(out):
             bits = torch.ne(out, 0)
             back = bits.to(out.dtype)
-        keep = {k: v for k, v in node.meta.items()
-                if k in ("nn_module_stack", "seq_nr", "autograd_backward")}
-        with gm.graph.inserting_after(node):
-            ne = gm.graph.call_function(aten.ne.Scalar, (node, 0))
-        ne.meta = {**keep, "val": bits}
-        with gm.graph.inserting_after(ne):
-            to = gm.graph.call_function(aten._to_copy.default, (ne,), {"dtype": out.dtype})
-        to.meta = {**keep, "val": back}
+        ne = _call_beside(gm, node, aten.ne.Scalar, (node, 0), bits)
+        to = _call_beside(gm, ne, aten._to_copy.default, (ne,), back,
+                          kwargs={"dtype": out.dtype})
         node.replace_all_uses_with(to, delete_user_cb=lambda user: user is not ne)
     gm.recompile()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
 from hrockmate.ir.schedule import Step
 from hrockmate.planning import ilp
+from hrockmate.planning.clusters import ClusterOption
 
 Storages = dict[int, tuple[int, int]]  # alive tensor -> (storage instance, its bytes)
 
@@ -55,9 +56,9 @@ class Block:
     options: list[BlockOption] = field(default_factory=list)
     is_root: bool = False
     solver: str = ""  # what made the options: "ilp", "twremat", "rust", "rotor" or "renamed"
-    #: a leaf's options as the Rust core enumerated them, (forward steps, backward steps) each,
-    #: when the hierarchy was built with them (``solvers={"leaves": "rust"}``)
-    native_fragments: list[tuple[list[Step], list[Step]]] = field(default_factory=list)
+    #: a leaf's options as the Rust core enumerated them, when the hierarchy was built with
+    #: them (turned into ``BlockOption``s only for the leaves that use them)
+    native_options: list[ClusterOption] = field(default_factory=list)
 
     @property
     def all_ops(self) -> list[int]:

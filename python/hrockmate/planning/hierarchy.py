@@ -92,7 +92,7 @@ def build_hierarchy(graph: Graph, leaf_size: int = 6, group_size: int = GROUP_SI
         kids = [] if c.is_leaf else [block(h.clusters[k]) for k in c.children]
         b = Block(fwd_ops=sorted(c.fwd_ops, key=by_pos), bwd_ops=sorted(c.bwd_ops, key=by_pos),
                   children=kids,
-                  native_fragments=[(o.fwd_steps, o.bwd_steps) for o in h.options[c.id]])
+                  native_options=h.options[c.id])
         _interfaces(ctx, b)
         return b
 
@@ -138,8 +138,13 @@ class _Settings:
     deadline: float | None = None  # perf_counter time by which every block must be solved
     # set when the blocks would not all be solved by the deadline with full option sets
     # (``prepare``): then leaves take the Rust core's options and other blocks get only their
-    # fastest, keep-nothing and lowest-peak options
+    # fastest, keep-nothing and lowest-peak options (``go_lean``)
     lean: bool = False
+
+    def go_lean(self) -> None:
+        self.lean = True
+        self.saved_fractions = (0.0,)
+        self.peak_fractions = ()
 
 
 # The blocks go lean when, at the pace of those solved so far, the rest would need more than
@@ -167,7 +172,7 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
     Rotor (``level_solvers``); the ILP takes what they cannot."""
     extra: list[BlockOption] = []
     leaves = st.solvers.get("leaves", "ilp")
-    if st.lean and not block.children and block.native_fragments:
+    if st.lean and not block.children and block.native_options:
         leaves = "rust"
     provider = leaves.removeprefix("ilp+")
     if leaves != "ilp" and not block.children:
@@ -217,7 +222,7 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
     # the Rust core's front already covers what the forward keeps against what the backward
     # recomputes, exactly: beside it the ILP adds only the options of lower peaks
     if block.bwd_ops and first.saved_bytes > 0 and not (extra and provider == "rust"):
-        for frac in st.saved_fractions[:1] if st.lean else st.saved_fractions:
+        for frac in st.saved_fractions:
             o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None,
                         boundary_limit=frac * first.saved_bytes)
             if o is not None:
@@ -227,7 +232,7 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
         options.append(low)
         internal = _internal_storages(ctx, block)
         hi_peak, lo_peak = _internal_peak(ctx, first, internal), _internal_peak(ctx, low, internal)
-        for frac in () if st.lean else st.peak_fractions:
+        for frac in st.peak_fractions:
             if hi_peak <= lo_peak:
                 break
             o = attempt(budget=lo_peak + frac * (hi_peak - lo_peak), boundary_limit=None)
@@ -398,7 +403,7 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = 6, group_size:
         now = _time.perf_counter()
         need = (now - t_blocks) / solved * (to_solve - solved) * LEAN_MARGIN
         if need > st.deadline - now:
-            st.lean = True
+            st.go_lean()
             logger.info("'%s': %d of %d blocks solved in %.0f s; the rest would need about "
                         "%.0f s of the %.0f s left, so they get fewer options each (leaves: "
                         "the Rust core's)", graph.name, solved, to_solve, now - t_blocks,

@@ -375,15 +375,7 @@ def fragment_peak(ctx: GraphFacts, steps: list[Step], counted: set[int], start: 
     allocates a new storage even when a view still holds the old one; a view shares its base's.
     ``start`` is what is alive before; ``dying`` tensors are dropped after their last read."""
     g = ctx.graph
-    alive: Storages = dict(start)
-    last = _last_reads(g, steps, dying)
-    for x, s in last.items():
-        if s < 0:
-            alive.pop(x, None)
-    by_step: dict[int, list[int]] = {}
-    for x, s in last.items():
-        by_step.setdefault(s, []).append(x)
-    fresh = max((k for k, _ in alive.values()), default=0) + 1
+    alive: Storages = {}
     # bytes of the storages alive, kept up to date as tensors come and go (one storage counts
     # once however many tensors hold it; summing the alive set at every step made long
     # fragments quadratic: 30% of a 112k-op solve)
@@ -410,9 +402,14 @@ def fragment_peak(ctx: GraphFacts, steps: list[Step], counted: set[int], start: 
         if holders[sid] == 0:
             cur -= size[sid]
 
-    for x, storage in list(alive.items()):
-        del alive[x]
-        hold(x, storage)
+    last = _last_reads(g, steps, dying)
+    for x, storage in start.items():
+        if last.get(x, 0) >= 0:  # a dying tensor the fragment never reads is gone at once
+            hold(x, storage)
+    by_step: dict[int, list[int]] = {}
+    for x, s in last.items():
+        by_step.setdefault(s, []).append(x)
+    fresh = max((k for k, _ in alive.values()), default=0) + 1
     peak = cur
     for s, (kind, i) in enumerate(steps):
         if kind == "compute":

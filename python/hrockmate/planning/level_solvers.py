@@ -142,10 +142,10 @@ def native_leaf_options(ctx: GraphFacts, block: Block) -> list[BlockOption] | No
     """The Rust core's options of a leaf block (docs/hierarchy.md, "Options": the Pareto front
     of what the forward saves against the backward's recomputation, enumerated exactly), or
     None when the hierarchy was built without them."""
-    if not block.native_fragments:
+    if not block.native_options:
         return None
-    return pareto_filter([_leaf_option(ctx, block, fwd, bwd)
-                          for fwd, bwd in block.native_fragments])
+    return pareto_filter([_leaf_option(ctx, block, o.fwd_steps, o.bwd_steps)
+                          for o in block.native_options])
 
 
 def _leaf_option(ctx: GraphFacts, block: Block, fwd: list[Step], bwd: list[Step]

@@ -440,19 +440,22 @@ def checkpoint_points(graph: Graph, simulate: Simulate, selective: bool = False,
     if time_limit is not None:
         root = math.sqrt(max(n_forward, 1))
         counts.sort(key=lambda b: abs(math.log(b / root)))
-    out = []
+    out: list[tuple[int, float, int, list[Step] | None, int]] = []
+    best: int | None = None  # index of the fastest point within the budget so far
     for blocks in counts:
         if deadline is not None and out and time.perf_counter() > deadline:
             break
+        steps: list[Step] | None
         steps, fl = block_checkpoint_schedule(graph, contiguous_blocks(graph, blocks, facts),
                                               extra, facts)
         peak, t = simulate(graph, steps, fl)
         if budget is not None:
-            best = min((p for p in out if p[3] is not None), key=lambda p: p[1], default=None)
-            if peak > budget or (best is not None and best[1] <= t):
+            if peak <= budget and (best is None or t < out[best][1]):
+                if best is not None:
+                    out[best] = (*out[best][:3], None, out[best][4])
+                best = len(out)
+            else:
                 steps = None
-            elif best is not None:
-                out[out.index(best)] = (*best[:3], None, best[4])
         out.append((int(peak), float(t), blocks, steps, fl))
     return out
 
