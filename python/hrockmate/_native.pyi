@@ -67,6 +67,34 @@ def simulate(
     ``backward_peak``, ``bytes_after_forward``, ``peak_step``, ``timeline`` (int64 array),
     ``compute_count`` (int64 array)."""
 
+class MemoryModel:
+    """A graph prepared once for measuring schedule fragments with the simulator's storage
+    rules (thread-safe)."""
+
+    def __init__(self, **graph: _GraphArg) -> None: ...
+    def fragment_peak(
+        self,
+        steps: list[tuple[str, int]],
+        counted: set[int] | frozenset[int],
+        start: dict[int, tuple[int, int]],
+        dying: list[int] | set[int] | frozenset[int],
+    ) -> tuple[int, dict[int, tuple[int, int]]]:
+        """(peak bytes of the storages rooted in ``counted`` over ``steps``, the tensors alive
+        at the end as {tensor: (storage instance id, bytes)}); ``start``: alive before, in the
+        same form; ``dying`` tensors go after their last read."""
+
+def gradient_chunks(
+    step_kind: NDArray[np.int8],
+    step_id: NDArray[np.int64],
+    forward_len: int,
+    gradient_ids: list[int],
+    state_op: list[int],
+    state_bytes: list[int],
+    **graph: _GraphArg,
+) -> tuple[NDArray[np.int64], int, int]:
+    """The runtime's backward chunking: (step positions before which held gradients are handed
+    to autograd, the peak with replayed random ops' generator states, the peak without them)."""
+
 def store_all(**graph: _GraphArg) -> _ScheduleArrays:
     """The store-all (plain autograd) schedule."""
 

@@ -188,3 +188,40 @@ def test_topological_order_puts_forward_first() -> None:
         for x in op.inputs:
             if prod[x] is not None:
                 assert pos[prod[x]] < pos[j]
+
+
+def test_the_op_level_milp_starts_from_a_known_schedule() -> None:
+    from hrockmate.planning.hierarchy import prepare
+    from hrockmate.planning.level import block_level, expand_level, op_stages
+    from hrockmate.planning.policy import baseline_schedule
+
+    g = training_graph(14, seed=3)
+    peak = baseline_schedule(g)[2]
+    budget = int(0.7 * peak)
+    found = strategies.greedy_eviction_schedule(g, budget)
+    assert found is not None
+    h = prepare(g, flat_ops=g.num_ops, progress=False)
+    lvl = block_level(h.ctx, h.root)
+    stages = op_stages(lvl, found[0])
+    assert stages is not None
+    # stage t runs node t last, after recomputations of earlier forward nodes only
+    assert all(stage[-1] == (t, 0) and all(i < t < len(stages) and i < lvl.problem.n_forward
+                                           for i, _ in stage[:-1])
+               for t, stage in enumerate(stages))
+    # the same computations in another order are no schedule of the stage structure
+    computes = [s for s in found[0] if s[0] == "compute"]
+    swapped = [computes[1], computes[0], *computes[2:]]
+    assert op_stages(lvl, swapped) is None
+
+    # with a stall window of milliseconds HiGHS stops on its first schedule: the start's, or a
+    # better one
+    sp = ilp.solve_level(lvl.problem, budget, stall=1e-3, start=stages)
+    assert sp.stats.get("started_from_schedule") is True
+    fwd, bwd, _ = expand_level(h.ctx, h.root, lvl, sp)
+    peak_milp, time_milp = _sim(g, fwd + bwd, len(fwd))
+    assert peak_milp <= budget
+    assert time_milp <= _sim(g, *found)[1] * (1 + 1e-9)
+    # a start that does not fit the model's columns is not given to HiGHS
+    bad = [[(len(stages) - 1, 0)] + stage if t == 0 else stage for t, stage in enumerate(stages)]
+    sp = ilp.solve_level(lvl.problem, budget, start=bad)
+    assert "started_from_schedule" not in sp.stats

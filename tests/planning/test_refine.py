@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from graph_builders import training_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from graph_builders import training_graph
 
 import hrockmate
 from hrockmate.ir.graph import Graph

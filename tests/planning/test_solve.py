@@ -9,9 +9,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+from graph_builders import training_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from graph_builders import training_graph
 
 import hrockmate
 from hrockmate.ir.graph import Graph, Op, Tensor

@@ -7,9 +7,9 @@ import logging
 from pathlib import Path
 
 import pytest
+from graph_builders import training_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from graph_builders import training_graph
 
 import hrockmate
 from hrockmate.ir.graph import Graph

@@ -154,7 +154,8 @@ def solve_graph(
         flat_kw = {**kw, "flat_ops": graph.num_ops,
                    "time_limit": min(cap if left is None else left, cap),
                    "deadline": _time.perf_counter() + min(cap if left is None else left, cap),
-                   "lowest_peak": False, "hierarchy_retry": False}
+                   "lowest_peak": False, "hierarchy_retry": False,
+                   "starts": [] if cand is None else [cand.steps]}
         alt, alt_lowest = run_method(graph, method, budget_bytes, None, flat_kw)
         if alt is not None and not alt.stats.get("fallback") and (
                 cand is None or simulate_steps(graph, alt.steps, alt.forward_len)[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hrockmate import _native
 from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
 from hrockmate.ir.schedule import Step
 from hrockmate.planning import ilp
@@ -81,4 +82,12 @@ class GraphFacts:
         self.fwd = [j for j in self.order if graph.ops[j].phase == "forward"]
         self.bwd = [j for j in self.order if graph.ops[j].phase == "backward"]
         self.root = [graph.storage_root(x) for x in range(len(graph.tensors))]
+        self._memory: _native.MemoryModel | None = None
+
+    @property
+    def memory(self) -> _native.MemoryModel:
+        """The graph in the Rust core, for measuring schedule fragments (built once)."""
+        if self._memory is None:
+            self._memory = _native.MemoryModel(**self.graph.to_arrays())
+        return self._memory
 

@@ -10,8 +10,9 @@ import threading
 import time as _time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import SolveError
@@ -23,6 +24,7 @@ from hrockmate.planning.level import (
     expand_level,
     fragment_peak,
     make_option,
+    op_stages,
     option_from_steps,
     own_storages,
     pareto_filter,
@@ -473,10 +475,13 @@ TOP_STALL_SECONDS = 5.0
 
 
 def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip_rel_gap: float,
-              minimize_peak: bool = False) -> tuple[list[Step], int, bool, dict[str, Any]]:
+              minimize_peak: bool = False, starts: Sequence[list[Step]] = ()
+              ) -> tuple[list[Step], int, bool, dict[str, Any]]:
     """The top level at ``budget`` (None: no limit, or the least peak with ``minimize_peak``):
     (steps, forward length, proven optimal, statistics). Raises ``ilp.LevelInfeasible`` or
-    ``ilp.LevelNoSolution`` when it finds nothing."""
+    ``ilp.LevelNoSolution`` when it finds nothing. ``starts``: schedules within the budget; when
+    the top is the op level the MILP starts from the first that fits its stage structure (it
+    then has a schedule at once, and the stall rule ends a search that finds nothing better)."""
     if h.solvers.get("top") == "rotor":
         chain = level_solvers.chain_level(h.ctx, h.root)
         if chain is not None:
@@ -494,8 +499,11 @@ def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip
             logger.info("the top level of '%s' is not a chain; solving it with the ILP",
                         h.graph.name)
     lvl = block_level(h.ctx, h.root)
+    stages = None
+    if not h.root.children:
+        stages = next((st for st in map(partial(op_stages, lvl), starts) if st is not None), None)
     sp = ilp.solve_level(lvl.problem, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
-                         minimize_peak=minimize_peak, stall=TOP_STALL_SECONDS)
+                         minimize_peak=minimize_peak, stall=TOP_STALL_SECONDS, start=stages)
     if sp.stats.get("stopped") == "stall":
         gap = sp.stats.get("mip_gap")
         logger.info("the top MILP of '%s' stopped after %.1f s: its best schedule had stopped "

@@ -587,9 +587,11 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
 # ``run_highs``'s stall rule.
 STALL_IMPROVEMENT = 1e-3
 STALL_FACTOR = 0.5
+START_STALL_FACTOR = 2.0
 
 
-def run_highs(h: Any, deadline: float | None = None, stall: float | None = None) -> str | None:
+def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
+              started_from: bool = False) -> str | None:
     """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s.
 
     HiGHS runs on a worker thread while this thread waits; on KeyboardInterrupt, HiGHS's
@@ -602,7 +604,10 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None)
     past it. Past the deadline HiGHS is interrupted and returns the best schedule it has.
 
     ``stall`` (seconds) stops a MIP whose best schedule has not improved (by more than
-    ``STALL_IMPROVEMENT``) for ``max(stall, STALL_FACTOR x the time it took to find it)``.
+    ``STALL_IMPROVEMENT``) for ``max(stall, STALL_FACTOR x the time it took to find it)``;
+    ``started_from``: HiGHS was given a starting schedule, which it reports at once, so that one
+    is kept for ``START_STALL_FACTOR x stall`` (HiGHS's own heuristics take that long to find
+    anything better on the op-level MILPs of 50-80 ops).
     Returns why it stopped HiGHS early: ``"deadline"``, ``"stall"``, or None.
     """
     cancel: threading.Event | None = getattr(_cancel, "event", None)
@@ -612,6 +617,7 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None)
     why: str | None = None
     started = _time.perf_counter()
     best = [math.inf, started]  # best objective so far, and when it was found
+    found = [0]  # how many better schedules HiGHS reported
 
     def interrupt_when_asked(event: Any) -> None:
         if stop.is_set() or (cancel is not None and cancel.is_set()):
@@ -621,12 +627,14 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None)
         value = event.data_out.objective_function_value
         if value < best[0] - STALL_IMPROVEMENT * abs(value):
             best[0], best[1] = value, _time.perf_counter()
+            found[0] += 1
             logger.debug("MIP: better schedule %.6g after %.1f s", value, best[1] - started)
 
     def stalled() -> bool:
         if stall is None or not math.isfinite(best[0]):
             return False
-        return _time.perf_counter() - best[1] > max(stall, STALL_FACTOR * (best[1] - started))
+        window = stall * (START_STALL_FACTOR if started_from and found[0] == 1 else 1.0)
+        return _time.perf_counter() - best[1] > max(window, STALL_FACTOR * (best[1] - started))
 
     h.cbSimplexInterrupt += interrupt_when_asked
     h.cbIpmInterrupt += interrupt_when_asked
@@ -680,9 +688,12 @@ def solve_level(
     minimize_peak: bool = False,
     boundary_limit: float | None = None,
     stall: float | None = None,
+    start: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> StagePlan:
     """Solve one level at ``budget`` bytes (or for its smallest peak with ``minimize_peak``).
-    ``stall``: stop once the best schedule stops improving (``run_highs``).
+    ``stall``: stop once the best schedule stops improving (``run_highs``). ``start``: a known
+    schedule, per stage the (node, option) pairs it computes, given to HiGHS as a partial
+    solution (``R`` fixed; HiGHS completes the rest or drops it when it does not fit).
 
     Raises ``LevelInfeasible`` when proven infeasible and ``LevelNoSolution`` when the time limit
     passed without any feasible schedule.
@@ -703,7 +714,8 @@ def solve_level(
         h.setOptionValue("presolve", "off")
         h.setOptionValue("mip_detect_symmetry", False)
     h.passModel(lp)
-    stopped = run_highs(h, None if time_limit is None else t0 + time_limit, stall)
+    started_from = start is not None and _set_start(h, p, model, start)
+    stopped = run_highs(h, None if time_limit is None else t0 + time_limit, stall, started_from)
     status = h.getModelStatus()
     t_solve = _time.perf_counter() - t0 - t_build
     MS = highspy.HighsModelStatus
@@ -716,6 +728,8 @@ def solve_level(
         "solve_seconds": round(t_solve, 4),
         "status": h.modelStatusToString(status),
     }
+    if started_from:
+        stats["started_from_schedule"] = True
     if stopped is not None:
         stats["stopped"] = stopped  # HiGHS was stopped early: at the deadline, or stalled
     if status == MS.kInfeasible:
@@ -739,6 +753,25 @@ def solve_level(
     if model.peak_col is not None:
         plan.stats["peak_bound_bytes"] = float(x[model.peak_col]) * model.scale
     return plan
+
+
+def _set_start(h: Any, p: LevelProblem, model: _Model,
+               start: Sequence[Sequence[tuple[int, int]]]) -> bool:
+    """Every ``R`` column of the model set to whether ``start`` computes that (node, option)
+    in that stage; the other columns are left for HiGHS to complete. False when the start does
+    not fit the model."""
+    chosen = {(t, i, o) for t, stage in enumerate(start) for i, o in stage}
+    if any(t >= len(model.R) or i not in model.R[t] for t, i, _ in chosen):
+        return False  # it computes a node where the model has no column: not a schedule of it
+    cols: list[int] = []
+    vals: list[float] = []
+    for t, stage_cols in enumerate(model.R):
+        for i, first in stage_cols.items():
+            for o in range(len(p.nodes[i].options)):
+                cols.append(first + o)
+                vals.append(1.0 if (t, i, o) in chosen else 0.0)
+    h.setSolution(len(cols), np.asarray(cols, dtype=np.int32), np.asarray(vals, dtype=np.float64))
+    return True
 
 
 def estimated_nonzeros(p: LevelProblem, a: _Analysis) -> int:

@@ -237,6 +237,43 @@ def _order_units(ctx: GraphFacts, units: list[_Unit], io: Any) -> list[_Unit]:
 # expanding a solved level into IR steps
 
 
+def op_stages(lvl: _Level, steps: list[Step]) -> list[list[tuple[int, int]]] | None:
+    """A schedule of an op-level (flat) level as its stage structure: per stage, the (node,
+    option) pairs computed, for ``ilp.solve_level``'s ``start``. Stage ``t`` is the first run
+    of node ``t`` with the recomputations just before it. None when the schedule does not fit
+    that structure (it first runs the nodes in another order, or the level has children)."""
+    node_of: dict[tuple[int, bool], int] = {}
+    for k, u in enumerate(lvl.units):
+        if u.op is None:
+            return None
+        node_of[(u.op, u.backward)] = k
+    n = len(lvl.units)
+    stages: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    pending: list[tuple[int, int]] = []  # recomputations waiting for the next first run
+    frontier = -1
+    seen: set[int] = set()
+    for kind, i in steps:
+        if kind != "compute":
+            continue
+        k = node_of.get((i, False), node_of.get((i, True)))
+        if k is None:
+            return None
+        if k in seen:
+            if k >= lvl.problem.n_forward:
+                return None  # backward nodes run once
+            pending.append((k, 0))
+            continue
+        if k != frontier + 1:
+            return None
+        seen.add(k)
+        frontier = k
+        stages[k] = pending + [(k, 0)]
+        pending = []
+    if frontier != n - 1 or pending:
+        return None
+    return stages
+
+
 def expand_level(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan
             ) -> tuple[list[Step], list[Step], frozenset[int]]:
     """Forward steps, backward steps and saved tensors of one solution of a block's level."""
@@ -368,73 +405,11 @@ def _last_reads(g: Graph, steps: list[Step], tensors: frozenset[int]) -> dict[in
 
 
 def fragment_peak(ctx: GraphFacts, steps: list[Step], counted: set[int], start: Storages,
-                   dying: frozenset[int] = frozenset()) -> tuple[int, Storages]:
-    """Peak bytes of the ``counted`` storages over a fragment and the storages alive at its end.
-
-    Storages are followed as the simulator does: an op producing a tensor that is not alive
-    allocates a new storage even when a view still holds the old one; a view shares its base's.
-    ``start`` is what is alive before; ``dying`` tensors are dropped after their last read."""
-    g = ctx.graph
-    alive: Storages = {}
-    # bytes of the storages alive, kept up to date as tensors come and go (one storage counts
-    # once however many tensors hold it; summing the alive set at every step made long
-    # fragments quadratic: 30% of a 112k-op solve)
-    holders: dict[int, int] = {}
-    size: dict[int, int] = {}
-    cur = 0
-
-    def hold(x: int, storage: tuple[int, int]) -> None:
-        nonlocal cur
-        alive[x] = storage
-        sid, nbytes = storage
-        if holders.get(sid, 0) == 0:
-            size[sid] = nbytes
-            cur += nbytes
-        holders[sid] = holders.get(sid, 0) + 1
-
-    def drop(x: int) -> None:
-        nonlocal cur
-        storage = alive.pop(x, None)
-        if storage is None:
-            return
-        sid = storage[0]
-        holders[sid] -= 1
-        if holders[sid] == 0:
-            cur -= size[sid]
-
-    last = _last_reads(g, steps, dying)
-    for x, storage in start.items():
-        if last.get(x, 0) >= 0:  # a dying tensor the fragment never reads is gone at once
-            hold(x, storage)
-    by_step: dict[int, list[int]] = {}
-    for x, s in last.items():
-        by_step.setdefault(s, []).append(x)
-    fresh = max((k for k, _ in alive.values()), default=0) + 1
-    peak = cur
-    for s, (kind, i) in enumerate(steps):
-        if kind == "compute":
-            op = g.ops[i]
-            new = sum(g.tensors[x].bytes for x in op.outputs
-                      if g.tensors[x].alias_of is None and x in counted)
-            peak = max(peak, cur + new + int(op.workspace))
-            for x in op.outputs:
-                if x in alive:
-                    continue  # recomputed while alive: a temporary, dropped again
-                base = g.tensors[x].alias_of
-                if base is None:
-                    hold(x, (fresh, g.tensors[x].bytes if x in counted else 0))
-                    fresh += 1
-                elif base in alive:
-                    hold(x, alive[base])
-                else:  # a view of something this fragment does not count
-                    hold(x, (fresh, 0))
-                    fresh += 1
-            for x in by_step.get(s, ()):
-                drop(x)
-        else:
-            drop(i)
-        peak = max(peak, cur)
-    return peak, alive
+                  dying: frozenset[int] = frozenset()) -> tuple[int, Storages]:
+    """Peak bytes of the ``counted`` storages over a fragment and the storages alive at its end,
+    measured by the Rust core with the simulator's storage rules. ``start`` is what is alive
+    before; ``dying`` tensors are dropped after their last read."""
+    return ctx.memory.fragment_peak(steps, counted, start, dying)
 
 
 def _outside(ctx: GraphFacts, tensors: Iterable[int], counted: set[int]) -> Storages:
@@ -484,4 +459,3 @@ def pareto_filter(options: list[BlockOption]) -> list[BlockOption]:
     opts = list(uniq.values())
     keep = [o for o in opts if not any(q is not o and q.dominates(o) for q in opts)]
     return sorted(keep, key=lambda o: o.saved_bytes)
-

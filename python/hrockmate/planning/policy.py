@@ -220,8 +220,17 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 left = time_left(kw)
                 if left is not None and h.root.children:  # (a flat level is the whole solve)
                     left *= TOP_TIME_SHARE
+                starts = []
+                if not h.root.children:
+                    # the op-level MILP starts from a known plan (the hierarchy's, on a second
+                    # try) or greedy eviction's: it has a schedule at once, and a search that
+                    # finds nothing better stops on the stall rule instead of the time limit
+                    starts += kw.get("starts", [])
+                    found = reference.greedy_eviction_schedule(graph, b, left)
+                    starts += [found[0]] if found is not None else []
                 steps, fl, optimal, stats = solve_top(h, b, time_limit=left,
-                                                      mip_rel_gap=kw["mip_rel_gap"])
+                                                      mip_rel_gap=kw["mip_rel_gap"],
+                                                      starts=starts)
                 return reference.SolverResult(steps, fl, optimal, stats)
 
             # an op-level MILP cut short by the time limit may lose to the hierarchy

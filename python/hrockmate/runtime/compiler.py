@@ -310,7 +310,7 @@ class _Compiler:
                 self.namespace[f"RG{rng_slot[k]}"] = gen
                 state_bytes[k] = _state_nbytes(gen)
 
-        cuts, rng_bytes = self._chunk_cuts(grad_slot, state_bytes, runs)
+        cuts, rng_bytes = self._chunk_cuts(grad_slot, state_bytes)
 
         # Second pass: emit code.
         extra_bytes = 0
@@ -456,103 +456,25 @@ class _Compiler:
                     "time in the backward segment; it must first run in the forward segment"
                 )
 
-    def _chunk_cuts(self, grad_slot: dict[int, tuple[str, int]], state_bytes: dict[int, int],
-                    runs: list[int]) -> tuple[set[int], int]:
+    def _chunk_cuts(self, grad_slot: dict[int, tuple[str, int]], state_bytes: dict[int, int]
+                    ) -> tuple[set[int], int]:
         """Step positions (in the backward segment) before which the finished gradients are
-        handed to autograd, and how much the saved generator states raise the peak. Memory
-        model of docs/graph-ir.md (storages of alive tensors, plus new outputs and workspace at
-        a compute step); first the schedule as written (gradients gone when freed), then with
-        freed gradients held until the next cut, cutting as late as possible without exceeding
-        the first peak; last with those cuts and the generator states of the replayed random
-        ops ``state_bytes`` (op -> bytes): each saved from its first run to its last, plus the
-        current state held during a replay."""
-        g = self.graph
-        roles = [t.role for t in g.tensors]
-        root = list(range(g.num_tensors))
-        for t in range(g.num_tensors):
-            r = t
-            seen = 0
-            while g.tensors[r].alias_of is not None and seen <= g.num_tensors:
-                r = g.tensors[r].alias_of
-                seen += 1
-            root[t] = r
-        counted = [roles[root[t]] not in _PREEXISTING for t in range(g.num_tensors)]
-        nbytes = [g.tensors[t].bytes for t in range(g.num_tensors)]
+        handed to autograd, and how much the saved generator states (``state_bytes``: replayed
+        random op -> bytes) raise the peak; measured by the Rust core with the simulator's
+        storage rules (``hrockmate_core::chunking``)."""
+        from hrockmate import _native
+        from hrockmate.ir.schedule import Schedule
 
-        def run(hold: bool, limit: int | None, fixed_cuts: set[int] | None = None,
-                states: bool = False) -> tuple[int, set[int]]:
-            refs: dict[int, int] = {}
-            live = 0
-            alive = [r in _PREEXISTING for r in roles]
-            held: list[int] = []
-            cuts: set[int] = set()
-            peak = 0
-            saved_states = 0
-            done: dict[int, int] = {}
-
-            def ref(t: int) -> None:
-                nonlocal live
-                r = root[t]
-                if counted[t]:
-                    if refs.get(r, 0) == 0:
-                        live += nbytes[r]
-                    refs[r] = refs.get(r, 0) + 1
-
-            def unref(t: int) -> None:
-                nonlocal live
-                r = root[t]
-                if counted[t]:
-                    refs[r] -= 1
-                    if refs[r] == 0:
-                        live -= nbytes[r]
-
-            for pos, (kind, ident) in enumerate(self.steps):
-                if kind == "compute":
-                    op = g.ops[ident]
-                    new_roots = {root[t] for t in op.outputs if counted[t]}
-                    extra = sum(nbytes[r] for r in new_roots if refs.get(r, 0) == 0 or any(
-                        alive[t] and root[t] == r for t in op.outputs))
-                    mem = live + extra + op.workspace
-                    if fixed_cuts is not None:
-                        cut = pos in fixed_cuts
-                    else:
-                        cut = (hold and limit is not None and held and mem > limit
-                               and pos >= self.forward_len)
-                    if cut:
-                        cuts.add(pos)
-                        for t in held:
-                            unref(t)
-                        held = []
-                        mem = live + extra + op.workspace
-                    nb = state_bytes.get(ident, 0) if states else 0
-                    if nb:
-                        done[ident] = done.get(ident, 0) + 1
-                        if done[ident] == 1:
-                            saved_states += nb  # saved right before the first run
-                        else:
-                            mem += nb  # the current state, kept while the op replays
-                    peak = max(peak, mem + saved_states)
-                    if nb and done[ident] == runs[ident]:
-                        saved_states -= nb  # dropped after the last replay
-                    for t in op.outputs:
-                        if not alive[t]:
-                            alive[t] = True
-                            ref(t)
-                else:
-                    t = ident
-                    if alive[t]:
-                        alive[t] = False
-                        if hold and t in grad_slot:
-                            held.append(t)  # the reference moves to the gradient list
-                        else:
-                            unref(t)
-            return peak, cuts
-
-        base_peak, _ = run(False, None)
-        held_peak, cuts = run(True, base_peak)
-        with_states, _ = run(True, None, fixed_cuts=cuts, states=True)
-        self._modelled_peak = with_states
-        return cuts, with_states - held_peak
+        ops = sorted(state_bytes)
+        try:
+            cuts, with_states, held_peak = _native.gradient_chunks(
+                **Schedule(list(self.steps), self.forward_len).to_arrays(),
+                gradient_ids=sorted(grad_slot), state_op=ops,
+                state_bytes=[state_bytes[k] for k in ops], **self.graph.to_arrays())
+        except (_native.InvalidScheduleError, _native.InvalidGraphError) as exc:
+            raise RuntimeScheduleError(f"the schedule does not simulate: {exc}") from None
+        self._modelled_peak = int(with_states)
+        return {int(c) for c in cuts}, int(with_states) - int(held_peak)
 
     @staticmethod
     def _stash(t: int, slot: tuple[str, int], uses: dict[tuple[str, int], int]) -> str:

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 mod errors;
 mod graph_api;
 mod literature_api;
+mod memory_api;
 mod solver_api;
 
 #[pymodule]
@@ -15,6 +16,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     graph_api::register(m)?;
     literature_api::register(m)?;
+    memory_api::register(m)?;
     solver_api::register(m)?;
     Ok(())
 }

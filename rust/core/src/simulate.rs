@@ -1,16 +1,15 @@
 //! The exact schedule simulator: checks every rule of docs/graph-ir.md "Schedule" and computes
 //! memory and time, in O(steps + edges).
 //!
-//! Memory model: a tensor that owns its storage (no `alias_of`) allocates a new storage
-//! *instance* each time it is produced; a view produced while its base is alive shares the
-//! base's instance. An instance is counted while at least one alive tensor refers to it, so a
-//! view kept alive after its base is freed keeps the bytes counted, and recomputing the base then
-//! counts a second copy (as the allocator would). Storages rooted at pre-existing tensors are
-//! never counted.
+//! Memory follows the storage rules of [`crate::memory`] (shared with the planner's fragment
+//! peaks): a view kept alive after its base is freed keeps the bytes counted, and recomputing
+//! the base then counts a second copy (as the allocator would). Storages rooted at pre-existing
+//! tensors are never counted.
 
 use crate::graph::{Graph, Phase, Role, TensorId};
 use crate::io::{op_label, tensor_label};
 use crate::limits::{Stop, Stopped};
+use crate::memory::{Memory, UNCOUNTED};
 use crate::schedule::{Schedule, Step};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -58,8 +57,6 @@ pub enum SimulateError {
     Stopped(#[from] Stopped),
 }
 
-const NONE: u32 = u32::MAX;
-
 fn err<T>(step: usize, message: String) -> Result<T, SimulateError> {
     Err(SimulateError::Schedule(ScheduleError { step, message }))
 }
@@ -91,24 +88,19 @@ pub fn simulate_within(g: &Graph, s: &Schedule, stop: &Stop) -> Result<SimResult
     }
     let roots = g.storage_roots();
 
-    // Per tensor: alive, the storage instance it refers to, whether it was ever produced.
-    let mut alive = vec![false; nt];
-    let mut inst_of = vec![NONE; nt];
+    // Per tensor: the storage instance it holds (memory rules), whether it was ever produced.
+    let mut mem = Memory::new(vec![crate::memory::NOT_ALIVE; nt]);
     let mut produced = vec![false; nt];
-    // Per instance: bytes and number of alive tensors referring to it.
-    let mut inst_bytes: Vec<u64> = Vec::new();
-    let mut inst_refs: Vec<u32> = Vec::new();
     for (t, tensor) in g.tensors.iter().enumerate() {
         if tensor.role.is_preexisting() {
-            alive[t] = true;
+            mem.hold(t, UNCOUNTED);
             produced[t] = true;
         }
     }
-    let counted = |t: TensorId| !g.tensors[roots[t]].role.is_preexisting();
+    let counted = |root: TensorId| !g.tensors[root].role.is_preexisting();
 
     let mut compute_count = vec![0u32; no];
     let mut timeline = Vec::with_capacity(n_steps);
-    let mut current: u64 = 0;
     let mut time = 0.0;
     let mut bytes_after_forward = 0;
 
@@ -151,7 +143,7 @@ pub fn simulate_within(g: &Graph, s: &Schedule, stop: &Stop) -> Result<SimResult
                     );
                 }
                 for &t in &op.inputs {
-                    if !alive[t] {
+                    if !mem.is_alive(t) {
                         let why = if produced[t] {
                             "it was freed"
                         } else {
@@ -170,59 +162,10 @@ pub fn simulate_within(g: &Graph, s: &Schedule, stop: &Stop) -> Result<SimResult
                         return err(i, format!("{}: reads {}, a tangent, in the forward segment (tangents exist only in backward)", what(), tensor_label(g, t)));
                     }
                 }
-                // New storages stay; duplicates of outputs already alive are dropped after the step.
-                // Storage owners first, so that a view of another output of the same op shares it.
-                let mut new_bytes = 0u64;
-                let mut dup_bytes = 0u64;
-                let owners = op
-                    .outputs
-                    .iter()
-                    .filter(|&&t| g.tensors[t].alias_of.is_none());
-                let views = op
-                    .outputs
-                    .iter()
-                    .filter(|&&t| g.tensors[t].alias_of.is_some());
-                for &t in owners.chain(views) {
-                    let is_view = g.tensors[t].alias_of.is_some();
-                    if alive[t] {
-                        if !is_view && counted(t) {
-                            dup_bytes += g.tensors[t].bytes;
-                        }
-                        continue;
-                    }
-                    alive[t] = true;
+                for &t in &op.outputs {
                     produced[t] = true;
-                    if !counted(t) {
-                        continue;
-                    }
-                    let shared = if is_view {
-                        // A view aliases what its op reads (or another output of the same op):
-                        // share the instance of an alive one of those with the same root first,
-                        // then fall back to the alias chain.
-                        op.inputs
-                            .iter()
-                            .chain(op.outputs.iter())
-                            .copied()
-                            .find(|&x| x != t && alive[x] && roots[x] == roots[t] && counted(x))
-                            .map(|x| inst_of[x])
-                            .unwrap_or_else(|| nearest_alive_instance(g, t, &alive, &inst_of))
-                    } else {
-                        NONE
-                    };
-                    let inst = if shared != NONE {
-                        shared
-                    } else {
-                        // A storage owner, or a view none of whose bases is alive: a new storage.
-                        inst_bytes.push(g.tensors[roots[t]].bytes);
-                        inst_refs.push(0);
-                        new_bytes += g.tensors[roots[t]].bytes;
-                        (inst_bytes.len() - 1) as u32
-                    };
-                    inst_of[t] = inst;
-                    inst_refs[inst as usize] += 1;
                 }
-                timeline.push(current + new_bytes + dup_bytes + op.workspace);
-                current += new_bytes;
+                timeline.push(mem.compute(g, &roots, op_id, counted));
                 compute_count[op_id] += 1;
                 time += op.time;
             }
@@ -243,7 +186,7 @@ pub fn simulate_within(g: &Graph, s: &Schedule, stop: &Stop) -> Result<SimResult
                         ),
                     );
                 }
-                if !alive[t] {
+                if !mem.is_alive(t) {
                     let why = if produced[t] {
                         "it was already freed"
                     } else {
@@ -251,20 +194,12 @@ pub fn simulate_within(g: &Graph, s: &Schedule, stop: &Stop) -> Result<SimResult
                     };
                     return err(i, format!("free {}: not alive ({why})", tensor_label(g, t)));
                 }
-                alive[t] = false;
-                let inst = inst_of[t];
-                if inst != NONE {
-                    inst_of[t] = NONE;
-                    inst_refs[inst as usize] -= 1;
-                    if inst_refs[inst as usize] == 0 {
-                        current -= inst_bytes[inst as usize];
-                    }
-                }
-                timeline.push(current);
+                mem.release(t);
+                timeline.push(mem.held());
             }
         }
         if i + 1 == s.forward_len {
-            bytes_after_forward = current;
+            bytes_after_forward = mem.held();
         }
     }
     if s.forward_len == n_steps {
@@ -319,18 +254,6 @@ fn check_forward_outputs(g: &Graph, produced: &[bool]) -> Option<String> {
         "{} is an 'output' but was not produced in the forward segment (outputs are returned by the forward call)",
         tensor_label(g, t)
     ))
-}
-
-/// The storage instance of the closest alive tensor up the alias chain of view `t`, or NONE.
-fn nearest_alive_instance(g: &Graph, t: TensorId, alive: &[bool], inst_of: &[u32]) -> u32 {
-    let mut cur = g.tensors[t].alias_of;
-    while let Some(b) = cur {
-        if alive[b] {
-            return inst_of[b];
-        }
-        cur = g.tensors[b].alias_of;
-    }
-    NONE
 }
 
 /// Convenience for callers that only need validity.

@@ -1,0 +1,129 @@
+//! Where the runtime hands finished gradients to autograd, measured with the storage rules of
+//! [`crate::memory`] (the simulator's).
+//!
+//! The runtime runs the backward segment in chunks: a gradient the schedule frees stays held
+//! (in the list handed to autograd) until the end of its chunk. Holding gradients costs memory,
+//! so a chunk ends ("cut") before the compute step at which the held gradients would raise the
+//! step's memory above the peak of the schedule as written. Random ops that run again keep
+//! their generator's state from their first run to their last, and the current state during a
+//! replay; those bytes come on top.
+
+use std::collections::HashSet;
+
+use crate::graph::{Graph, TensorId};
+use crate::memory::{Memory, NOT_ALIVE, UNCOUNTED};
+use crate::schedule::{Schedule, Step};
+
+/// The chunking of a (valid) schedule's backward segment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Chunks {
+    /// Step positions before which the held gradients are handed over, ascending.
+    pub cuts: Vec<usize>,
+    /// Peak with gradients held between cuts and the generator states counted.
+    pub peak_bytes: u64,
+    /// Peak with gradients held between cuts, without generator states.
+    pub held_peak_bytes: u64,
+}
+
+/// Chunk the backward segment of `s`. `gradient[t]`: tensor `t` is a gradient handed to autograd
+/// (held from its free to the next cut); `state_bytes[op]`: bytes of the generator state a
+/// replayed random op keeps (0 for other ops).
+pub fn gradient_chunks(g: &Graph, s: &Schedule, gradient: &[bool], state_bytes: &[u64]) -> Chunks {
+    let runs = run_counts(g, s);
+    let model = Run { g, roots: g.storage_roots(), s, gradient, state_bytes, runs };
+    let (base_peak, _) = model.run(None, None, false);
+    let (held_peak, cuts) = model.run(Some(base_peak), None, false);
+    let fixed: HashSet<usize> = cuts.iter().copied().collect();
+    let (peak, _) = model.run(None, Some(&fixed), true);
+    Chunks { cuts, peak_bytes: peak, held_peak_bytes: held_peak }
+}
+
+struct Run<'a> {
+    g: &'a Graph,
+    roots: Vec<TensorId>,
+    s: &'a Schedule,
+    gradient: &'a [bool],
+    state_bytes: &'a [u64],
+    runs: Vec<u32>,
+}
+
+impl Run<'_> {
+    /// (peak, cuts). Gradients are held when `limit` or `fixed_cuts` is given: cut where the
+    /// step's memory passes `limit`, or at `fixed_cuts`. `states`: count generator states.
+    fn run(
+        &self,
+        limit: Option<u64>,
+        fixed_cuts: Option<&HashSet<usize>>,
+        states: bool,
+    ) -> (u64, Vec<usize>) {
+        let g = self.g;
+        let hold = limit.is_some() || fixed_cuts.is_some();
+        let mut mem = Memory::new(vec![NOT_ALIVE; g.tensors.len()]);
+        for (t, tensor) in g.tensors.iter().enumerate() {
+            if tensor.role.is_preexisting() {
+                mem.hold(t, UNCOUNTED);
+            }
+        }
+        let counted = |root: TensorId| !g.tensors[root].role.is_preexisting();
+        let mut held: Vec<TensorId> = Vec::new(); // freed gradients, still referenced
+        let mut cuts = Vec::new();
+        let mut done = vec![0u32; g.ops.len()];
+        let (mut peak, mut saved_states) = (0u64, 0u64);
+        for (pos, step) in self.s.steps.iter().enumerate() {
+            match *step {
+                Step::Compute(j) => {
+                    let mut step_bytes = mem.compute(g, &self.roots, j, counted);
+                    let cut = match fixed_cuts {
+                        Some(f) => f.contains(&pos),
+                        None => {
+                            limit.is_some_and(|l| step_bytes > l)
+                                && !held.is_empty()
+                                && pos >= self.s.forward_len
+                        }
+                    };
+                    if cut {
+                        cuts.push(pos);
+                        // handed over before the step: what they held was never in it
+                        let before = mem.held();
+                        for t in held.drain(..) {
+                            mem.release(t);
+                        }
+                        step_bytes -= before - mem.held();
+                    }
+                    let nb = if states { self.state_bytes[j] } else { 0 };
+                    if nb > 0 {
+                        done[j] += 1;
+                        if done[j] == 1 {
+                            saved_states += nb; // saved right before the first run
+                        } else {
+                            step_bytes += nb; // the current state, kept while the op replays
+                        }
+                    }
+                    peak = peak.max(step_bytes + saved_states);
+                    if nb > 0 && done[j] == self.runs[j] {
+                        saved_states -= nb; // dropped after the last replay
+                    }
+                }
+                Step::Free(t) => {
+                    if hold && self.gradient[t] {
+                        held.push(t);
+                    } else {
+                        mem.release(t);
+                    }
+                }
+            }
+        }
+        (peak, cuts)
+    }
+}
+
+/// How many times each op runs in `s`.
+fn run_counts(g: &Graph, s: &Schedule) -> Vec<u32> {
+    let mut runs = vec![0u32; g.ops.len()];
+    for step in &s.steps {
+        if let Step::Compute(j) = *step {
+            runs[j] += 1;
+        }
+    }
+    runs
+}
