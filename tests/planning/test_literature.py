@@ -3,8 +3,6 @@ budgets and error messages."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from conftest import corpus_files
 

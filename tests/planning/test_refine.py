@@ -83,9 +83,10 @@ def test_refined_schedules_are_valid_within_budget_and_faster(n: int, seed: int,
 
 
 def test_solve_graph_refines_the_hierarchy_plan() -> None:
-    # the hierarchy's own plan at 50% leaves memory unused (+23.8% before refinement)
+    # with leaves of 6 ops the hierarchy's own plan at 50% leaves memory unused (+23.8% before
+    # refinement)
     g = Graph.load(DATA / "gpt2_tiny_oplog.json")
-    plan = hrockmate.solve_graph(g, 0.5, progress=False, time_limit=120)
+    plan = hrockmate.solve_graph(g, 0.5, progress=False, time_limit=120, leaf_size=6)
     refined = plan.stats["refined"]
     assert plan.stats["method"] == "hrockmate" and not plan.stats.get("fallback")
     assert refined["dropped"] > 0 and plan.time < 0.95 * refined["time_before"]

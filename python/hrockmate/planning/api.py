@@ -16,7 +16,13 @@ from hrockmate.ir.budget import BudgetLike, parse_budget
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import InfeasibleBudget, Plan
 from hrockmate.ir.schedule import peak_lower_bound
-from hrockmate.planning.hierarchy import GROUP_SIZE, Hierarchy, HierarchyTimeout, prepare
+from hrockmate.planning.hierarchy import (
+    GROUP_SIZE,
+    Hierarchy,
+    HierarchyTimeout,
+    leaf_sizes,
+    prepare,
+)
 from hrockmate.planning.policy import (
     Candidate,
     baseline_schedule,
@@ -49,12 +55,12 @@ def solve_graph(
     time_limit: float | None = 300.0,
     mip_rel_gap: float = 1e-4,
     flat_ops: int = 60,
-    leaf_size: int = 6,
+    leaf_size: int | None = None,
     group_size: int = GROUP_SIZE,
     top_size: int = 16,
     sub_time_limit: float = 1.0,
     progress: bool = True,
-    hierarchy: Hierarchy | None = None,
+    hierarchy: Hierarchy | Sequence[Hierarchy] | None = None,
     solvers: Mapping[str, str] | None = None,
     exact_ops: int = 100,
 ) -> Plan:
@@ -74,6 +80,11 @@ def solve_graph(
             options get 75% of it, then the top level and the simple strategies the rest.
             When it runs out the best plan found is returned with a warning and
             ``plan.stats["optimal"] = False``.
+        leaf_size: forward ops per leaf block. None: 8, and graphs of at most 400 ops are
+            also planned with leaves of 6, keeping the faster plan
+            (``hierarchy.LEAF_SIZES``; ``plan.stats["leaf_size"]`` says which).
+        hierarchy: a prepared hierarchy (``with_hierarchy``), or several (one per leaf size;
+            the fastest plan is kept), to solve only the top level.
         exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose
             hierarchy plan is beaten by a fallback, is missing, or recomputes over 10% are
             also tried at the op level, for at most 60 s.
@@ -134,10 +145,11 @@ def solve_graph(
         raise InfeasibleBudget(budget_bytes, floor, graph.name, why=why)
 
     kw = dict(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
-              leaf_size=leaf_size, group_size=group_size, top_size=top_size,
+              leaf_size=leaf_sizes(graph, leaf_size)[0], group_size=group_size,
+              top_size=top_size,
               sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
               deadline=None if time_limit is None else t0 + time_limit)
-    cand, lowest = run_method(graph, method, budget_bytes, hierarchy, kw)
+    cand, lowest = _best_over_leaf_sizes(graph, method, budget_bytes, hierarchy, leaf_size, kw)
     if (method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
             and (cand is None or cand.stats.get("fallback")
                  or simulate_steps(graph, cand.steps, cand.forward_len)[1] > 1.1 * base_time)):
@@ -173,6 +185,54 @@ def solve_graph(
         warnings.warn(shortfall, stacklevel=2)
     logger.info("%s", plan.summary())
     return plan
+
+
+# A later leaf size of the portfolio gets as long as the first took, and at least this long.
+LEAF_RETRY_MIN_SECONDS = 5.0
+
+
+def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
+                          hierarchy: Hierarchy | Sequence[Hierarchy] | None,
+                          leaf_size: int | None, kw: dict[str, Any]
+                          ) -> tuple[Candidate | None, int]:
+    """``run_method`` with each hierarchy given, else with each leaf size ``leaf_sizes``
+    picks (method ``"hrockmate"``): the fastest plan, and the lowest budget seen when none.
+    Later tries share what is left of the first try's time (hierarchy.LEAF_SIZES)."""
+    if isinstance(hierarchy, Hierarchy):
+        return run_method(graph, method, budget, hierarchy, kw)
+    if hierarchy:
+        tries: list[tuple[int, Hierarchy | None]] = [(h.leaf_size, h) for h in hierarchy]
+    elif method != "hrockmate" or graph.num_ops <= kw["flat_ops"]:  # (no leaves)
+        return run_method(graph, method, budget, None, kw)
+    else:
+        tries = [(size, None) for size in leaf_sizes(graph, leaf_size)]
+    best: Candidate | None = None
+    best_time = math.inf
+    lows: list[int] = []
+    t0 = _time.perf_counter()
+    for k, (size, h) in enumerate(tries):
+        kw_k = {**kw, "leaf_size": size}
+        if k > 0:
+            spent = _time.perf_counter() - t0
+            left = time_left(kw)
+            limit = max(spent, LEAF_RETRY_MIN_SECONDS)
+            if left is not None:
+                if left < 1.0:
+                    break
+                limit = min(limit, left)
+            kw_k.update(time_limit=limit, deadline=_time.perf_counter() + limit)
+        cand, low = run_method(graph, method, budget, h, kw_k)
+        if cand is None:
+            lows.append(low)
+            continue
+        t = simulate_steps(graph, cand.steps, cand.forward_len)[1]
+        if t < best_time:
+            if best is not None:
+                logger.info("leaves of %d ops planned '%s' faster than leaves of %d", size,
+                            graph.name, best.stats.get("leaf_size"))
+            best, best_time = cand, t
+            best.stats.setdefault("leaf_size", size)
+    return best, (0 if best is not None or not lows else min(lows))
 
 
 def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
@@ -234,14 +294,29 @@ def with_hierarchy(graph: Graph, options: Mapping[str, Any]) -> dict[str, Any]:
     options are returned as they are (each solve then falls back as it would alone)."""
     options = dict(options)
     if options.get("method", "hrockmate") == "hrockmate" and options.get("hierarchy") is None:
-        keys = ("flat_ops", "leaf_size", "group_size", "top_size", "time_limit",
-                "sub_time_limit", "mip_rel_gap", "progress", "solvers")
+        keys = ("flat_ops", "group_size", "top_size", "time_limit", "sub_time_limit",
+                "mip_rel_gap", "progress", "solvers")
         defaults = inspect.signature(solve_graph).parameters  # as solve_graph would prepare it
-        try:
-            options["hierarchy"] = prepare(
-                graph, **{k: options.get(k, defaults[k].default) for k in keys})
-        except HierarchyTimeout:
-            pass
+        kw = {k: options.get(k, defaults[k].default) for k in keys}
+        sizes = leaf_sizes(graph, options.get("leaf_size"))
+        if graph.num_ops <= kw["flat_ops"]:
+            sizes = sizes[:1]  # one op-level block: no leaves
+        prepared: list[Hierarchy] = []
+        t0 = _time.perf_counter()
+        for size in sizes:
+            if prepared:  # a later leaf size, in as long as the first took (as solve_graph)
+                limit = max(_time.perf_counter() - t0, LEAF_RETRY_MIN_SECONDS)
+                if kw["time_limit"] is not None:
+                    limit = min(limit, kw["time_limit"] - (_time.perf_counter() - t0))
+                    if limit < 1.0:
+                        break
+                kw["time_limit"] = limit
+            try:
+                prepared.append(prepare(graph, leaf_size=size, **kw))
+            except HierarchyTimeout:
+                break
+        if prepared:
+            options["hierarchy"] = prepared[0] if len(prepared) == 1 else prepared
     return options
 
 

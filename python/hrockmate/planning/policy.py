@@ -214,7 +214,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
             stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks,
                        "solved_blocks": h.solved_blocks, "solvers": dict(h.solvers),
                        "block_solvers": h.solver_counts(), "lean_blocks": h.lean,
-                       "hierarchy_seconds": round(h.seconds, 4)}
+                       "hierarchy_seconds": round(h.seconds, 4), "leaf_size": h.leaf_size}
 
             def top(b: int) -> reference.SolverResult:
                 left = time_left(kw)
