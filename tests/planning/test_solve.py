@@ -505,24 +505,26 @@ def test_default_workers_follow_the_cores_and_a_container_quota(monkeypatch, tmp
 
 def test_default_leaf_sizes_keep_the_fastest_plan() -> None:
     from hrockmate.planning.api import with_hierarchy
-    from hrockmate.planning.hierarchy import LEAF_PORTFOLIO_MAX_OPS, LEAF_SIZES, leaf_sizes
+    from hrockmate.planning.hierarchy import LEAF_PORTFOLIO_MAX_OPS, LEAF_SIZE, leaf_sizes
 
     g = training_graph(40, seed=5)
     assert 60 < g.num_ops <= LEAF_PORTFOLIO_MAX_OPS
+    sizes = leaf_sizes(g, None)
+    assert len(sizes) > 1
     budget = int(0.5 * hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes)
     opts = dict(progress=False, exact_ops=0, time_limit=None)
-    each = {s: hrockmate.solve_graph(g, budget, leaf_size=s, **opts) for s in LEAF_SIZES}
-    assert {p.stats.get("leaf_size") for p in each.values()} == set(LEAF_SIZES)
+    each = {s: hrockmate.solve_graph(g, budget, leaf_size=s, **opts) for s in sizes}
+    assert {p.stats.get("leaf_size") for p in each.values()} == set(sizes)
     auto = hrockmate.solve_graph(g, budget, **opts)
     _check(auto, g)
-    assert auto.stats["leaf_size"] in LEAF_SIZES
+    assert auto.stats["leaf_size"] in sizes
     assert auto.time <= min(p.time for p in each.values()) * (1 + 1e-9)
     # prepared once for several budgets: one hierarchy per leaf size, the same choice
     prepared = with_hierarchy(g, {"progress": False, "time_limit": None})["hierarchy"]
-    assert [h.leaf_size for h in prepared] == list(LEAF_SIZES)
+    assert [h.leaf_size for h in prepared] == list(sizes)
     again = hrockmate.solve_graph(g, budget, hierarchy=prepared, **opts)
     assert again.time <= min(p.time for p in each.values()) * (1 + 1e-9)
     # a leaf size asked for is the only one; large graphs get the first size only
     assert leaf_sizes(g, 5) == (5,)
     big = training_graph(LEAF_PORTFOLIO_MAX_OPS // 2 + 10, seed=1)
-    assert big.num_ops > LEAF_PORTFOLIO_MAX_OPS and leaf_sizes(big, None) == LEAF_SIZES[:1]
+    assert big.num_ops > LEAF_PORTFOLIO_MAX_OPS and leaf_sizes(big, None) == (LEAF_SIZE,)

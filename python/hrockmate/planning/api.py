@@ -80,9 +80,9 @@ def solve_graph(
             options get 75% of it, then the top level and the simple strategies the rest.
             When it runs out the best plan found is returned with a warning and
             ``plan.stats["optimal"] = False``.
-        leaf_size: forward ops per leaf block. None: 8, and graphs of at most 400 ops are
-            also planned with leaves of 6, keeping the faster plan
-            (``hierarchy.LEAF_SIZES``; ``plan.stats["leaf_size"]`` says which).
+        leaf_size: forward ops per leaf block. None: 8; graphs of at most 400 ops are
+            planned with leaves of 6 and of 8, keeping the faster plan
+            (``hierarchy.leaf_sizes``; ``plan.stats["leaf_size"]`` says which).
         hierarchy: a prepared hierarchy (``with_hierarchy``), or several (one per leaf size;
             the fastest plan is kept), to solve only the top level.
         exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose
@@ -197,7 +197,7 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
                           ) -> tuple[Candidate | None, int]:
     """``run_method`` with each hierarchy given, else with each leaf size ``leaf_sizes``
     picks (method ``"hrockmate"``): the fastest plan, and the lowest budget seen when none.
-    Later tries share what is left of the first try's time (hierarchy.LEAF_SIZES)."""
+    A later try gets as long as the first took (at least ``LEAF_RETRY_MIN_SECONDS``)."""
     if isinstance(hierarchy, Hierarchy):
         return run_method(graph, method, budget, hierarchy, kw)
     if hierarchy:

@@ -75,23 +75,25 @@ GROUP_SIZE = 4
 # demo GPT-2 leaves of 8 gave +2.5/+9.0/+21.3% at 70/50/30% against +7.5/+16.9/+31.2% with 6,
 # and T5 (843 ops) +3.1/+9.4/+43.0% against +4.1/+16.8/+61.5%, while 6 stayed ahead on the
 # FCN-8 and U-Net operator log at 70% (+1.6 vs +3.0%, +7.7 vs +9.7%) and ResNet-50 at 30%
-# (+5.2 vs +5.6%), all graphs of at most 400 ops. So ``solve_graph`` plans graphs of up to
-# ``LEAF_PORTFOLIO_MAX_OPS`` ops (solved in seconds) with each size of ``LEAF_SIZES`` (the later
-# ones within the time the first took) and keeps the fastest plan; larger graphs use the first
-# size only (trying both doubled the time on GPT-2 and T5 for nothing).
-LEAF_SIZES = (8, 6)
+# (+5.2 vs +5.6%), all graphs of at most 400 ops, where 6 also solves faster (a 2-layer GPT-2
+# of 341 ops: 1.6 s against 15.7 s, +28.1% against +46.2%). So graphs of up to
+# ``LEAF_PORTFOLIO_MAX_OPS`` ops (solved in seconds) are planned with each size of
+# ``SMALL_GRAPH_LEAF_SIZES`` (the second within as long as the first took) and the fastest plan
+# is kept; larger graphs use ``LEAF_SIZE`` only (trying both doubled the time on GPT-2 and T5).
+LEAF_SIZE = 8
+SMALL_GRAPH_LEAF_SIZES = (6, 8)
 LEAF_PORTFOLIO_MAX_OPS = 400
 
 
 def leaf_sizes(graph: Graph, leaf_size: int | None) -> tuple[int, ...]:
-    """The leaf sizes to plan ``graph`` with: the one asked for, else ``LEAF_SIZES`` (the
-    first only on graphs of more than ``LEAF_PORTFOLIO_MAX_OPS`` ops)."""
+    """The leaf sizes to plan ``graph`` with: the one asked for, else ``LEAF_SIZE``, or
+    ``SMALL_GRAPH_LEAF_SIZES`` on graphs of at most ``LEAF_PORTFOLIO_MAX_OPS`` ops."""
     if leaf_size is not None:
         return (leaf_size,)
-    return LEAF_SIZES if graph.num_ops <= LEAF_PORTFOLIO_MAX_OPS else LEAF_SIZES[:1]
+    return SMALL_GRAPH_LEAF_SIZES if graph.num_ops <= LEAF_PORTFOLIO_MAX_OPS else (LEAF_SIZE,)
 
 
-def build_hierarchy(graph: Graph, leaf_size: int = LEAF_SIZES[0], group_size: int = GROUP_SIZE,
+def build_hierarchy(graph: Graph, leaf_size: int = LEAF_SIZE, group_size: int = GROUP_SIZE,
                     top_size: int = 16, partitioner: str = "contiguous",
                     leaf_options: bool = False) -> Block:
     """Partition a graph into a tree of blocks; the root holds the whole graph.
@@ -346,7 +348,7 @@ class Hierarchy:
     solved_blocks: int  # blocks whose level was solved; the others reuse an equal block's options
     solvers: dict[str, str] = field(default_factory=dict)
     lean: bool = False  # some blocks got fewer options to finish in time (``_Settings.lean``)
-    leaf_size: int = LEAF_SIZES[0]
+    leaf_size: int = LEAF_SIZE
 
     def solver_counts(self) -> dict[str, int]:
         """How many blocks each solver gave options to (``renamed``: copied from an equal
@@ -360,7 +362,7 @@ class Hierarchy:
         return counts
 
 
-def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZES[0],
+def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
             group_size: int = GROUP_SIZE,
             top_size: int = 16, time_limit: float | None = None, sub_time_limit: float = 1.0,
             mip_rel_gap: float = 1e-4, progress: bool = True,
