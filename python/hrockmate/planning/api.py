@@ -191,6 +191,15 @@ def solve_graph(
 LEAF_RETRY_MIN_SECONDS = 5.0
 
 
+def _retry_seconds(spent: float, left: float | None) -> float | None:
+    """Seconds for a later leaf size: as long as the first took (at least
+    ``LEAF_RETRY_MIN_SECONDS``) within the ``left`` of the time limit; None: under 1 s left."""
+    limit = max(spent, LEAF_RETRY_MIN_SECONDS)
+    if left is None:
+        return limit
+    return None if left < 1.0 else min(limit, left)
+
+
 def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
                           hierarchy: Hierarchy | Sequence[Hierarchy] | None,
                           leaf_size: int | None, kw: dict[str, Any]
@@ -213,13 +222,9 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
     for k, (size, h) in enumerate(tries):
         kw_k = {**kw, "leaf_size": size}
         if k > 0:
-            spent = _time.perf_counter() - t0
-            left = time_left(kw)
-            limit = max(spent, LEAF_RETRY_MIN_SECONDS)
-            if left is not None:
-                if left < 1.0:
-                    break
-                limit = min(limit, left)
+            limit = _retry_seconds(_time.perf_counter() - t0, time_left(kw))
+            if limit is None:
+                break
             kw_k.update(time_limit=limit, deadline=_time.perf_counter() + limit)
         cand, low = run_method(graph, method, budget, h, kw_k)
         if cand is None:
@@ -302,14 +307,14 @@ def with_hierarchy(graph: Graph, options: Mapping[str, Any]) -> dict[str, Any]:
         if graph.num_ops <= kw["flat_ops"]:
             sizes = sizes[:1]  # one op-level block: no leaves
         prepared: list[Hierarchy] = []
+        time_limit = kw["time_limit"]
         t0 = _time.perf_counter()
         for size in sizes:
-            if prepared:  # a later leaf size, in as long as the first took (as solve_graph)
-                limit = max(_time.perf_counter() - t0, LEAF_RETRY_MIN_SECONDS)
-                if kw["time_limit"] is not None:
-                    limit = min(limit, kw["time_limit"] - (_time.perf_counter() - t0))
-                    if limit < 1.0:
-                        break
+            if prepared:  # a later leaf size
+                spent = _time.perf_counter() - t0
+                limit = _retry_seconds(spent, None if time_limit is None else time_limit - spent)
+                if limit is None:
+                    break
                 kw["time_limit"] = limit
             try:
                 prepared.append(prepare(graph, leaf_size=size, **kw))
