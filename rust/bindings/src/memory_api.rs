@@ -3,13 +3,12 @@
 
 use std::collections::{HashMap, HashSet};
 
-use hrockmate_core::graph::{Graph, TensorId};
 use hrockmate_core::arrays::schedule_from_arrays;
 use hrockmate_core::chunking::gradient_chunks as gradient_chunks_core;
+use hrockmate_core::graph::{Graph, TensorId};
 use hrockmate_core::memory::{fragment_peak, HeldTensor};
-use hrockmate_core::simulate::check;
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use hrockmate_core::schedule::Step;
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
@@ -112,25 +111,28 @@ fn gradient_chunks<'py>(
     let input = graph_input(graph)?;
     let kind: Vec<i8> = step_kind.as_array().iter().copied().collect();
     let id: Vec<i64> = step_id.as_array().iter().copied().collect();
-    let r = run_native(py, None, |_| {
+    let r = run_native(py, None, |stop| {
         let g = input.build()?;
         let s = schedule_from_arrays(&kind, &id, forward_len)?;
-        check(&g, &s)?;
         let mut gradient = vec![false; g.tensors.len()];
         for &t in &gradient_ids {
-            *gradient.get_mut(t).ok_or_else(|| Failure::InvalidArgument(format!(
-                "gradient tensor id {t} out of range (the graph has {} tensors)",
-                g.tensors.len()
-            )))? = true;
+            *gradient.get_mut(t).ok_or_else(|| {
+                Failure::InvalidArgument(format!(
+                    "gradient tensor id {t} out of range (the graph has {} tensors)",
+                    g.tensors.len()
+                ))
+            })? = true;
         }
         let mut per_op = vec![0u64; g.ops.len()];
         for (&j, &b) in state_op.iter().zip(&state_bytes) {
-            *per_op.get_mut(j).ok_or_else(|| Failure::InvalidArgument(format!(
-                "op id {j} out of range (the graph has {} ops)",
-                g.ops.len()
-            )))? = b;
+            *per_op.get_mut(j).ok_or_else(|| {
+                Failure::InvalidArgument(format!(
+                    "op id {j} out of range (the graph has {} ops)",
+                    g.ops.len()
+                ))
+            })? = b;
         }
-        Ok(gradient_chunks_core(&g, &s, &gradient, &per_op))
+        Ok(gradient_chunks_core(&g, &s, &gradient, &per_op, stop)?)
     })?;
     let cuts: Vec<i64> = r.cuts.iter().map(|&c| c as i64).collect();
     Ok((cuts.into_pyarray(py), r.peak_bytes, r.held_peak_bytes))

@@ -11,8 +11,10 @@
 use std::collections::HashSet;
 
 use crate::graph::{Graph, TensorId};
+use crate::limits::Stop;
 use crate::memory::{Memory, NOT_ALIVE, UNCOUNTED};
 use crate::schedule::{Schedule, Step};
+use crate::simulate::{simulate_within, SimulateError};
 
 /// The chunking of a (valid) schedule's backward segment.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,15 +29,33 @@ pub struct Chunks {
 
 /// Chunk the backward segment of `s`. `gradient[t]`: tensor `t` is a gradient handed to autograd
 /// (held from its free to the next cut); `state_bytes[op]`: bytes of the generator state a
-/// replayed random op keeps (0 for other ops).
-pub fn gradient_chunks(g: &Graph, s: &Schedule, gradient: &[bool], state_bytes: &[u64]) -> Chunks {
-    let runs = run_counts(g, s);
-    let model = Run { g, roots: g.storage_roots(), s, gradient, state_bytes, runs };
-    let (base_peak, _) = model.run(None, None, false);
-    let (held_peak, cuts) = model.run(Some(base_peak), None, false);
+/// replayed random op keeps (0 for other ops). The schedule is simulated first: a broken rule
+/// is an error, and the simulation gives the peak of the schedule as written and how often
+/// each op runs.
+pub fn gradient_chunks(
+    g: &Graph,
+    s: &Schedule,
+    gradient: &[bool],
+    state_bytes: &[u64],
+    stop: &Stop,
+) -> Result<Chunks, SimulateError> {
+    let sim = simulate_within(g, s, stop)?;
+    let model = Run {
+        g,
+        roots: g.storage_roots(),
+        s,
+        gradient,
+        state_bytes,
+        runs: sim.compute_count,
+    };
+    let (held_peak, cuts) = model.run(Some(sim.peak_bytes), None, false);
     let fixed: HashSet<usize> = cuts.iter().copied().collect();
     let (peak, _) = model.run(None, Some(&fixed), true);
-    Chunks { cuts, peak_bytes: peak, held_peak_bytes: held_peak }
+    Ok(Chunks {
+        cuts,
+        peak_bytes: peak,
+        held_peak_bytes: held_peak,
+    })
 }
 
 struct Run<'a> {
@@ -48,8 +68,8 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    /// (peak, cuts). Gradients are held when `limit` or `fixed_cuts` is given: cut where the
-    /// step's memory passes `limit`, or at `fixed_cuts`. `states`: count generator states.
+    /// (peak, cuts). Gradients are held from their free to the next cut: cut where the step's
+    /// memory passes `limit`, or at `fixed_cuts`. `states`: count generator states.
     fn run(
         &self,
         limit: Option<u64>,
@@ -57,7 +77,6 @@ impl Run<'_> {
         states: bool,
     ) -> (u64, Vec<usize>) {
         let g = self.g;
-        let hold = limit.is_some() || fixed_cuts.is_some();
         let mut mem = Memory::new(vec![NOT_ALIVE; g.tensors.len()]);
         for (t, tensor) in g.tensors.iter().enumerate() {
             if tensor.role.is_preexisting() {
@@ -105,7 +124,7 @@ impl Run<'_> {
                     }
                 }
                 Step::Free(t) => {
-                    if hold && self.gradient[t] {
+                    if self.gradient[t] {
                         held.push(t);
                     } else {
                         mem.release(t);
@@ -115,15 +134,4 @@ impl Run<'_> {
         }
         (peak, cuts)
     }
-}
-
-/// How many times each op runs in `s`.
-fn run_counts(g: &Graph, s: &Schedule) -> Vec<u32> {
-    let mut runs = vec![0u32; g.ops.len()];
-    for step in &s.steps {
-        if let Step::Compute(j) = *step {
-            runs[j] += 1;
-        }
-    }
-    runs
 }
