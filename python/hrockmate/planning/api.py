@@ -145,7 +145,7 @@ def solve_graph(
         raise InfeasibleBudget(budget_bytes, floor, graph.name, why=why)
 
     kw = dict(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
-              leaf_size=leaf_sizes(graph, leaf_size)[0], group_size=group_size,
+              leaf_size=leaf_sizes(graph, leaf_size, flat_ops)[0], group_size=group_size,
               top_size=top_size,
               sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
               deadline=None if time_limit is None else t0 + time_limit)
@@ -209,12 +209,11 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
     A later try gets as long as the first took (at least ``LEAF_RETRY_MIN_SECONDS``)."""
     if isinstance(hierarchy, Hierarchy):
         return run_method(graph, method, budget, hierarchy, kw)
-    if hierarchy:
-        tries: list[tuple[int, Hierarchy | None]] = [(h.leaf_size, h) for h in hierarchy]
-    elif method != "hrockmate" or graph.num_ops <= kw["flat_ops"]:  # (no leaves)
+    if method != "hrockmate":
         return run_method(graph, method, budget, None, kw)
-    else:
-        tries = [(size, None) for size in leaf_sizes(graph, leaf_size)]
+    tries: list[tuple[int, Hierarchy | None]] = (
+        [(h.leaf_size, h) for h in hierarchy] if hierarchy
+        else [(size, None) for size in leaf_sizes(graph, leaf_size, kw["flat_ops"])])
     best: Candidate | None = None
     best_time = math.inf
     lows: list[int] = []
@@ -303,13 +302,10 @@ def with_hierarchy(graph: Graph, options: Mapping[str, Any]) -> dict[str, Any]:
                 "mip_rel_gap", "progress", "solvers")
         defaults = inspect.signature(solve_graph).parameters  # as solve_graph would prepare it
         kw = {k: options.get(k, defaults[k].default) for k in keys}
-        sizes = leaf_sizes(graph, options.get("leaf_size"))
-        if graph.num_ops <= kw["flat_ops"]:
-            sizes = sizes[:1]  # one op-level block: no leaves
         prepared: list[Hierarchy] = []
         time_limit = kw["time_limit"]
         t0 = _time.perf_counter()
-        for size in sizes:
+        for size in leaf_sizes(graph, options.get("leaf_size"), kw["flat_ops"]):
             if prepared:  # a later leaf size
                 spent = _time.perf_counter() - t0
                 limit = _retry_seconds(spent, None if time_limit is None else time_limit - spent)

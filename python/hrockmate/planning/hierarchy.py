@@ -85,12 +85,15 @@ SMALL_GRAPH_LEAF_SIZES = (6, 8)
 LEAF_PORTFOLIO_MAX_OPS = 400
 
 
-def leaf_sizes(graph: Graph, leaf_size: int | None) -> tuple[int, ...]:
+def leaf_sizes(graph: Graph, leaf_size: int | None, flat_ops: int = 60) -> tuple[int, ...]:
     """The leaf sizes to plan ``graph`` with: the one asked for, else ``LEAF_SIZE``, or
-    ``SMALL_GRAPH_LEAF_SIZES`` on graphs of at most ``LEAF_PORTFOLIO_MAX_OPS`` ops."""
+    ``SMALL_GRAPH_LEAF_SIZES`` on graphs of more than ``flat_ops`` (planned as one op-level
+    block: no leaves) and at most ``LEAF_PORTFOLIO_MAX_OPS`` ops."""
     if leaf_size is not None:
         return (leaf_size,)
-    return SMALL_GRAPH_LEAF_SIZES if graph.num_ops <= LEAF_PORTFOLIO_MAX_OPS else (LEAF_SIZE,)
+    if flat_ops < graph.num_ops <= LEAF_PORTFOLIO_MAX_OPS:
+        return SMALL_GRAPH_LEAF_SIZES
+    return (LEAF_SIZE,)
 
 
 def build_hierarchy(graph: Graph, leaf_size: int = LEAF_SIZE, group_size: int = GROUP_SIZE,
