@@ -9,7 +9,7 @@ from hrockmate import _native
 from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
 from hrockmate.ir.schedule import Step
 from hrockmate.planning import ilp
-from hrockmate.planning.clusters import ClusterOption
+from hrockmate.planning.clusters import Cluster, ClusterOption
 
 Storages = dict[int, tuple[int, int]]  # alive tensor -> (storage instance, its bytes)
 
@@ -60,6 +60,9 @@ class Block:
     #: a leaf's options as the Rust core enumerated them, when the hierarchy was built with
     #: them (turned into ``BlockOption``s only for the leaves that use them)
     native_options: list[ClusterOption] = field(default_factory=list)
+    #: its cluster of the Rust core's hierarchy (None for the root): blocks whose clusters share
+    #: a representative are repeated layers, solved once
+    cluster: Cluster | None = None
 
     @property
     def all_ops(self) -> list[int]:

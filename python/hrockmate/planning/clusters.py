@@ -30,6 +30,7 @@ __all__ = [
     "PARTITIONERS",
     "SimplifiedGraph",
     "build_hierarchy",
+    "correspondence",
     "simplify",
 ]
 
@@ -143,26 +144,9 @@ class Hierarchy:
         """Clusters ordered by level (children before parents), ties by id."""
         return sorted(self.clusters, key=lambda c: (c.level, c.id))
 
-    def canonical_ops(self, cluster: int) -> list[int]:
-        c = self.clusters[cluster]
-        return [*c.fwd_ops, *c.bwd_ops]
-
     def correspondence(self, graph: Graph, a: int, b: int) -> tuple[dict[int, int], dict[int, int]]:
         """Op and tensor maps from cluster ``a`` to cluster ``b`` (same representative)."""
-        ca, cb = self.clusters[a], self.clusters[b]
-        if ca.representative != cb.representative:
-            raise HierarchyError(
-                f"clusters {a} and {b} are not equivalent (representatives "
-                f"{ca.representative} and {cb.representative}); only equivalent clusters map"
-            )
-        oa, ob = self.canonical_ops(a), self.canonical_ops(b)
-        ops = dict(zip(oa, ob))
-        tensors: dict[int, int] = {}
-        for x, y in zip(oa, ob):
-            gx, gy = graph.ops[x], graph.ops[y]
-            tensors.update(zip(gx.inputs, gy.inputs))
-            tensors.update(zip(gx.outputs, gy.outputs))
-        return ops, tensors
+        return correspondence(graph, self.clusters[a], self.clusters[b])
 
     def map_option(self, graph: Graph, option: ClusterOption, to: int) -> ClusterOption:
         """Rename an option of one cluster for an equivalent cluster ``to``."""
@@ -181,6 +165,30 @@ class Hierarchy:
             "max_leaf_size": max((len(c.children) for c in leaves), default=0),
             "options": sum(len(o) for o in self.options),
         }
+
+
+def correspondence(graph: Graph, a: Cluster, b: Cluster) -> tuple[dict[int, int], dict[int, int]]:
+    """Op and tensor maps from cluster ``a`` to the equivalent cluster ``b`` (the core gave both
+    one representative: repeated layers). Ops correspond position by position in canonical
+    order, tensors as the ops' inputs and outputs, and storage owners as their views do."""
+    if a.representative != b.representative:
+        raise HierarchyError(
+            f"clusters {a.id} and {b.id} are not equivalent (representatives "
+            f"{a.representative} and {b.representative}); only equivalent clusters map"
+        )
+    oa, ob = [*a.fwd_ops, *a.bwd_ops], [*b.fwd_ops, *b.bwd_ops]
+    ops = dict(zip(oa, ob))
+    tensors: dict[int, int] = {}
+    for x, y in zip(oa, ob):
+        gx, gy = graph.ops[x], graph.ops[y]
+        tensors.update(zip(gx.inputs, gy.inputs))
+        tensors.update(zip(gx.outputs, gy.outputs))
+    for x, y in list(tensors.items()):
+        tx, ty = graph.tensors[x].alias_of, graph.tensors[y].alias_of
+        while tx is not None and ty is not None and tx not in tensors:
+            tensors[tx] = ty
+            tx, ty = graph.tensors[tx].alias_of, graph.tensors[ty].alias_of
+    return ops, tensors
 
 
 def _native_call(fn_name: str, *args: Any, **kwargs: Any) -> Any:

@@ -117,8 +117,7 @@ def build_hierarchy(graph: Graph, leaf_size: int = LEAF_SIZE, group_size: int = 
     def block(c: clusters.Cluster) -> Block:
         kids = [] if c.is_leaf else [block(h.clusters[k]) for k in c.children]
         b = Block(fwd_ops=sorted(c.fwd_ops, key=by_pos), bwd_ops=sorted(c.bwd_ops, key=by_pos),
-                  children=kids,
-                  native_options=h.options[c.id])
+                  children=kids, native_options=h.options[c.id], cluster=c)
         _interfaces(ctx, b)
         return b
 
@@ -281,52 +280,11 @@ def _internal_peak(ctx: GraphFacts, o: BlockOption, internal: set[int]) -> int:
                fragment_peak(ctx, o.bwd, internal, start)[0])
 
 
-@dataclass
-class _Shape:
-    """A block's structure up to renaming. Blocks with equal keys (repeated layers) have the same
-    level problem up to op and tensor ids, so one's options, renamed, are the other's."""
-
-    key: tuple[Any, ...]
-    ops: list[int]  # the block's ops in canonical order
-    tensors: list[int]  # the tensors they touch (and their storage owners), in canonical order
-
-
-def _block_shape(ctx: GraphFacts, block: Block) -> _Shape:
-    g = ctx.graph
-    child_of = {j: i for i, c in enumerate(block.children) for j in c.all_ops}
-    local: dict[int, int] = {}
-    tensors: list[int] = []
-
-    def ref(x: int) -> int:
-        if x not in local:
-            local[x] = len(tensors)
-            tensors.append(x)
-        return local[x]
-
-    ops = block.all_ops + block.loose_bwd
-    op_items = []
-    for j in ops:
-        o = g.ops[j]
-        op_items.append((o.phase, o.target, o.time, o.workspace, child_of.get(j, -1),
-                         tuple(ref(x) for x in o.inputs), tuple(ref(x) for x in o.outputs)))
-    flags = [set(block.fwd_in), set(block.bwd_in), set(block.fwd_out), set(block.bwd_out)]
-    tensor_items = []
-    k = 0
-    while k < len(tensors):  # storage owners join the list as they are met
-        x = tensors[k]
-        t = g.tensors[x]
-        alias = ref(t.alias_of) if t.alias_of is not None else -1
-        tensor_items.append((t.bytes, t.role, alias, ctx.fixed[x], *(x in f for f in flags)))
-        k += 1
-    return _Shape((tuple(op_items), tuple(tensor_items)), ops, tensors)
-
-
-def _renamed_options(ctx: GraphFacts, src: Block, src_shape: _Shape, dst: Block,
-                     dst_shape: _Shape) -> list[BlockOption] | None:
-    """``src``'s options for the equally shaped ``dst`` (None if a step falls outside the
-    mapping, which would be a bug in ``_block_shape``; the caller then solves ``dst``)."""
-    op_map = dict(zip(src_shape.ops, dst_shape.ops))
-    t_map = dict(zip(src_shape.tensors, dst_shape.tensors))
+def _renamed_options(ctx: GraphFacts, src: Block, dst: Block) -> list[BlockOption] | None:
+    """``src``'s options for ``dst``, a block of the same representative cluster (None if a
+    step falls outside the correspondence; the caller then solves ``dst``)."""
+    assert src.cluster is not None and dst.cluster is not None
+    op_map, t_map = clusters.correspondence(ctx.graph, src.cluster, dst.cluster)
 
     def steps(fragment: list[Step]) -> list[Step]:
         return [(k, op_map[i] if k == "compute" else t_map[i]) for k, i in fragment]
@@ -335,7 +293,8 @@ def _renamed_options(ctx: GraphFacts, src: Block, src_shape: _Shape, dst: Block,
         return [option_from_steps(ctx, dst, steps(o.fwd), steps(o.bwd),
                                    frozenset(t_map[x] for x in o.saved)) for o in src.options]
     except KeyError:
-        logger.debug("block shape mapping missed a tensor; solving the block itself")
+        logger.debug("a step of cluster %d has no counterpart in cluster %d; solving the "
+                     "latter itself", src.cluster.id, dst.cluster.id)
         return None
 
 
@@ -409,18 +368,18 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
         with ilp.cancelled_by(cancel):
             return _block_options(ctx, b, st)
 
-    # repeated layers give blocks of equal shape: solve one of each, rename for the rest
+    # repeated layers: the core gives equivalent clusters one representative; solve one block
+    # of each class, rename its options for the others
     levels = []
     for height in sorted(by_height):
-        firsts: dict[tuple[Any, ...], tuple[Block, _Shape]] = {}
-        copies: list[tuple[Block, _Shape, Block, _Shape]] = []
+        firsts: dict[int, Block] = {}
+        copies: list[tuple[Block, Block]] = []
         for b in by_height[height]:
-            shape = _block_shape(ctx, b)
-            if shape.key in firsts:
-                copies.append((b, shape, *firsts[shape.key]))
-            else:
-                firsts[shape.key] = (b, shape)
-        levels.append(([b for b, _ in firsts.values()], copies))
+            assert b.cluster is not None
+            src = firsts.setdefault(b.cluster.representative, b)
+            if src is not b:
+                copies.append((b, src))
+        levels.append((list(firsts.values()), copies))
     to_solve = sum(len(blocks) for blocks, _ in levels)
     t_blocks = _time.perf_counter()
 
@@ -452,8 +411,8 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
                 solved += 1
                 pace(solved)
                 bar.update()
-            for b, shape, src, src_shape in copies:
-                renamed = _renamed_options(ctx, src, src_shape, b, shape)
+            for b, src in copies:
+                renamed = _renamed_options(ctx, src, b)
                 if renamed is None:
                     renamed = options_of(b)
                     solved += 1
