@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--leaf-sizes", default="6,8,9")
     ap.add_argument("--budgets", default="0.9,0.7,0.5,0.3")
     ap.add_argument("--time-limit", type=float, default=120.0)
+    ap.add_argument("--exact-ops", type=int, default=100,
+                    help="solve_graph's exact_ops (0: the hierarchy's own plans, no op-level "
+                         "second try)")
     ap.add_argument("--out", default=str(REPO / "bench-results" / "leaf_sizes.json"))
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.leaf_sizes.split(",")]
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
                         plan = hrockmate.solve_graph(g, fraction, leaf_size=size, progress=False,
-                                                     time_limit=args.time_limit)
+                                                     time_limit=args.time_limit,
+                                                     exact_ops=args.exact_ops)
                     row[str(size)] = {"overhead": plan.time / plan.baseline_time - 1,
                                       "seconds": time.perf_counter() - t0,
                                       "fallback": plan.stats.get("fallback")}
@@ -64,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{s}: " + ("inf." if row[str(s)]["overhead"] is None else
                             f"{100 * row[str(s)]['overhead']:+.1f}%")
                 + f" {row[str(s)]['seconds']:.1f}s" for s in sizes), flush=True)
-    write_atomic(Path(args.out), json.dumps({"rows": rows, "time_limit": args.time_limit},
+    write_atomic(Path(args.out), json.dumps({"rows": rows, "time_limit": args.time_limit,
+                                                "exact_ops": args.exact_ops},
                                             indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -503,9 +503,13 @@ def test_default_workers_follow_the_cores_and_a_container_quota(monkeypatch, tmp
     assert hierarchy_mod.default_workers() == 2
 
 
-def test_default_leaf_sizes_keep_the_fastest_plan() -> None:
+def test_default_leaf_sizes_keep_the_fastest_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hrockmate.planning import policy
     from hrockmate.planning.api import with_hierarchy
     from hrockmate.planning.hierarchy import LEAF_PORTFOLIO_MAX_OPS, LEAF_SIZE, leaf_sizes
+
+    # every leaf size gets its try however slow the machine (the default cuts later tries)
+    monkeypatch.setattr(policy, "IMPROVE_SECONDS", 1e6)
 
     g = training_graph(40, seed=5)
     assert 60 < g.num_ops <= LEAF_PORTFOLIO_MAX_OPS
@@ -528,3 +532,40 @@ def test_default_leaf_sizes_keep_the_fastest_plan() -> None:
     assert leaf_sizes(g, 5) == (5,)
     big = training_graph(LEAF_PORTFOLIO_MAX_OPS // 2 + 10, seed=1)
     assert big.num_ops > LEAF_PORTFOLIO_MAX_OPS and leaf_sizes(big, None) == (LEAF_SIZE,)
+
+
+def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
+        monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
+    from hrockmate.planning import api, policy
+
+    # later tries get what is left of the window, within the time limit, and none under 1 s
+    assert api._retry_seconds(2.0, None) == pytest.approx(policy.IMPROVE_SECONDS - 2.0)
+    assert api._retry_seconds(2.0, 3.0) == 3.0
+    assert api._retry_seconds(policy.IMPROVE_SECONDS - 0.5, None) is None
+    assert api._retry_seconds(0.0, 0.5) is None
+    # the CNN+BN operator log at 50%: the hierarchy's own plan recomputes over 10%, so the
+    # op-level MILP is tried too, from that plan, and later leaf sizes follow the first, all
+    # while the window lasts
+    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
+    assert 60 < g.num_ops <= 100
+    budget = int(0.5 * hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes)
+    tries: list[tuple[int, int]] = []
+    run_method = api.run_method
+
+    def counted(graph, method, budget, h, kw):  # type: ignore[no-untyped-def]
+        tries.append((kw["flat_ops"], kw["leaf_size"]))
+        return run_method(graph, method, budget, h, kw)
+
+    monkeypatch.setattr(api, "run_method", counted)
+    monkeypatch.setattr(policy, "IMPROVE_SECONDS", 1e6)
+    plan = hrockmate.solve_graph(g, budget, progress=False)
+    _check(plan, g)
+    assert plan.time > 1.1 * plan.baseline_time and not plan.stats.get("fallback")
+    sizes = hierarchy_mod.leaf_sizes(g, None)
+    assert tries == [(60, s) for s in sizes] + [(g.num_ops, sizes[0])]
+    # once the window is over only the first try runs
+    tries.clear()
+    monkeypatch.setattr(policy, "IMPROVE_SECONDS", 0.0)
+    again = hrockmate.solve_graph(g, budget, progress=False)
+    _check(again, g)
+    assert tries == [(60, sizes[0])]

@@ -23,6 +23,7 @@ from hrockmate.planning.hierarchy import (
     leaf_sizes,
     prepare,
 )
+from hrockmate.planning import policy
 from hrockmate.planning.policy import (
     Candidate,
     baseline_schedule,
@@ -81,13 +82,15 @@ def solve_graph(
             When it runs out the best plan found is returned with a warning and
             ``plan.stats["optimal"] = False``.
         leaf_size: forward ops per leaf block. None: 8; graphs of at most 400 ops are
-            planned with leaves of 6 and of 8, keeping the faster plan
-            (``hierarchy.leaf_sizes``; ``plan.stats["leaf_size"]`` says which).
+            planned with leaves of 6, 4 and 8 in turn, keeping the fastest plan
+            (``hierarchy.leaf_sizes``; ``plan.stats["leaf_size"]`` says which); the later
+            sizes only within the first 10 s of the solve (``policy.IMPROVE_SECONDS``).
         hierarchy: a prepared hierarchy (``with_hierarchy``), or several (one per leaf size;
             the fastest plan is kept), to solve only the top level.
         exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose
             hierarchy plan is beaten by a fallback, is missing, or recomputes over 10% are
-            also tried at the op level, for at most 60 s.
+            also tried at the op level: for at most 60 s when nothing fits yet, else within
+            the first 10 s of the solve.
         solvers: (method ``"hrockmate"``) the solver of each kind of level:
             ``{"leaves": "ilp" | "rust" | "ilp+rust" | "twremat" | "ilp+twremat",
             "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
@@ -148,32 +151,36 @@ def solve_graph(
               leaf_size=leaf_sizes(graph, leaf_size, flat_ops)[0], group_size=group_size,
               top_size=top_size,
               sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
-              deadline=None if time_limit is None else t0 + time_limit)
+              deadline=None if time_limit is None else t0 + time_limit, started=t0)
     cand, lowest = _best_over_leaf_sizes(graph, method, budget_bytes, hierarchy, leaf_size, kw)
     if (method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
             and (cand is None or cand.stats.get("fallback")
                  or simulate_steps(graph, cand.steps, cand.forward_len)[1] > 1.1 * base_time)):
         # the hierarchy's own plan lost to a fallback, there is none, or it recomputes much:
         # on a graph this small the op-level MILP often does better, within a short limit
-        # (long skips, as in U-Nets, are where the hierarchy's blocks hold the most)
-        logger.info("the hierarchy of '%s' fell back or recomputes over 10%%; trying the "
-                    "op-level MILP", graph.name)
-        # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
-        # fallbacks are already known)
-        # 60 s when the hierarchy has no plan of its own, 20 s to improve one it has
-        cap = 60.0 if cand is None or cand.stats.get("fallback") else 20.0
+        # (long skips, as in U-Nets, are where the hierarchy's blocks hold the most): 60 s when
+        # the hierarchy has no plan of its own (the U-Net-like test graph at 55%: greedy's +35%,
+        # the op-level MILP's +17.4% after 5 s), else it only improves one (``_retry_seconds``)
+        own = cand is not None and cand.hierarchy_planned
         left = time_left(kw)
-        flat_kw = {**kw, "flat_ops": graph.num_ops,
-                   "time_limit": min(cap if left is None else left, cap),
-                   "deadline": _time.perf_counter() + min(cap if left is None else left, cap),
-                   "lowest_peak": False, "hierarchy_retry": False,
-                   "starts": [] if cand is None else [cand.steps]}
-        alt, alt_lowest = run_method(graph, method, budget_bytes, None, flat_kw)
-        if alt is not None and not alt.stats.get("fallback") and (
-                cand is None or simulate_steps(graph, alt.steps, alt.forward_len)[1]
-                < simulate_steps(graph, cand.steps, cand.forward_len)[1]):
-            cand = alt
-        lowest = min(lowest, alt_lowest) if cand is None else 0
+        cap = (_retry_seconds(_time.perf_counter() - t0, left) if own
+               else min(60.0, math.inf if left is None else left))
+        if cap is not None:
+            logger.info("the hierarchy of '%s' fell back or recomputes over 10%%; trying the "
+                        "op-level MILP for up to %.0f s", graph.name, cap)
+            # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
+            # fallbacks are already known)
+            flat_kw = {**kw, "flat_ops": graph.num_ops, "time_limit": cap,
+                       "log_level": logging.INFO,
+                       "deadline": _time.perf_counter() + cap,
+                       "lowest_peak": False, "hierarchy_retry": False,
+                       "starts": [cand.steps] if own else []}
+            alt, alt_lowest = run_method(graph, method, budget_bytes, None, flat_kw)
+            if alt is not None and not alt.stats.get("fallback") and (
+                    cand is None or simulate_steps(graph, alt.steps, alt.forward_len)[1]
+                    < simulate_steps(graph, cand.steps, cand.forward_len)[1]):
+                cand = alt
+            lowest = min(lowest, alt_lowest) if cand is None else 0
     if cand is None:
         raise InfeasibleBudget(budget_bytes, lowest, graph.name)
     peak, t = validate(graph, cand, budget_bytes)
@@ -187,17 +194,14 @@ def solve_graph(
     return plan
 
 
-# A later leaf size of the portfolio gets as long as the first took, and at least this long.
-LEAF_RETRY_MIN_SECONDS = 5.0
-
-
 def _retry_seconds(spent: float, left: float | None) -> float | None:
-    """Seconds for a later leaf size: as long as the first took (at least
-    ``LEAF_RETRY_MIN_SECONDS``) within the ``left`` of the time limit; None: under 1 s left."""
-    limit = max(spent, LEAF_RETRY_MIN_SECONDS)
-    if left is None:
-        return limit
-    return None if left < 1.0 else min(limit, left)
+    """Seconds for a try that can only improve a plan (a later leaf size, the op-level second
+    try): what is left of the first ``policy.IMPROVE_SECONDS`` of the solve, within the ``left``
+    of the time limit. ``spent``: seconds since the solve began. None: under 1 s."""
+    limit = policy.IMPROVE_SECONDS - spent
+    if left is not None:
+        limit = min(limit, left)
+    return None if limit < 1.0 else limit
 
 
 def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
@@ -206,7 +210,7 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
                           ) -> tuple[Candidate | None, int]:
     """``run_method`` with each hierarchy given, else with each leaf size ``leaf_sizes``
     picks (method ``"hrockmate"``): the fastest plan, and the lowest budget seen when none.
-    A later try gets as long as the first took (at least ``LEAF_RETRY_MIN_SECONDS``)."""
+    A later try gets ``_retry_seconds``, counted from ``kw["started"]``."""
     if isinstance(hierarchy, Hierarchy):
         return run_method(graph, method, budget, hierarchy, kw)
     if method != "hrockmate":
@@ -217,14 +221,14 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
     best: Candidate | None = None
     best_time = math.inf
     lows: list[int] = []
-    t0 = _time.perf_counter()
     for k, (size, h) in enumerate(tries):
         kw_k = {**kw, "leaf_size": size}
         if k > 0:
-            limit = _retry_seconds(_time.perf_counter() - t0, time_left(kw))
+            limit = _retry_seconds(_time.perf_counter() - kw["started"], time_left(kw))
             if limit is None:
                 break
-            kw_k.update(time_limit=limit, deadline=_time.perf_counter() + limit)
+            kw_k.update(time_limit=limit, deadline=_time.perf_counter() + limit,
+                        log_level=logging.INFO)
         cand, low = run_method(graph, method, budget, h, kw_k)
         if cand is None:
             lows.append(low)

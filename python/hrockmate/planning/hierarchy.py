@@ -73,15 +73,19 @@ GROUP_SIZE = 4
 
 # Forward ops per leaf block. The plan depends much on it and no single size is best: on the
 # demo GPT-2 leaves of 8 gave +2.5/+9.0/+21.3% at 70/50/30% against +7.5/+16.9/+31.2% with 6,
-# and T5 (843 ops) +3.1/+9.4/+43.0% against +4.1/+16.8/+61.5%, while 6 stayed ahead on the
-# FCN-8 and U-Net operator log at 70% (+1.6 vs +3.0%, +7.7 vs +9.7%) and ResNet-50 at 30%
-# (+5.2 vs +5.6%), all graphs of at most 400 ops, where 6 also solves faster (a 2-layer GPT-2
-# of 341 ops: 1.6 s against 15.7 s, +28.1% against +46.2%). So graphs of up to
-# ``LEAF_PORTFOLIO_MAX_OPS`` ops (solved in seconds) are planned with each size of
-# ``SMALL_GRAPH_LEAF_SIZES`` (the second within as long as the first took) and the fastest plan
-# is kept; larger graphs use ``LEAF_SIZE`` only (trying both doubled the time on GPT-2 and T5).
+# and T5 (843 ops) +3.1/+9.4/+43.0% against +4.1/+16.8/+61.5%. On graphs of at most 400 ops
+# (solved in seconds) smaller leaves often do better: leaves of 4 planned the U-Net operator log
+# at 50% at +20.9% where 6 and 8 found nothing (greedy eviction's +60.2%), the CNN+BN operator
+# log at 50% at +19.0% (6: +24.0%, 8: +22.8%) and MobileNet/ResNet-50 (Checkmate) as well as 6
+# and 8 in half the time; 6 stayed ahead on the FCN-8 at 70% (+1.6 vs +2.9%) and the resnet-like
+# graph at 30% (+26.6 vs +38.8%), 8 on the DenseNet operator log at 50% (+3.9 vs +6.1%)
+# (benches/leaf_sizes.py, hierarchy only). So graphs of up to ``LEAF_PORTFOLIO_MAX_OPS`` ops are
+# planned with each size of ``SMALL_GRAPH_LEAF_SIZES`` in turn, the later ones within the time
+# ``api._retry_seconds`` gives them, and the fastest plan is kept; larger graphs use
+# ``LEAF_SIZE`` only (trying 6 and 8 doubled the time on GPT-2 and T5). 6 goes first: 4 took
+# 6-13 s on the DenseNet log at 50%, the resnet-like graph and MobileNet at 30%, 6 at most 9 s.
 LEAF_SIZE = 8
-SMALL_GRAPH_LEAF_SIZES = (6, 8)
+SMALL_GRAPH_LEAF_SIZES = (6, 4, 8)
 LEAF_PORTFOLIO_MAX_OPS = 400
 
 

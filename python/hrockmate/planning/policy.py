@@ -54,11 +54,34 @@ class Candidate:
     optimal: bool
     stats: dict[str, Any]
 
+    @property
+    def hierarchy_planned(self) -> bool:
+        """The hierarchy made a plan: this one, or one that a simple strategy's (this) beat."""
+        return not self.stats.get("fallback") or bool(self.stats.get("beats_hierarchy_plan"))
+
 
 def check_method(method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
+
+# Tries that can only improve a plan (later leaf sizes; the op-level second try of small graphs
+# when it starts from a plan of the hierarchy's own) stop this many seconds into the solve
+# (``kw["started"]``; what follows them takes about a second more). On the graphs of at most 400
+# ops of benches/simple_strategies.py at 50% they took solves to 14-15 s: the op-level second
+# try of a 64-op CNN and of a 78-op U-Net found nothing better in 11-12 s of HiGHS. A search
+# whose only plan in hand is a fallback's (greedy eviction's, ...) is not cut by it: there the
+# op-level MILP often finds much better plans after seconds (and a graph of at most
+# ``flat_ops`` ops, planned at the op level from greedy eviction's plan, gets the same plan in
+# every run when its MILP is solved to optimality). Their messages about fallbacks are logged
+# at INFO (``kw["log_level"]``): the plan returned says what it is.
+IMPROVE_SECONDS = 9.0
+
+
+def improve_seconds_left(kw: Mapping[str, Any]) -> float | None:
+    """Seconds left of ``IMPROVE_SECONDS`` (None when the solve's start is not known)."""
+    started = kw.get("started")
+    return None if started is None else started + IMPROVE_SECONDS - _time.perf_counter()
 
 
 def time_left(kw: Mapping[str, Any]) -> float | None:
@@ -207,8 +230,8 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 time_limit=time_left(kw), sub_time_limit=kw["sub_time_limit"],
                 mip_rel_gap=kw["mip_rel_gap"], progress=kw["progress"], solvers=kw["solvers"])
         except HierarchyTimeout as exc:
-            logger.warning("%s; using the simple strategies (raise time_limit to let the "
-                           "hierarchy finish)", exc)
+            logger.log(kw.get("log_level", logging.WARNING), "%s; using the simple strategies "
+                       "(raise time_limit to let the hierarchy finish)", exc)
             h = None
         if h is not None:
             stats_h = {"method": "hrockmate", "levels": h.root.depth(), "blocks": h.blocks,
@@ -222,10 +245,15 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     left *= TOP_TIME_SHARE
                 starts = []
                 if not h.root.children:
-                    # the op-level MILP starts from a known plan (the hierarchy's, on a second
-                    # try) or greedy eviction's: it has a schedule at once, and a search that
-                    # finds nothing better stops on the stall rule instead of the time limit
+                    # the op-level MILP starts from a known plan (the hierarchy's own, in
+                    # kw["starts"]) or greedy eviction's: it has a schedule at once, and a
+                    # search that finds nothing better stops on the stall rule instead of the
+                    # time limit; one that can only improve a plan of the hierarchy's own stops
+                    # once IMPROVE_SECONDS are up
                     starts += kw.get("starts", [])
+                    until = improve_seconds_left(kw)
+                    if starts and until is not None:
+                        left = max(1.0, until) if left is None else min(left, max(1.0, until))
                     found = reference.greedy_eviction_schedule(graph, b, left)
                     starts += [found[0]] if found is not None else []
                 steps, fl, optimal, stats = solve_top(h, b, time_limit=left,
@@ -241,7 +269,8 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     r.steps, r.forward_len, r.optimal, {**stats_h, **r.stats}), top)
                 cand = _refined(graph, budget, cand, kw)
                 if flat and not cand.optimal and kw.get("hierarchy_retry", True):
-                    alt, _ = run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
+                    alt, _ = run_method(graph, method, budget, None,
+                                        {**kw, "flat_ops": 0, "log_level": logging.INFO})
                     if alt is not None and (
                             simulate_steps(graph, alt.steps, alt.forward_len)[1]
                             < simulate_steps(graph, cand.steps, cand.forward_len)[1]):
@@ -285,13 +314,14 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
     if cand is None:
         lowest = min([lowest, *minima.values()])
     elif cand.stats["fallback"] == "recompute-all":
-        logger.warning(
-            "%s found no schedule for '%s' within %d bytes and only recompute-all fits (the "
-            "lowest peaks reached: %s)", method, graph.name, budget,
+        logger.log(
+            kw.get("log_level", logging.WARNING), "%s found no schedule for '%s' within %d "
+            "bytes and only recompute-all fits (the lowest peaks reached: %s)", method,
+            graph.name, budget,
             ", ".join(f"{k} {v} bytes" for k, v in minima.items()) or "none")
     else:
-        logger.warning("%s found no schedule for '%s' within %d bytes; using %s", method,
-                       graph.name, budget, cand.stats["fallback"])
+        logger.log(kw.get("log_level", logging.WARNING), "%s found no schedule for '%s' within "
+                   "%d bytes; using %s", method, graph.name, budget, cand.stats["fallback"])
     return cand, lowest
 
 
