@@ -16,6 +16,7 @@ from hrockmate.ir.budget import BudgetLike, parse_budget
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import InfeasibleBudget, Plan
 from hrockmate.ir.schedule import peak_lower_bound
+from hrockmate.planning import policy
 from hrockmate.planning.hierarchy import (
     GROUP_SIZE,
     Hierarchy,
@@ -23,7 +24,6 @@ from hrockmate.planning.hierarchy import (
     leaf_sizes,
     prepare,
 )
-from hrockmate.planning import policy
 from hrockmate.planning.policy import (
     Candidate,
     baseline_schedule,
