@@ -528,10 +528,11 @@ def test_default_leaf_sizes_keep_the_fastest_plan(monkeypatch: pytest.MonkeyPatc
     assert [h.leaf_size for h in prepared] == list(sizes)
     again = hrockmate.solve_graph(g, budget, hierarchy=prepared, **opts)
     assert again.time <= min(p.time for p in each.values()) * (1 + 1e-9)
-    # a leaf size asked for is the only one; large graphs get the first size only
+    # a leaf size asked for is the only one; large graphs start with the default size
     assert leaf_sizes(g, 5) == (5,)
     big = training_graph(LEAF_PORTFOLIO_MAX_OPS // 2 + 10, seed=1)
-    assert big.num_ops > LEAF_PORTFOLIO_MAX_OPS and leaf_sizes(big, None) == (LEAF_SIZE,)
+    assert big.num_ops > LEAF_PORTFOLIO_MAX_OPS and leaf_sizes(big, None)[0] == LEAF_SIZE
+    assert leaf_sizes(training_graph(4, seed=1), None) == (LEAF_SIZE,)  # op-level: no leaves
 
 
 def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(

@@ -81,10 +81,10 @@ def solve_graph(
             options get 75% of it, then the top level and the simple strategies the rest.
             When it runs out the best plan found is returned with a warning and
             ``plan.stats["optimal"] = False``.
-        leaf_size: forward ops per leaf block. None: 8; graphs of at most 400 ops are
-            planned with leaves of 6, 4 and 8 in turn, keeping the fastest plan
-            (``hierarchy.leaf_sizes``; ``plan.stats["leaf_size"]`` says which); the later
-            sizes only within the first 10 s of the solve (``policy.IMPROVE_SECONDS``).
+        leaf_size: forward ops per leaf block. None: 8, then 9 (graphs of at most 400
+            ops: 6, 4, 8, then 9), keeping the fastest plan (``hierarchy.leaf_sizes``;
+            ``plan.stats["leaf_size"]`` says which); the later sizes only within the first
+            9 s of the solve (``policy.IMPROVE_SECONDS``).
         hierarchy: a prepared hierarchy (``with_hierarchy``), or several (one per leaf size;
             the fastest plan is kept), to solve only the top level.
         exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose

@@ -79,25 +79,32 @@ GROUP_SIZE = 4
 # log at 50% at +19.0% (6: +24.0%, 8: +22.8%) and MobileNet/ResNet-50 (Checkmate) as well as 6
 # and 8 in half the time; 6 stayed ahead on the FCN-8 at 70% (+1.6 vs +2.9%) and the resnet-like
 # graph at 30% (+26.6 vs +38.8%), 8 on the DenseNet operator log at 50% (+3.9 vs +6.1%)
-# (benches/leaf_sizes.py, hierarchy only). So graphs of up to ``LEAF_PORTFOLIO_MAX_OPS`` ops are
-# planned with each size of ``SMALL_GRAPH_LEAF_SIZES`` in turn, the later ones within the time
-# ``api._retry_seconds`` gives them, and the fastest plan is kept; larger graphs use
-# ``LEAF_SIZE`` only (trying 6 and 8 doubled the time on GPT-2 and T5). 6 goes first: 4 took
-# 6-13 s on the DenseNet log at 50%, the resnet-like graph and MobileNet at 30%, 6 at most 9 s.
+# (benches/leaf_sizes.py, hierarchy only). On larger graphs 9 can beat 8: the demo GPT-2 at 50%
+# planned at +10.3% or +9.0% with 8 depending on the op times a trace measured, +8.6% with 9
+# both times (7: +17.1%). So graphs are planned with each size of ``LEAF_SIZES`` (graphs of up
+# to ``LEAF_PORTFOLIO_MAX_OPS`` ops: ``SMALL_GRAPH_LEAF_SIZES``) in turn, the later ones only
+# within the time ``api._retry_seconds`` gives them (the first 9 s of the solve: on graphs
+# that take longer only the first size is tried), and the fastest plan is kept. 6 goes first on
+# small graphs: 4 took 6-13 s on the DenseNet log at 50%, the resnet-like graph and MobileNet
+# at 30%, 6 at most 9 s.
 LEAF_SIZE = 8
-SMALL_GRAPH_LEAF_SIZES = (6, 4, 8)
+LEAF_SIZES = (LEAF_SIZE, 9)
+SMALL_GRAPH_LEAF_SIZES = (6, 4, 8, 9)
 LEAF_PORTFOLIO_MAX_OPS = 400
 
 
 def leaf_sizes(graph: Graph, leaf_size: int | None, flat_ops: int = 60) -> tuple[int, ...]:
-    """The leaf sizes to plan ``graph`` with: the one asked for, else ``LEAF_SIZE``, or
-    ``SMALL_GRAPH_LEAF_SIZES`` on graphs of more than ``flat_ops`` (planned as one op-level
-    block: no leaves) and at most ``LEAF_PORTFOLIO_MAX_OPS`` ops."""
+    """The leaf sizes to plan ``graph`` with, in turn: the one asked for; else
+    ``SMALL_GRAPH_LEAF_SIZES`` on graphs of at most ``LEAF_PORTFOLIO_MAX_OPS`` ops,
+    ``LEAF_SIZES`` on larger ones, and ``LEAF_SIZE`` on graphs of at most ``flat_ops`` ops
+    (planned as one op-level block: no leaves)."""
     if leaf_size is not None:
         return (leaf_size,)
-    if flat_ops < graph.num_ops <= LEAF_PORTFOLIO_MAX_OPS:
+    if graph.num_ops <= flat_ops:
+        return (LEAF_SIZE,)
+    if graph.num_ops <= LEAF_PORTFOLIO_MAX_OPS:
         return SMALL_GRAPH_LEAF_SIZES
-    return (LEAF_SIZE,)
+    return LEAF_SIZES
 
 
 def build_hierarchy(graph: Graph, leaf_size: int = LEAF_SIZE, group_size: int = GROUP_SIZE,
