@@ -564,6 +564,11 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     assert plan.time > 1.1 * plan.baseline_time and not plan.stats.get("fallback")
     sizes = hierarchy_mod.leaf_sizes(g, None)
     assert tries == [(60, s) for s in sizes] + [(g.num_ops, sizes[0])]
+    # nor do later tries run when the first plan is within 1% of store-all's time
+    tries.clear()
+    near = hrockmate.solve_graph(g, 0.9, progress=False)
+    assert near.time <= (1 + api.MIN_GAIN_TO_RETRY) * near.baseline_time
+    assert tries == [(60, sizes[0])]
     # once the window is over only the first try runs
     tries.clear()
     monkeypatch.setattr(policy, "IMPROVE_SECONDS", 0.0)
