@@ -89,8 +89,8 @@ def solve_graph(
             the fastest plan is kept), to solve only the top level.
         exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose
             hierarchy plan is beaten by a fallback, is missing, or recomputes over 10% are
-            also tried at the op level: for at most 60 s when nothing fits yet, else within
-            the first 10 s of the solve.
+            also tried at the op level: for at most 60 s when the hierarchy has no plan of
+            its own, else within the first 9 s of the solve.
         solvers: (method ``"hrockmate"``) the solver of each kind of level:
             ``{"leaves": "ilp" | "rust" | "ilp+rust" | "twremat" | "ilp+twremat",
             "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
@@ -197,8 +197,9 @@ def solve_graph(
 
 
 # Later leaf sizes and the op-level second try are not tried once a plan costs at most this
-# much over store-all (the most they could gain): at 90% of store-all most plans of the never-costlier benchmark were within
-# 0.1-0.8%, and trying every size took their solves from 1.5-3 s to 5-8 s.
+# much over store-all (the most they could gain): at 90% of store-all most plans of the
+# never-costlier benchmark were within 0.1-0.8%, and trying every size took their solves from
+# 1.5-3 s to 5-8 s.
 MIN_GAIN_TO_RETRY = 0.01
 
 
