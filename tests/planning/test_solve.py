@@ -504,12 +504,12 @@ def test_default_workers_follow_the_cores_and_a_container_quota(monkeypatch, tmp
 
 
 def test_default_leaf_sizes_keep_the_fastest_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hrockmate.planning import policy
+    from hrockmate.planning import api
     from hrockmate.planning.api import with_hierarchy
     from hrockmate.planning.hierarchy import LEAF_PORTFOLIO_MAX_OPS, LEAF_SIZE, leaf_sizes
 
     # every leaf size gets its try however slow the machine (the default cuts later tries)
-    monkeypatch.setattr(policy, "IMPROVE_SECONDS", 1e6)
+    monkeypatch.setattr(api, "IMPROVE_SECONDS", 1e6)
 
     g = training_graph(40, seed=5)
     assert 60 < g.num_ops <= LEAF_PORTFOLIO_MAX_OPS
@@ -537,12 +537,12 @@ def test_default_leaf_sizes_keep_the_fastest_plan(monkeypatch: pytest.MonkeyPatc
 
 def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
         monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
-    from hrockmate.planning import api, policy
+    from hrockmate.planning import api
 
     # later tries get what is left of the window, within the time limit, and none under 1 s
-    assert api._retry_seconds(2.0, None) == pytest.approx(policy.IMPROVE_SECONDS - 2.0)
+    assert api._retry_seconds(2.0, None) == pytest.approx(api.IMPROVE_SECONDS - 2.0)
     assert api._retry_seconds(2.0, 3.0) == 3.0
-    assert api._retry_seconds(policy.IMPROVE_SECONDS - 0.5, None) is None
+    assert api._retry_seconds(api.IMPROVE_SECONDS - 0.5, None) is None
     assert api._retry_seconds(0.0, 0.5) is None
     # the CNN+BN operator log at 50%: the hierarchy's own plan recomputes over 10%, so the
     # op-level MILP is tried too, from that plan, and later leaf sizes follow the first, all
@@ -558,7 +558,7 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
         return run_method(graph, method, budget, h, kw)
 
     monkeypatch.setattr(api, "run_method", counted)
-    monkeypatch.setattr(policy, "IMPROVE_SECONDS", 1e6)
+    monkeypatch.setattr(api, "IMPROVE_SECONDS", 1e6)
     plan = hrockmate.solve_graph(g, budget, progress=False)
     _check(plan, g)
     assert plan.time > 1.1 * plan.baseline_time and not plan.stats.get("fallback")
@@ -571,7 +571,7 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     assert tries == [(60, sizes[0])]
     # once the window is over only the first try runs
     tries.clear()
-    monkeypatch.setattr(policy, "IMPROVE_SECONDS", 0.0)
+    monkeypatch.setattr(api, "IMPROVE_SECONDS", 0.0)
     again = hrockmate.solve_graph(g, budget, progress=False)
     _check(again, g)
     assert tries == [(60, sizes[0])]

@@ -16,7 +16,6 @@ from hrockmate.ir.budget import BudgetLike, parse_budget
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import InfeasibleBudget, Plan
 from hrockmate.ir.schedule import peak_lower_bound
-from hrockmate.planning import policy
 from hrockmate.planning.hierarchy import (
     GROUP_SIZE,
     Hierarchy,
@@ -84,7 +83,7 @@ def solve_graph(
         leaf_size: forward ops per leaf block. None: 8, then 9 (graphs of at most 400
             ops: 6, 4, 8, then 9), keeping the fastest plan (``hierarchy.leaf_sizes``;
             ``plan.stats["leaf_size"]`` says which); the later sizes only within the first
-            9 s of the solve (``policy.IMPROVE_SECONDS``).
+            9 s of the solve (``IMPROVE_SECONDS``).
         hierarchy: a prepared hierarchy (``with_hierarchy``), or several (one per leaf size;
             the fastest plan is kept), to solve only the top level.
         exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose
@@ -154,11 +153,13 @@ def solve_graph(
               deadline=None if time_limit is None else t0 + time_limit, started=t0,
               baseline_time=base_time)
     cand, lowest = _best_over_leaf_sizes(graph, method, budget_bytes, hierarchy, leaf_size, kw)
-    cand_time = math.inf if cand is None else simulate_steps(graph, cand.steps,
-                                                             cand.forward_len)[1]
-    if (method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
-            and cand_time > (1 + MIN_GAIN_TO_RETRY) * base_time
-            and (cand is None or cand.stats.get("fallback") or cand_time > 1.1 * base_time)):
+    retry = method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
+    cand_time = math.inf  # simulated only for the graphs that may retry
+    if retry and cand is not None:
+        cand_time = simulate_steps(graph, cand.steps, cand.forward_len)[1]
+        retry = (cand_time > (1 + MIN_GAIN_TO_RETRY) * base_time
+                 and (cand.stats.get("fallback") or cand_time > 1.1 * base_time))
+    if retry:
         # the hierarchy's own plan lost to a fallback, there is none, or it recomputes much:
         # on a graph this small the op-level MILP often does better, within a short limit
         # (long skips, as in U-Nets, are where the hierarchy's blocks hold the most): 60 s when
@@ -196,6 +197,18 @@ def solve_graph(
     return plan
 
 
+# Tries that can only improve a plan (later leaf sizes; the op-level second try of small graphs
+# when it starts from a plan of the hierarchy's own) stop this many seconds into the solve
+# (``kw["started"]``, ``_retry_seconds``; what follows them takes about a second more). On the
+# graphs of at most 400 ops of benches/simple_strategies.py at 50% they took solves to 14-15 s:
+# the op-level second try of a 64-op CNN and of a 78-op U-Net found nothing better in 11-12 s of
+# HiGHS. A search whose only plan in hand is a fallback's (greedy eviction's, ...) is not cut by
+# it: there the op-level MILP often finds much better plans after seconds (and a graph of at
+# most ``flat_ops`` ops, planned at the op level from greedy eviction's plan, gets the same plan
+# in every run when its MILP is solved to optimality). Their messages about fallbacks are logged
+# at INFO (``kw["log_level"]``): the plan returned says what it is.
+IMPROVE_SECONDS = 9.0
+
 # Later leaf sizes and the op-level second try are not tried once a plan costs at most this
 # much over store-all (the most they could gain): at 90% of store-all most plans of the
 # never-costlier benchmark were within 0.1-0.8%, and trying every size took their solves from
@@ -205,9 +218,9 @@ MIN_GAIN_TO_RETRY = 0.01
 
 def _retry_seconds(spent: float, left: float | None) -> float | None:
     """Seconds for a try that can only improve a plan (a later leaf size, the op-level second
-    try): what is left of the first ``policy.IMPROVE_SECONDS`` of the solve, within the ``left``
+    try): what is left of the first ``IMPROVE_SECONDS`` of the solve, within the ``left``
     of the time limit. ``spent``: seconds since the solve began. None: under 1 s."""
-    limit = policy.IMPROVE_SECONDS - spent
+    limit = IMPROVE_SECONDS - spent
     if left is not None:
         limit = min(limit, left)
     return None if limit < 1.0 else limit

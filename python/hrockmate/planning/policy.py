@@ -65,25 +65,6 @@ def check_method(method: str) -> None:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-# Tries that can only improve a plan (later leaf sizes; the op-level second try of small graphs
-# when it starts from a plan of the hierarchy's own) stop this many seconds into the solve
-# (``kw["started"]``; what follows them takes about a second more). On the graphs of at most 400
-# ops of benches/simple_strategies.py at 50% they took solves to 14-15 s: the op-level second
-# try of a 64-op CNN and of a 78-op U-Net found nothing better in 11-12 s of HiGHS. A search
-# whose only plan in hand is a fallback's (greedy eviction's, ...) is not cut by it: there the
-# op-level MILP often finds much better plans after seconds (and a graph of at most
-# ``flat_ops`` ops, planned at the op level from greedy eviction's plan, gets the same plan in
-# every run when its MILP is solved to optimality). Their messages about fallbacks are logged
-# at INFO (``kw["log_level"]``): the plan returned says what it is.
-IMPROVE_SECONDS = 9.0
-
-
-def improve_seconds_left(kw: Mapping[str, Any]) -> float | None:
-    """Seconds left of ``IMPROVE_SECONDS`` (None when the solve's start is not known)."""
-    started = kw.get("started")
-    return None if started is None else started + IMPROVE_SECONDS - _time.perf_counter()
-
-
 def time_left(kw: Mapping[str, Any]) -> float | None:
     """Seconds left of the solve's ``time_limit`` (None: no limit)."""
     deadline = kw.get("deadline")
@@ -246,14 +227,10 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 starts = []
                 if not h.root.children:
                     # the op-level MILP starts from a known plan (the hierarchy's own, in
-                    # kw["starts"]) or greedy eviction's: it has a schedule at once, and a
-                    # search that finds nothing better stops on the stall rule instead of the
-                    # time limit; one that can only improve a plan of the hierarchy's own stops
-                    # once IMPROVE_SECONDS are up
+                    # kw["starts"], on a second try) or greedy eviction's: it has a schedule at
+                    # once, and a search that finds nothing better stops on the stall rule
+                    # instead of the time limit
                     starts += kw.get("starts", [])
-                    until = improve_seconds_left(kw)
-                    if starts and until is not None:
-                        left = max(1.0, until) if left is None else min(left, max(1.0, until))
                     found = reference.greedy_eviction_schedule(graph, b, left)
                     starts += [found[0]] if found is not None else []
                 steps, fl, optimal, stats = solve_top(h, b, time_limit=left,
