@@ -180,9 +180,13 @@ class _Harness:
         if self.cfg.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def _timed(self, step: Callable[[], Any]) -> float:
+    def _timed(self, step: Callable[[], Any], params: Iterable[Any]) -> float:
+        """One step from cleared gradients (as after ``zero_grad()``): a step that finds
+        gradients in place also pays for accumulating into them."""
         import torch
 
+        for p in params:
+            p.grad = None
         torch.manual_seed(self.cfg.seed)
         self._sync()
         t = time.perf_counter()
@@ -220,8 +224,8 @@ class _Harness:
         times, plain_times = [], []
         for _ in range(self.cfg.iterations):
             if plain_step is not None:
-                plain_times.append(self._timed(plain_step))
-            times.append(self._timed(step))
+                plain_times.append(self._timed(plain_step, self.model.parameters()))
+            times.append(self._timed(step, params.values()))
         for p in params.values():
             p.grad = None
         for p in self.model.parameters():
@@ -602,14 +606,19 @@ def run(specs: Iterable[ModelSpec], cfg: BenchConfig, out_dir: str | os.PathLike
     """Benchmark every model; write ``bench.json`` (and PNG plots) under ``out_dir``."""
     import torch
 
+    from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
+
     cfg.check()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    machine = machine_info(cfg.device)
+    if cfg.device == "cpu":  # plain autograd and the peers run under the same allocator setting
+        machine["freed_cpu_memory_kept"] = keep_freed_cpu_memory()
     report: dict[str, Any] = {
         "format": "hrockmate-bench",
         "version": 1,
         "command": command,
-        "machine": machine_info(cfg.device),
+        "machine": machine,
         "config": {k: (list(v) if isinstance(v, tuple) else v)
                    for k, v in cfg.__dict__.items() if k not in ("echo",)},
         "models": [],

@@ -47,6 +47,7 @@ def run_demo(
     from hrockmate.capture.memory import measure_eager_peak, measure_peak_memory
     from hrockmate.models import gpt2_tiny
     from hrockmate.runtime import HRockmate
+    from hrockmate.runtime.cpu_memory import ENV_VAR, keep_freed_cpu_memory
 
     if threads is not None:
         if threads < 1:
@@ -60,6 +61,9 @@ def run_demo(
     reference = copy.deepcopy(model)
     print(f"threads   {torch.get_num_threads()} torch CPU threads on {os.cpu_count()} cores "
           "(--threads to change; other jobs on these cores make the times noisy)")
+    if keep_freed_cpu_memory():  # before either run, so that both allocate alike
+        print(f"memory    freed CPU memory is kept for reuse, as CUDA's caching allocator does "
+              f"({ENV_VAR}=0 to turn off)")
     print(
         f"model     GPT-2-style decoder: {n_layer} layers, width {n_embd}, sequence {seq}, "
         f"batch {batch}, {sum(p.numel() for p in model.parameters()):,} parameters (random)"

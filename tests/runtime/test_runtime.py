@@ -253,6 +253,64 @@ def test_dropout_replay_is_needed_and_exact() -> None:
     assert not torch.equal(ref.wte.weight.grad, model.wte.weight.grad)
 
 
+def test_compact_masks_alias_the_float_mask_while_it_lives() -> None:
+    """A dropout mask's one-byte copy (``bernoulli -> ne -> _to_copy``) costs nothing at run
+    time while the float mask lives: the restoration aliases it and the packing is skipped. A
+    schedule that restores one mask from its bits runs that mask's packing, and only that one;
+    gradients stay exact and the peak stays within the prediction either way."""
+    from hrockmate.ir.schedule import Schedule, store_all_schedule
+
+    model, sample = models.gpt2_tiny(n_layer=2, n_embd=16, seq=8, vocab=32, dropout=0.5)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample)
+    nodes = hm.traced.op_nodes
+    packs = [k for k, n in enumerate(nodes) if "packs_mask_of" in n.meta]
+    unpacks = [k for k, n in enumerate(nodes) if "unpacks_mask_of" in n.meta]
+    assert len(packs) == len(unpacks) >= 3
+
+    def source() -> str:
+        prog = hm._hr_program
+        return prog.forward.source + "".join(c.source for c in prog.chunks)
+
+    def check_exact(seed: int) -> None:
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        _loss(hm(*sample)).backward()
+        torch.manual_seed(seed)
+        _loss(ref(*sample)).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            _assert_same(p.grad, q.grad, f"grad of {name}")
+
+    def peak() -> int:
+        step = _measured_step(hm, sample, torch.device("cpu"))
+        step()
+        model.zero_grad(set_to_none=True)
+        return hrockmate.measure_peak_memory(step, params=list(model.parameters())).peak_bytes
+
+    src = source()
+    assert not any(f"F{k}(" in src for k in packs + unpacks)  # no packing, no copying back
+    check_exact(3)
+    assert peak() <= hm.predicted_peak_bytes
+
+    # Restore the first mask a second time from its bits, after the float mask is gone.
+    base = store_all_schedule(hm.traced.graph)
+    steps = list(base.steps)
+    first = unpacks[0]
+    (restored,) = hm.traced.graph.ops[first].outputs
+    at = steps.index(("compute", first)) + 1
+    steps[at:at] = [("free", restored), ("compute", first)]
+    hm.use_plan(Schedule(steps, base.forward_len + (2 if at <= base.forward_len else 0)))
+    src = source()
+    mask_of = {k: nodes[k].meta[key] for key, ks in (("packs_mask_of", packs),
+                                                      ("unpacks_mask_of", unpacks)) for k in ks}
+    (own_pack,) = [k for k in packs if mask_of[k] is mask_of[first]]
+    assert [k for k in packs if f"F{k}(" in src] == [own_pack]
+    assert src.count(f"F{first}(") == 1  # aliased once, restored from the bits once
+    check_exact(4)
+    assert peak() <= hm.predicted_peak_bytes
+
+
 def test_tied_weights_and_input_gradients() -> None:
     """The tied embedding gets the sum of both uses; an input that requires grad gets its
     gradient, under heavy recomputation."""

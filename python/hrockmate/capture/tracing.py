@@ -520,6 +520,9 @@ def _compact_random_masks(gm: fx.GraphModule) -> None:
         to = _call_beside(gm, ne, aten._to_copy.default, (ne,), back,
                           kwargs={"dtype": out.dtype})
         node.replace_all_uses_with(to, delete_user_cb=lambda user: user is not ne)
+        # The runtime copies nothing while the float mask is alive (runtime.compiler).
+        ne.meta["packs_mask_of"] = node
+        to.meta["unpacks_mask_of"] = node
     gm.recompile()
 
 

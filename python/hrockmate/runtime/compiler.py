@@ -244,17 +244,38 @@ class _Compiler:
             else:
                 raise RuntimeScheduleError(f"unknown source kind {kind!r} for tensor {tid}")
 
+        mask_of_unpack, mask_of_pack = self._compact_masks()
+        float_masks = set(mask_of_unpack.values())
         # First pass: check reads, count how often each op runs, find the last read of each
-        # tensor (a buffer written back must keep its old value for later recomputations).
+        # tensor (a buffer written back must keep its old value for later recomputations), and
+        # which restorations of compact masks can alias the float mask.
         alive = list(preexisting)
         runs = [0] * g.num_ops
         calls: list[str | None] = []
         last_read: dict[int, int] = {}
+        aliased: dict[int, int] = {}  # step position -> the float mask its output aliases
+        packed_needed: set[int] = set()  # float masks restored at least once from their bits
+        # A float mask freed just before its restoration (only free steps and its own packing
+        # in between, so nothing is allocated meanwhile) is kept until then instead.
+        freed_clean: dict[int, int] = {}  # float mask -> position of that free step
+        deferred_free: dict[int, int] = {}  # free step kept -> restoration step that drops it
         for pos, (kind, ident) in enumerate(self.steps):
             where = f"schedule step {pos} ({kind} {ident})"
             if kind == "compute":
                 if not 0 <= ident < g.num_ops:
                     raise RuntimeScheduleError(f"{where}: no op {ident} in the graph")
+                mask = mask_of_unpack.get(ident)
+                if mask is not None:
+                    if alive[mask]:
+                        aliased[pos] = mask
+                    elif mask in freed_clean:
+                        aliased[pos] = mask
+                        deferred_free[freed_clean[mask]] = pos
+                    else:
+                        packed_needed.add(mask)
+                if freed_clean:
+                    own = mask_of_pack.get(ident)
+                    freed_clean = {m: f for m, f in freed_clean.items() if m == own}
                 if pos < self.forward_len and g.ops[ident].phase == "backward":
                     raise RuntimeScheduleError(
                         f"{where}: backward op '{g.ops[ident].name}' in the forward segment"
@@ -285,6 +306,8 @@ class _Compiler:
                     )
                 calls.append(None)
                 alive[ident] = False
+                if ident in float_masks:
+                    freed_clean[ident] = pos
             else:
                 raise RuntimeScheduleError(f"{where}: unknown step kind {kind!r}")
         freed = {i for k, i in self.steps if k == "free"}
@@ -312,6 +335,8 @@ class _Compiler:
 
         cuts, rng_bytes = self._chunk_cuts(grad_slot, state_bytes)
 
+        aliased_masks_only = set(mask_of_pack.values()) - packed_needed
+        dropped_at = {to: deferred_free_pos for deferred_free_pos, to in deferred_free.items()}
         # Second pass: emit code.
         extra_bytes = 0
         alive = list(preexisting)
@@ -329,18 +354,28 @@ class _Compiler:
             out = fwd_body if pos < self.forward_len else chunk_bodies[-1]
             if kind == "free":
                 t = ident
+                alive[t] = False
+                if pos in deferred_free:
+                    continue  # dropped at its restoration's step instead
                 if t in grad_slot:
                     out.append(self._stash(t, grad_slot[t], slot_uses))
                     pending.append(t)
                 out.append(f"E[{t}] = None")
-                alive[t] = False
                 continue
             k = ident
             fresh = [(t, i) for t, i in self._output_slots(k) if not alive[t]]
             call = calls[pos]
             assert call is not None
             lines: list[str] = []
-            if not fresh:
+            if pos in aliased or mask_of_pack.get(k, -1) in aliased_masks_only:
+                # a compact mask's restoration while its float mask is alive: the same bits,
+                # so the output is that tensor (no allocation, no copy); a packing op whose
+                # bits no restoration reads is skipped
+                if pos in aliased:
+                    lines += [f"E[{t}] = E[{aliased[pos]}]" for t, _ in fresh]
+                    if pos in dropped_at:
+                        lines.append(f"E[{aliased[pos]}] = None")
+            elif not fresh:
                 lines.append(call)  # every output is alive: a temporary, dropped at once
             elif len(fresh) == 1 and fresh[0][1] is None:
                 lines.append(f"E[{fresh[0][0]}] = {call}")
@@ -431,6 +466,19 @@ class _Compiler:
             modelled_peak_bytes=self._modelled_peak,
             extra_bytes=rng_bytes + extra_bytes,
         )
+
+    def _compact_masks(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The compact random masks of the trace (``bernoulli -> ne -> _to_copy``, see
+        ``capture.tracing._compact_random_masks``): op id of each restoring ``_to_copy`` and
+        of each packing ``ne`` -> tensor id of the float mask."""
+        unpack: dict[int, int] = {}
+        pack: dict[int, int] = {}
+        for k, node in enumerate(self.traced.op_nodes):
+            for key, into in (("unpacks_mask_of", unpack), ("packs_mask_of", pack)):
+                src = node.meta.get(key)
+                if src is not None and len(self.graph.ops[k].outputs) == 1:
+                    into[k] = self._tensor_of(src, node.name)
+        return unpack, pack
 
     def _check_random_order(self, random_ops: list[int]) -> None:
         """Plain PyTorch draws random numbers in forward order; the schedule must run each

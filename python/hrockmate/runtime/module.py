@@ -35,6 +35,7 @@ code at the first training call.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ import torch.utils._pytree as pytree
 
 from hrockmate.capture.tracing import rebuild_output
 from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
+from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
 
 __all__ = ["HRockmate", "InputMismatchError", "ModelChangedError", "RuntimeScheduleError"]
 
@@ -389,6 +391,14 @@ def _listed(items: list[str], most: int = 3) -> str:
     return shown + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
+def _on_cpu(model: nn.Module, leaves: list[Any]) -> bool:
+    """Whether the model runs on the CPU (its first parameter, buffer or tensor input is there)."""
+    for t in itertools.chain(model.parameters(), model.buffers(), leaves):
+        if isinstance(t, torch.Tensor):
+            return t.device.type == "cpu"
+    return True
+
+
 def _needs_grad(model: nn.Module, leaves: list[Any]) -> bool:
     return any(p.requires_grad for p in model.parameters()) or any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in leaves
@@ -452,6 +462,8 @@ class HRockmate(nn.Module):
 
         fingerprint = _model_fingerprint(model)
         args, kwargs = split_sample(sample)
+        if _on_cpu(model, pytree.tree_leaves((args, kwargs))):
+            keep_freed_cpu_memory()  # before tracing: op times are measured as they will run
         # "estimate" also measures each op's workspace, which the predicted peak includes.
         traced = trace_model(model, sample, loss_fn=request.loss_fn, cost="estimate")
         _warn_of_captured_tensors(request.loss_fn, traced)
