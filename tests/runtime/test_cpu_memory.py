@@ -45,8 +45,9 @@ def _glibc() -> bool:
 
 
 def _probe(**env: str) -> dict[str, int]:
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=False,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", **env}, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **env}, timeout=300,
+                         check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
