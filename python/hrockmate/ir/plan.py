@@ -138,11 +138,16 @@ class Plan:
 
     def summary(self) -> str:
         state = "optimal" if self.optimal else "not proven optimal"
+        beaten = ""
+        own = self.stats.get("hierarchy_plan_time")
+        if self.stats.get("beats_hierarchy_plan") and own is not None and self.baseline_time > 0:
+            beaten = (f"; the {self.stats.get('fallback')} plan beat the hierarchy's own "
+                      f"(+{100 * (own / self.baseline_time - 1):.2f}%)")
         return (
             f"plan for '{self.graph_name}': peak {format_bytes(self.peak_bytes)} of budget "
             f"{format_bytes(self.budget_bytes)} (store-all {format_bytes(self.baseline_peak_bytes)}),"
             f" time {self.time:.6g} {self.time_unit} (+{100 * self.overhead:.1f}% over store-all), "
-            f"method {self.method}, {state}"
+            f"method {self.method}, {state}{beaten}"
         )
 
     # ---- serialisation ------------------------------------------------------------------

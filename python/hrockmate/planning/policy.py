@@ -257,13 +257,15 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     # checkpointing, or Rotor on a chain-shaped graph, can be faster, and both cost
                     # little to check
                     best, best_time = cand, simulate_steps(graph, cand.steps, cand.forward_len)[1]
+                    own_time = best_time
                     simple, _ = _simple_strategies(graph, budget, method, time_left(kw))
                     for alt, _peak, alt_time in simple:
                         if alt_time < best_time:
-                            # the hierarchy's figures stay (top_solver, ...): what it did and
-                            # what beat it
+                            # the hierarchy's figures stay (top_solver, ...): what it did, its
+                            # plan's time and what beat it
                             alt.stats = {**cand.stats, **alt.stats, "optimal": False,
-                                         "beats_hierarchy_plan": True}
+                                         "beats_hierarchy_plan": True,
+                                         "hierarchy_plan_time": own_time}
                             best, best_time = alt, alt_time
                     if best is not cand:  # the fallback gets the same refinement
                         best = _refined(graph, budget, best, kw)
