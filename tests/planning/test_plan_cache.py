@@ -99,6 +99,21 @@ def test_key_separates_options_and_callers(tmp_path: Path) -> None:
     assert len(_entries(tmp_path, "plans")) == 3
 
 
+def test_another_build_of_the_planner_plans_again(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans are keyed by a digest of the planner's code, not only its version: a build that
+    changed the planner (same version number) does not reuse the plans of the previous one."""
+    from hrockmate.planning import cache
+
+    first = cache.planner_fingerprint()
+    assert first == cache.planner_fingerprint() and len(first) == 16
+    _build(tmp_path)
+    assert _build(tmp_path).plan.stats.get("cache") == "hit"
+    monkeypatch.setattr(cache, "planner_fingerprint", lambda: "another build")
+    assert _build(tmp_path).plan.stats.get("cache") is None
+    assert len(_entries(tmp_path, "plans")) == 2
+
+
 def test_solve_reuses_the_plan(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     model, x = _model()
     first = hrockmate.solve(model, x, 0.8, cache=tmp_path, progress=False)

@@ -17,7 +17,9 @@ What:
 - ``plans/<key>.plan.json``: a plan in ``Plan.save``'s format, keyed by the graph's structure
   hash, the budget in bytes, the solve options, who asked (``HRockmate`` reserves room for its
   saved random-generator states, so its plans differ from ``solve``'s), the versions of
-  hrockmate and torch, and the device kind.
+  hrockmate and torch, the device kind, and a digest of the planner's code (the native core
+  and the Python planning and IR modules, ``planner_fingerprint``): a plan made by another
+  build of the same version is not reused.
 
 Every file is written atomically. An entry that cannot be read, is corrupt or belongs to
 another graph is ignored with a ``PlanCacheWarning`` (and replaced by the next write); a cache
@@ -30,6 +32,7 @@ valid for both. Delete the directory to start afresh.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CACHE_ENV", "PlanCache", "PlanCacheWarning", "default_cache_dir", "device_kind",
-    "measured_times", "open_cache",
+    "measured_times", "open_cache", "planner_fingerprint",
 ]
 
 CACHE_ENV = "HROCKMATE_CACHE_DIR"
@@ -110,6 +113,25 @@ def device_kind(device: "torch.device") -> str:
     return f"{what};torch {torch.__version__}"
 
 
+@functools.lru_cache(maxsize=1)
+def planner_fingerprint() -> str:
+    """A digest of the code that makes plans: the native core's library and the Python modules
+    of ``hrockmate.planning`` and ``hrockmate.ir`` (about 10 ms, once per process)."""
+    import hrockmate
+    from hrockmate import _native
+
+    root = Path(hrockmate.__file__).parent
+    h = hashlib.sha256()
+    for f in [Path(_native.__file__), *sorted((root / "planning").glob("*.py")),
+              *sorted((root / "ir").glob("*.py"))]:
+        h.update(f.name.encode())
+        try:
+            h.update(f.read_bytes())
+        except OSError:  # unreadable: the key still differs from a readable file's
+            h.update(b"?")
+    return h.hexdigest()[:16]
+
+
 def _digest(fields: Mapping[str, Any]) -> str:
     text = json.dumps(fields, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -136,6 +158,7 @@ class PlanCache:
         return _digest({
             "cache": CACHE_VERSION,
             "hrockmate": __version__,
+            "planner": planner_fingerprint(),
             "graph": graph.structure_hash(),
             "budget_bytes": int(budget_bytes),
             "options": {k: v for k, v in options.items() if k not in _NOT_IN_KEY},
