@@ -10,7 +10,7 @@ import os
 import time as _time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from hrockmate.ir.budget import BudgetLike, parse_budget
 from hrockmate.ir.graph import Graph
@@ -226,6 +226,22 @@ def _retry_seconds(spent: float, left: float | None) -> float | None:
     return None if limit < 1.0 else limit
 
 
+def _improving_tries(tries: Sequence[Any], started: float,
+                     time_left: Callable[[], float | None]) -> Iterator[tuple[Any, float | None]]:
+    """Each try (a leaf size, ...) with the seconds it may take: None for the first (the
+    solve's own limit), what ``_retry_seconds`` leaves for each later one, counted from
+    ``started``; it stops where that is under a second. The caller stops earlier by not asking
+    for more."""
+    for k, item in enumerate(tries):
+        if k == 0:
+            yield item, None
+            continue
+        limit = _retry_seconds(_time.perf_counter() - started, time_left())
+        if limit is None:
+            return
+        yield item, limit
+
+
 def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
                           hierarchy: Hierarchy | Sequence[Hierarchy] | None,
                           leaf_size: int | None, kw: dict[str, Any]
@@ -244,14 +260,11 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
     best: Candidate | None = None
     best_time = math.inf
     lows: list[int] = []
-    for k, (size, h) in enumerate(tries):
+    for (size, h), limit in _improving_tries(tries, kw["started"], lambda: time_left(kw)):
         kw_k = {**kw, "leaf_size": size}
-        if k > 0:
+        if limit is not None:  # a later try
             if best is not None and best_time <= (1 + MIN_GAIN_TO_RETRY) * kw["baseline_time"]:
                 break  # nothing worth another try is left to gain
-            limit = _retry_seconds(_time.perf_counter() - kw["started"], time_left(kw))
-            if limit is None:
-                break
             kw_k.update(time_limit=limit, deadline=_time.perf_counter() + limit,
                         log_level=logging.INFO)
         cand, low = run_method(graph, method, budget, h, kw_k)
@@ -334,12 +347,13 @@ def with_hierarchy(graph: Graph, options: Mapping[str, Any]) -> dict[str, Any]:
         prepared: list[Hierarchy] = []
         time_limit = kw["time_limit"]
         t0 = _time.perf_counter()
-        for size in leaf_sizes(graph, options.get("leaf_size"), kw["flat_ops"]):
-            if prepared:  # a later leaf size
-                spent = _time.perf_counter() - t0
-                limit = _retry_seconds(spent, None if time_limit is None else time_limit - spent)
-                if limit is None:
-                    break
+
+        def left() -> float | None:
+            return None if time_limit is None else time_limit - (_time.perf_counter() - t0)
+
+        sizes = leaf_sizes(graph, options.get("leaf_size"), kw["flat_ops"])
+        for size, limit in _improving_tries(sizes, t0, left):
+            if limit is not None:  # a later leaf size
                 kw["time_limit"] = limit
             try:
                 prepared.append(prepare(graph, leaf_size=size, **kw))
