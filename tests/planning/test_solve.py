@@ -7,6 +7,7 @@ import logging
 import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 from graph_builders import training_graph
@@ -575,3 +576,44 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     again = hrockmate.solve_graph(g, budget, progress=False)
     _check(again, g)
     assert tries == [(60, sizes[0])]
+
+
+def test_long_milps_show_their_elapsed_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MILP that runs long shows how long it has run out of its limit (a background thread
+    ticks a bar), so a search that finds nothing is not silent; nothing shows when progress is
+    off, and the ticker stops with the solve."""
+    import threading
+    import time
+
+    import tqdm.auto
+
+    from hrockmate.planning import hierarchy as hierarchy_mod
+
+    bars: list[Any] = []
+
+    class Recorder:
+        def __init__(self, total: int | None = None, desc: str = "", **_kw: Any) -> None:
+            self.total, self.desc, self.n, self.refreshed, self.closed = total, desc, 0, 0, False
+            bars.append(self)
+
+        def refresh(self) -> None:
+            self.refreshed += 1
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    with hierarchy_mod.elapsed_progress("op-level MILP of 'g'", 4.2, True):
+        time.sleep(1.3)
+    (bar,) = bars
+    assert bar.total == 5 and bar.n >= 1 and bar.refreshed >= 2 and bar.closed
+    assert not any(t.name == "hrockmate-progress" for t in threading.enumerate())
+    with hierarchy_mod.elapsed_progress("quiet", 4.2, False):
+        pass
+    assert len(bars) == 1
+    # a solve with progress on shows its top MILP
+    bars.clear()
+    g = training_graph(20, seed=5)
+    budget = int(0.7 * hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes)
+    hrockmate.solve_graph(g, budget, progress=True, time_limit=60)
+    assert any("MILP of" in b.desc for b in bars) and all(b.closed for b in bars)

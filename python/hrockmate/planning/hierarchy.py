@@ -3,6 +3,7 @@ blocks are solved once, blocks of one height in parallel; ``solve_top`` solves t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import SolveError
@@ -507,6 +508,52 @@ def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip
                     "gap unknown" if gap is None else f"within {100 * gap:.1f}% of optimal")
     fwd, bwd, _ = expand_level(h.ctx, h.root, lvl, sp)
     return fwd + bwd, len(fwd), sp.optimal, {**sp.stats, "top_solver": "ilp"}
+
+
+@contextlib.contextmanager
+def elapsed_progress(desc: str, seconds: float | None, enabled: bool) -> Iterator[None]:
+    """Show the seconds one long step (a MILP) has run, out of ``seconds`` (its limit, or None),
+    from a background thread: a search that finds nothing for a minute still shows that it
+    runs and how long it may take. tqdm when it is installed, else log lines every few
+    seconds; nothing when not ``enabled``."""
+    if not enabled:
+        yield
+        return
+    total = (max(1, math.ceil(seconds)) if seconds is not None and math.isfinite(seconds)
+             else None)
+    bar: Any = None
+    try:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=desc, leave=False,
+                   bar_format="{desc}: {n} s" if total is None
+                   else "{desc}: {percentage:3.0f}%|{bar}| {n}/{total} s")
+    except ImportError:
+        pass
+    stop = threading.Event()
+    t0 = _time.perf_counter()
+
+    def tick() -> None:
+        last_log = t0
+        while not stop.wait(0.5):
+            now = _time.perf_counter()
+            if bar is not None:
+                bar.n = int(now - t0) if total is None else min(int(now - t0), total)
+                bar.refresh()
+            elif now - last_log > 3.0:
+                last_log = now
+                logger.info("%s: %.0f s%s", desc, now - t0,
+                            "" if total is None else f" of at most {total} s")
+
+    ticker = threading.Thread(target=tick, name="hrockmate-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join(1.0)
+        if bar is not None:
+            bar.close()
 
 
 class _Progress:

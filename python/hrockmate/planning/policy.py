@@ -21,6 +21,7 @@ from hrockmate.planning.hierarchy import (
     TOP_TIME_SHARE,
     Hierarchy,
     HierarchyTimeout,
+    elapsed_progress,
     prepare,
     solve_top,
 )
@@ -233,9 +234,11 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     starts += kw.get("starts", [])
                     found = reference.greedy_eviction_schedule(graph, b, left)
                     starts += [found[0]] if found is not None else []
-                steps, fl, optimal, stats = solve_top(h, b, time_limit=left,
-                                                      mip_rel_gap=kw["mip_rel_gap"],
-                                                      starts=starts)
+                level = "op-level" if not h.root.children else "top"
+                with elapsed_progress(f"{level} MILP of '{graph.name}'", left, kw["progress"]):
+                    steps, fl, optimal, stats = solve_top(h, b, time_limit=left,
+                                                          mip_rel_gap=kw["mip_rel_gap"],
+                                                          starts=starts)
                 return reference.SolverResult(steps, fl, optimal, stats)
 
             # an op-level MILP cut short by the time limit may lose to the hierarchy
@@ -280,8 +283,10 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     return run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
             try:
                 if kw.get("lowest_peak", True):
-                    steps, fl, _, _ = solve_top(h, None, time_limit=time_left(kw),
-                                                mip_rel_gap=1e-3, minimize_peak=True)
+                    with elapsed_progress(f"lowest-peak MILP of '{graph.name}'", time_left(kw),
+                                          kw["progress"]):
+                        steps, fl, _, _ = solve_top(h, None, time_limit=time_left(kw),
+                                                    mip_rel_gap=1e-3, minimize_peak=True)
                     spare("lowest-peak H-ILP", steps, fl, **stats_h)
             except (ilp.LevelInfeasible, ilp.LevelNoSolution):
                 pass
