@@ -129,6 +129,10 @@ def test_infeasible_budget_message_states_minimum() -> None:
     assert err.min_bytes == 4096 and err.budget_bytes == 1000
     assert "4096 bytes" in str(err) and "'g'" in str(err) and "at least 4096" in str(err)
     assert isinstance(err, ValueError)
+    # a peak the methods reached is not called the least possible; a proven bound is
+    assert "lowest peak reached" in str(err) and "smallest feasible" not in str(err)
+    bound = InfeasibleBudget(1000, 4096, "g", why="op 'x' alone needs that much")
+    assert "smallest feasible peak" in str(bound) and "op 'x' alone" in str(bound)
 
 
 # ---- every bad plan file is a PlanError naming the file and the problem ------------------------

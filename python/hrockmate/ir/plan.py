@@ -49,12 +49,14 @@ class InfeasibleBudget(ValueError):
         self.why = why
         where = f" for graph '{graph_name}'" if graph_name else ""
         minimum = f"{self.min_bytes} bytes ({format_bytes(self.min_bytes)})"
-        super().__init__(
-            f"budget of {self.budget_bytes} bytes ({format_bytes(self.budget_bytes)}) is below "
-            f"the smallest feasible peak{where}"
-            + (f", which is at least {minimum}: {why}" if why else f": {minimum}")
-            + f"; give a budget of at least {self.min_bytes} bytes"
-        )
+        budget = f"{self.budget_bytes} bytes ({format_bytes(self.budget_bytes)})"
+        if why:  # a proven lower bound
+            text = (f"budget of {budget} is below the smallest feasible peak{where}, which is at "
+                    f"least {minimum}: {why}")
+        else:  # the lowest peak the methods reached, not proven the least possible
+            text = (f"no schedule was found within the budget of {budget}{where}: the lowest "
+                    f"peak reached is {minimum}")
+        super().__init__(f"{text}; give a budget of at least {self.min_bytes} bytes")
 
 
 @dataclass
