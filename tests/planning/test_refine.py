@@ -91,3 +91,54 @@ def test_solve_graph_refines_the_hierarchy_plan() -> None:
     assert plan.stats["method"] == "hrockmate" and not plan.stats.get("fallback")
     assert refined["dropped"] > 0 and plan.time < 0.95 * refined["time_before"]
     assert plan.peak_bytes <= plan.budget_bytes
+
+
+def _chain_with_a_cheap_op() -> tuple[Graph, list[tuple[str, int]], int]:
+    """An expensive op (f1, 10 units) feeding a cheap one (f2, 1 unit), and a schedule that
+    frees f1's output after the forward and runs f1 again for the backward while f2's output
+    stays alive, unread, across the whole of it."""
+    from hrockmate.ir.graph import Op, Tensor
+
+    g = Graph(name="exchange", time_unit="units")
+    t = {name: g.add_tensor(Tensor(name, 100, role=role)) for name, role in [
+        ("x", "input"), ("w", "parameter"), ("a", "activation"), ("b", "activation"),
+        ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
+        ("gd", "activation"), ("gc", "activation"), ("gb", "activation"), ("ga", "activation"),
+        ("gw", "param_grad")]}
+    ops = {}
+    for name, phase, time, ins, outs in [
+            ("f1", "forward", 10.0, ["x", "w"], ["a"]), ("f2", "forward", 1.0, ["a"], ["b"]),
+            ("f3", "forward", 10.0, ["b"], ["c"]), ("f4", "forward", 1.0, ["c"], ["d"]),
+            ("L", "forward", 1.0, ["d"], ["loss"]), ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+            ("f4b", "backward", 1.0, ["gd", "c"], ["gc"]),
+            ("f3b", "backward", 10.0, ["gc", "b"], ["gb"]),
+            ("f2b", "backward", 1.0, ["gb", "a"], ["ga"]),
+            ("f1b", "backward", 10.0, ["ga", "x"], ["gw"])]:
+        ops[name] = g.add_op(Op(name, phase, time, [t[x] for x in ins], [t[x] for x in outs]))
+    c, f = "compute", "free"
+    steps = [(c, ops["f1"]), (c, ops["f2"]), (f, t["a"]), (c, ops["f3"]), (c, ops["f4"]),
+             (c, ops["L"])]
+    fl = len(steps)
+    steps += [(c, ops["Lb"]), (f, t["d"]), (c, ops["f4b"]), (f, t["gd"]), (f, t["c"]),
+              (c, ops["f1"]), (c, ops["f3b"]), (f, t["gc"]), (f, t["b"]), (c, ops["f2b"]),
+              (f, t["gb"]), (f, t["a"]), (c, ops["f1b"]), (f, t["ga"])]
+    return g, steps, fl
+
+
+def test_an_exchange_keeps_the_expensive_output_and_recomputes_the_cheap_one() -> None:
+    g, steps, fl = _chain_with_a_cheap_op()
+    before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+    budget = int(before.peak_bytes)
+    # keeping f1's output alone (dropping its second run and the free before it) does not
+    # fit: f2's output is alive over the same stretch
+    f1, a = steps[0][1], g.ops[steps[0][1]].outputs[0]
+    kept = [s for p, s in enumerate(steps) if s != ("free", a) or p > fl]
+    second = max(p for p, s in enumerate(kept) if s == ("compute", f1))
+    del kept[second]
+    assert hrockmate.simulate(g, hrockmate.Schedule(kept, fl - 1)).peak_bytes > budget
+    r = refine(g, steps, fl, budget)
+    assert r is not None
+    _checked(g, r.steps, r.forward_len, budget, before.time)
+    names = [g.ops[i].name for k, i in r.steps if k == "compute"]
+    assert names.count("f1") == 1 and names.count("f2") == 2  # f1 kept, f2 made again
+    assert r.time == before.time - 10.0 + 1.0

@@ -136,10 +136,10 @@ def test_plans_never_cost_more_than_the_simple_strategies(data_graphs: Path, nam
 
 
 def test_a_simple_strategy_that_beats_the_hierarchy_says_by_how_much(data_graphs: Path) -> None:
-    # the resnet-like graph at 90%: greedy eviction's plan (refined) is a few tenths of a point
+    # the resnet-like graph at 70%: greedy eviction's plan (refined) is a few tenths of a point
     # faster than the hierarchy's own; the plan says what the hierarchy's cost
     g = Graph.load(data_graphs / "resnet_like_train.json")
-    plan = hrockmate.solve_graph(g, 0.9, progress=False, time_limit=60)
+    plan = hrockmate.solve_graph(g, 0.7, progress=False, time_limit=60)
     assert plan.stats.get("beats_hierarchy_plan"), plan.stats
     own = plan.stats["hierarchy_plan_time"]
     assert plan.time < own < 1.1 * plan.baseline_time

@@ -7,7 +7,12 @@ that slack into time, on any valid schedule:
 1. *keep instead of recompute*: a recomputation of op ``j`` whose outputs were freed since its
    previous run is dropped, and those frees with it, so the outputs stay alive in between. The
    recomputations saving the most time per byte kept go first, each only where the simulator's
-   memory timeline has room for the outputs over that stretch;
+   memory timeline has room for the outputs over that stretch, or where evicting cheaper
+   tensors makes room (*exchange*): a tensor whose forward op reads only tensors alive at its
+   next read is freed after a read and made again right before the next one, when all such
+   evictions together cost less time than the recomputation dropped. This is how an op-level
+   plan keeps a batch norm's output and recomputes the ReLU after it, where a plan made of
+   whole blocks re-runs the block;
 2. *dead recomputations*: a recomputation none of whose outputs is read before it is freed
    again (it fed a recomputation dropped in 1) is dropped;
 3. *earlier frees*: every free moves up to just after the last read of its tensor.
@@ -21,11 +26,11 @@ from __future__ import annotations
 
 import bisect
 import time as _time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from hrockmate.ir.graph import Graph
+from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
 from hrockmate.ir.schedule import Schedule, ScheduleError, SimulationResult, Step, simulate
 
 __all__ = ["Refined", "refine"]
@@ -76,7 +81,8 @@ def _one_round(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
     base = _sim(graph, arrays, steps, forward_len)
     if base is None or base.peak_bytes > budget:
         return None
-    choices = _keep_choices(graph, steps, base.timeline, budget, deadline)
+    choices = _keep_choices(graph, steps, base.timeline, budget, deadline,
+                            _eviction_gaps(graph, steps))
     if not choices:
         return None
 
@@ -106,15 +112,132 @@ def _one_round(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
 
 
 @dataclass
+class _Eviction:
+    """``tensor`` freed after the step at ``after`` and made again by ``op`` right before the
+    step at ``before`` (its next read)."""
+
+    tensor: int
+    op: int
+    after: int
+    before: int
+    bytes: int
+    cost: float
+    inputs: tuple[int, ...]  # what ``op`` reads
+
+
+@dataclass
 class _Choice:
     compute_pos: int  # the recomputation dropped
     free_pos: list[int]  # the frees of its outputs dropped with it
+    evictions: list[_Eviction] = field(default_factory=list)  # the room made for it
+
+
+class _Gaps:
+    """Every stretch between two reads of an evictable tensor (``_Eviction``s), as arrays for
+    finding those that span a step."""
+
+    def __init__(self, found: list[_Eviction]) -> None:
+        self.items = found
+        self.after = np.array([e.after for e in found], dtype=np.int64)
+        self.before = np.array([e.before for e in found], dtype=np.int64)
+        # time per byte freed: the cheapest first
+        self.price = np.array([e.cost / e.bytes for e in found], dtype=np.float64)
+        self.free = np.ones(len(found), dtype=bool)
+
+
+def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
+    """The stretches of ``steps`` over which a tensor could be evicted: made by a forward op
+    with no other output and no view of it in the graph, alive and unread between two steps
+    that touch it, and the op's inputs alive at the second (recomputing it is one step)."""
+    ops, tensors = graph.ops, graph.tensors
+    producer = graph.producers()
+    has_view = {t.alias_of for t in tensors if t.alias_of is not None}
+    evictable = [
+        producer[x] is not None and ops[producer[x]].phase == "forward"
+        and len(ops[producer[x]].outputs) == 1 and t.alias_of is None and x not in has_view
+        and t.role == "activation" and ops[producer[x]].time > 0 and t.bytes > 0
+        for x, t in enumerate(tensors)]
+    alive = {x for x, t in enumerate(tensors) if t.role in PREEXISTING_ROLES}
+    touched: dict[int, int] = {}  # alive evictable tensor -> the last step that made/read it
+    found: list[_Eviction] = []
+    for p, (kind, i) in enumerate(steps):
+        if kind == "free":
+            alive.discard(i)
+            touched.pop(i, None)
+            continue
+        op = ops[i]
+        for x in op.inputs:
+            a = touched.get(x)
+            if a is not None and p - a > 1:
+                k = producer[x]
+                assert k is not None
+                if all(y in alive for y in ops[k].inputs):
+                    found.append(_Eviction(x, k, a, p, int(tensors[x].bytes),
+                                           float(ops[k].time), tuple(ops[k].inputs)))
+            if x in touched:
+                touched[x] = p
+        for x in op.outputs:
+            alive.add(x)
+            if evictable[x]:
+                touched[x] = p
+    return _Gaps(found)
+
+
+# Exchanges tried per round at most (each scans the gaps once per eviction it adds)
+_MAX_EXCHANGES = 256
+
+
+def _make_room(level: np.ndarray, a: int, p: int, extra: int, budget: int, gain: float,
+               gaps: _Gaps, busy: set[int], reads_at: dict[int, list[int]],
+               evicted: dict[int, list[tuple[int, int]]]) -> list[int] | None:
+    """Gaps (indices) whose evictions lower ``level[a:p]`` so that ``extra`` more bytes fit
+    under ``budget`` there, costing less than ``gain`` in all; None when there are none."""
+    picked: list[int] = []
+    cost = 0.0
+    room = level.copy()
+    mask = gaps.free.copy()
+    while True:
+        over = room[a:p] + extra - budget
+        m = int(over.argmax())
+        if over[m] <= 0:
+            return picked
+        m += a
+        spans = np.flatnonzero(mask & (gaps.after < m) & (gaps.before > m))
+        choice = None
+        for g in spans[np.argsort(gaps.price[spans], kind="stable")]:
+            e = gaps.items[g]
+            if cost + e.cost >= gain:
+                return None  # (the cheapest left already costs too much)
+            if _conflicts(e, busy, reads_at, evicted):
+                mask[g] = False
+                continue
+            choice = int(g)
+            break
+        if choice is None:
+            return None
+        e = gaps.items[choice]
+        mask[choice] = False
+        picked.append(choice)
+        cost += e.cost
+        room[e.after + 1:e.before] -= e.bytes
+
+
+def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
+               evicted: dict[int, list[tuple[int, int]]]) -> bool:
+    """Whether evicting ``e`` would break a change already chosen: its next read is a dropped
+    recomputation, an input of its op is evicted over its next read, or a recomputation
+    inserted for another eviction reads its tensor within its gap."""
+    if e.before in busy:
+        return True
+    if any(a < e.before < b for x in e.inputs for a, b in evicted.get(x, ())):
+        return True
+    return any(e.after < q < e.before for q in reads_at.get(e.tensor, ()))
 
 
 def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget: int,
-                  deadline: float | None) -> list[_Choice]:
+                  deadline: float | None, gaps: _Gaps | None = None) -> list[_Choice]:
     """Recomputations to drop, most time saved per byte kept first, each fitting the timeline
-    as raised by the ones before it."""
+    as raised by the ones before it, or after evictions that make room (``gaps``)."""
     ops, tensors = graph.ops, graph.tensors
     last_compute: dict[int, int] = {}
     frees_of: dict[int, list[int]] = {}  # tensor -> positions of its frees
@@ -143,24 +266,60 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
     cands.sort(key=lambda c: -c[0] / max(c[3], 1))
     level = np.asarray(timeline, dtype=np.int64).copy()
     chosen: list[_Choice] = []
-    for n, (_, p, freed, extra) in enumerate(cands):
+    busy: set[int] = set()  # compute steps dropped, or that an eviction recomputes before
+    reads_at: dict[int, list[int]] = {}  # tensor -> steps where an inserted recompute reads it
+    evicted: dict[int, list[tuple[int, int]]] = {}  # tensor -> its evicted gaps
+    exchanges = 0
+    for n, (gain, p, freed, extra) in enumerate(cands):
         if deadline is not None and n % 64 == 63 and _time.perf_counter() > deadline:
             break
-        a = min(freed)
-        if extra and int(level[a:p].max()) + extra > budget:
+        if p in busy:
             continue
+        a = min(freed)
+        evictions: list[_Eviction] = []
+        if extra and int(level[a:p].max()) + extra > budget:
+            if gaps is None or not len(gaps.items) or exchanges >= _MAX_EXCHANGES:
+                continue
+            if any(a < q < p for x in ops[steps[p][1]].outputs for q in reads_at.get(x, ())):
+                continue
+            exchanges += 1
+            picked = _make_room(level, a, p, extra, budget, gain, gaps, busy | {p}, reads_at,
+                                evicted)
+            if picked is None:
+                continue
+            for g in picked:
+                e = gaps.items[g]
+                gaps.free[g] = False
+                level[e.after + 1:e.before] -= e.bytes
+                busy.add(e.before)
+                for x in ops[e.op].inputs:
+                    reads_at.setdefault(x, []).append(e.before)
+                evicted.setdefault(e.tensor, []).append((e.after, e.before))
+                evictions.append(e)
         level[a:p] += extra
-        chosen.append(_Choice(p, freed))
+        busy.add(p)
+        chosen.append(_Choice(p, freed, evictions))
     return chosen
 
 
 def _apply(graph: Graph, steps: list[Step], forward_len: int,
            choices: list[_Choice]) -> tuple[list[Step], int]:
     drop: set[int] = set()
+    free_after: dict[int, list[Step]] = {}
+    compute_before: dict[int, list[Step]] = {}
     for c in choices:
         drop.add(c.compute_pos)
         drop.update(c.free_pos)
-    kept = [(s, p < forward_len) for p, s in enumerate(steps) if p not in drop]
+        for e in c.evictions:
+            free_after.setdefault(e.after, []).append(("free", e.tensor))
+            compute_before.setdefault(e.before, []).append(("compute", e.op))
+    kept: list[_Placed] = []
+    for p, s in enumerate(steps):
+        fwd = p < forward_len
+        kept.extend((t, fwd) for t in compute_before.get(p, ()))
+        if p not in drop:
+            kept.append((s, fwd))
+        kept.extend((t, fwd) for t in free_after.get(p, ()))
     return _free_early(graph, _drop_dead_recomputes(graph, kept))
 
 
