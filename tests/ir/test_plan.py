@@ -216,6 +216,10 @@ def test_shortfall_says_what_happened(plan_and_graph: tuple[Plan, hrockmate.Grap
     timed_out = with_stats(optimal=False, status="Time limit reached").shortfall(30.0)
     assert timed_out is not None and "stopped at its time limit (30 s)" in timed_out
     assert "fell back" not in timed_out and "fallback" not in timed_out
+    # a MILP given a share of the limit (a later leaf size, the top level) says which
+    share = with_stats(optimal=False, status="Time limit reached",
+                       time_limit=7.25).shortfall(60.0)
+    assert share is not None and "end of its share (7.25 s of the solve's 60 s)" in share
     fell_back = with_stats(optimal=False, fallback="recompute-all").shortfall(300.0)
     assert fell_back is not None and "found no schedule within the budget" in fell_back
     assert "recompute-all schedule is used" in fell_back and "time limit" not in fell_back

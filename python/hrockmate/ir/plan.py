@@ -116,9 +116,17 @@ class Plan:
         """
         what = []
         if self.stats.get("status") == TIME_LIMIT_STATUS:
-            limit = f" ({time_limit:g} s)" if time_limit is not None else ""
-            what.append(f"the MILP stopped at its time limit{limit} before proving its plan "
-                        "optimal (raise time_limit for a better one)")
+            own = self.stats.get("time_limit")  # the MILP's own share of the solve's limit
+            if own is not None and (time_limit is None or own < 0.99 * time_limit):
+                # a share: later leaf sizes get what is left of the first seconds of the solve
+                # (``api.IMPROVE_SECONDS``), the top level part of what the blocks left
+                of = f" of the solve's {time_limit:g} s" if time_limit is not None else ""
+                what.append(f"the MILP stopped at the end of its share ({own:.3g} s{of}) "
+                            "before proving its plan optimal")
+            else:
+                limit = f" ({time_limit:g} s)" if time_limit is not None else ""
+                what.append(f"the MILP stopped at its time limit{limit} before proving its "
+                            "plan optimal (raise time_limit for a better one)")
         fallback = self.stats.get("fallback")
         if fallback and not self.stats.get("beats_hierarchy_plan"):
             what.append(f"the {self.method} method found no schedule within the budget, so "

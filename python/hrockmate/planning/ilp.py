@@ -728,6 +728,8 @@ def solve_level(
         "solve_seconds": round(t_solve, 4),
         "status": h.modelStatusToString(status),
     }
+    if time_limit is not None:
+        stats["time_limit"] = round(float(time_limit), 3)  # what this MILP was given
     if started_from:
         stats["started_from_schedule"] = True
     if stopped is not None:

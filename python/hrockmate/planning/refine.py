@@ -208,7 +208,8 @@ def _make_room(level: np.ndarray, a: int, p: int, extra: int, budget: int, gain:
             e = gaps.items[g]
             if cost + e.cost >= gain:
                 return None  # (the cheapest left already costs too much)
-            if _conflicts(e, busy, reads_at, evicted):
+            if _conflicts(e, busy, reads_at, evicted) or any(
+                    _clash(e, gaps.items[h]) or _clash(gaps.items[h], e) for h in picked):
                 mask[g] = False
                 continue
             choice = int(g)
@@ -232,6 +233,13 @@ def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
     if any(a < e.before < b for x in e.inputs for a, b in evicted.get(x, ())):
         return True
     return any(e.after < q < e.before for q in reads_at.get(e.tensor, ()))
+
+
+def _clash(e: _Eviction, other: _Eviction) -> bool:
+    """Whether ``other``'s recomputation reads ``e``'s tensor within ``e``'s gap, or both
+    recompute right before the same step."""
+    return e.before == other.before or (
+        e.tensor in other.inputs and e.after < other.before < e.before)
 
 
 def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget: int,
