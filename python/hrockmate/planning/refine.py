@@ -183,24 +183,30 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
     return _Gaps(found)
 
 
-# Exchanges tried per round at most (each scans the gaps once per eviction it adds)
+# Exchanges tried per round at most, and evictions per exchange (each eviction scans the gaps
+# once: bounded work on graphs of 100k ops)
 _MAX_EXCHANGES = 256
+_MAX_EVICTIONS = 32
 
 
 def _make_room(level: np.ndarray, a: int, p: int, extra: int, budget: int, gain: float,
                gaps: _Gaps, busy: set[int], reads_at: dict[int, list[int]],
-               evicted: dict[int, list[tuple[int, int]]]) -> list[int] | None:
+               evicted: dict[int, list[tuple[int, int]]],
+               deadline: float | None) -> list[int] | None:
     """Gaps (indices) whose evictions lower ``level[a:p]`` so that ``extra`` more bytes fit
     under ``budget`` there, costing less than ``gain`` in all; None when there are none."""
     picked: list[int] = []
     cost = 0.0
-    room = level.copy()
+    room = level[a:p].copy()
     mask = gaps.free.copy()
     while True:
-        over = room[a:p] + extra - budget
+        over = room + extra - budget
         m = int(over.argmax())
         if over[m] <= 0:
             return picked
+        if len(picked) >= _MAX_EVICTIONS or (
+                deadline is not None and _time.perf_counter() > deadline):
+            return None
         m += a
         spans = np.flatnonzero(mask & (gaps.after < m) & (gaps.before > m))
         choice = None
@@ -220,7 +226,7 @@ def _make_room(level: np.ndarray, a: int, p: int, extra: int, budget: int, gain:
         mask[choice] = False
         picked.append(choice)
         cost += e.cost
-        room[e.after + 1:e.before] -= e.bytes
+        room[max(e.after + 1 - a, 0):max(e.before - a, 0)] -= e.bytes
 
 
 def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
@@ -292,7 +298,7 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
                 continue
             exchanges += 1
             picked = _make_room(level, a, p, extra, budget, gain, gaps, busy | {p}, reads_at,
-                                evicted)
+                                evicted, deadline)
             if picked is None:
                 continue
             for g in picked:
