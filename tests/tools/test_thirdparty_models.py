@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 #: model -> two budgets as fractions of the store-all peak). At these tiny sizes
 #: parameter gradients are a large part of the peak, which puts the lowest feasible budget of
-#: GPT-2 near 0.47 and of ResNet18 near 0.58.
+#: GPT-2 near 0.47 and of ResNet18 near 0.58 (higher on some CPUs: ``_feasible``).
 BUDGETS: dict[str, tuple[float, float]] = {
     "gpt2": (0.7, 0.5),
     "bert": (0.7, 0.4),
@@ -139,14 +139,29 @@ def _no_plan_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HROCKMATE_CACHE_DIR", "off")
 
 
+def _feasible(model: nn.Module, sample: Any, loss_fn: Any,
+              budgets: tuple[float, ...]) -> tuple[float, ...]:
+    """``budgets``, each raised to a little above the graph's peak floor where that floor is
+    higher on this machine: CPU workspaces are measured, and they depend on the kernels the CPU
+    gets (oneDNN's backward of ResNet18's last convolution allocates 35 MB on an AVX2-only
+    EPYC, which puts the floor at 77% of store-all, against about 58% where it did not)."""
+    from hrockmate.ir.schedule import peak_lower_bound, simulate, store_all_schedule
+
+    graph = hrockmate.trace(copy.deepcopy(model), sample, loss_fn=loss_fn, cost="estimate")
+    floor = peak_lower_bound(graph)[0] / simulate(graph, store_all_schedule(graph)).peak_bytes
+    n = len(budgets)
+    return tuple(max(b, min(0.95, floor + 0.03 + 0.05 * (n - 1 - k)))
+                 for k, b in enumerate(budgets))
+
+
 # ---- the tests -----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_trains_exactly_within_two_budgets(name: str) -> None:
-    budgets = BUDGETS[name]
     torch.manual_seed(0)
     model, sample, loss_fn = BUILDERS[name]("tiny")
     model.train()
+    budgets = _feasible(model, sample, loss_fn, BUDGETS[name])
     if isinstance(loss_fn, str):  # transformers at its defaults: sdpa where the model has it
         assert model.config.use_cache and model.config.use_return_dict
         assert model.config._attn_implementation == (
