@@ -142,9 +142,10 @@ def _no_plan_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 def _feasible(model: nn.Module, sample: Any, loss_fn: Any,
               budgets: tuple[float, ...]) -> tuple[float, ...]:
     """``budgets``, each raised to a little above the graph's peak floor where that floor is
-    higher on this machine: CPU workspaces are measured, and they depend on the kernels the CPU
-    gets (oneDNN's backward of ResNet18's last convolution allocates 35 MB on an AVX2-only
-    EPYC, which puts the floor at 77% of store-all, against about 58% where it did not)."""
+    higher on this machine: CPU workspaces are measured, and they differ between machines (the
+    backward of ResNet18's last convolution measured 35 MB on a 2-core AMD EPYC with AVX2 and no
+    AVX-512, which put the floor at 77% of store-all; the budgets were chosen where the lowest
+    feasible one was about 58%)."""
     from hrockmate.ir.schedule import peak_lower_bound, simulate, store_all_schedule
 
     graph = hrockmate.trace(copy.deepcopy(model), sample, loss_fn=loss_fn, cost="estimate")
