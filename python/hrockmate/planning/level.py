@@ -192,13 +192,19 @@ def _dying_inputs(ctx: GraphFacts, lvl: _Level, tensor_ids: dict[int, int]) -> N
         if not dead:
             continue
         dying = frozenset(lvl.value_tensor[v] for v in dead)
-        mem = {lvl.value_tensor[v] for v in dead if p.values[v].bytes > 0}
-        mem_bytes = sum(p.values[v].bytes for v in dead)
         out_counted = sum(p.values[v].bytes for v in dict.fromkeys(node.outputs))
         own = own_storages(ctx, c)
-        for o, opt in zip(node.options, c.options):
-            start = {**_outside(ctx, dying, mem), **opt.saved_state}
-            peak, _ = fragment_peak(ctx, opt.bwd, own | mem, start, dying)
+        for idx, (o, opt) in enumerate(zip(node.options, c.options)):
+            # a dead input this option does not read is freed by the level before the node
+            # runs (its free waits only for the options that read it): it is neither alive
+            # in the fragment nor to be taken off the level's count again
+            reads = None if node.option_inputs is None else node.option_inputs[idx]
+            dead_o = dead if reads is None else {v for v in dead if v in reads}
+            dying_o = frozenset(lvl.value_tensor[v] for v in dead_o)
+            mem = {lvl.value_tensor[v] for v in dead_o if p.values[v].bytes > 0}
+            mem_bytes = sum(p.values[v].bytes for v in dead_o)
+            start = {**_outside(ctx, dying_o, mem), **opt.saved_state}
+            peak, _ = fragment_peak(ctx, opt.bwd, own | mem, start, dying_o)
             opt_ov = peak - opt.saved_bytes - out_counted - mem_bytes
             o.overhead = min(o.overhead, opt_ov)
         lvl.dying[k] = dying
