@@ -81,8 +81,7 @@ def _one_round(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
     base = _sim(graph, arrays, steps, forward_len)
     if base is None or base.peak_bytes > budget:
         return None
-    choices = _keep_choices(graph, steps, base.timeline, budget, deadline,
-                            _eviction_gaps(graph, steps))
+    choices = _keep_choices(graph, steps, base.timeline, budget, deadline)
     if not choices:
         return None
 
@@ -249,9 +248,10 @@ def _clash(e: _Eviction, other: _Eviction) -> bool:
 
 
 def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget: int,
-                  deadline: float | None, gaps: _Gaps | None = None) -> list[_Choice]:
+                  deadline: float | None) -> list[_Choice]:
     """Recomputations to drop, most time saved per byte kept first, each fitting the timeline
-    as raised by the ones before it, or after evictions that make room (``gaps``)."""
+    as raised by the ones before it, or after evictions that make room (``_eviction_gaps``,
+    found at the first recomputation that needs them)."""
     ops, tensors = graph.ops, graph.tensors
     last_compute: dict[int, int] = {}
     frees_of: dict[int, list[int]] = {}  # tensor -> positions of its frees
@@ -283,6 +283,7 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
     busy: set[int] = set()  # compute steps dropped, or that an eviction recomputes before
     reads_at: dict[int, list[int]] = {}  # tensor -> steps where an inserted recompute reads it
     evicted: dict[int, list[tuple[int, int]]] = {}  # tensor -> its evicted gaps
+    gaps: _Gaps | None = None
     exchanges = 0
     for n, (gain, p, freed, extra) in enumerate(cands):
         if deadline is not None and n % 64 == 63 and _time.perf_counter() > deadline:
@@ -292,11 +293,13 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
         a = min(freed)
         evictions: list[_Eviction] = []
         if extra and int(level[a:p].max()) + extra > budget:
-            if gaps is None or not len(gaps.items) or exchanges >= _MAX_EXCHANGES:
+            if exchanges >= _MAX_EXCHANGES:
                 continue
             if any(a < q < p for x in ops[steps[p][1]].outputs for q in reads_at.get(x, ())):
                 continue
             exchanges += 1
+            if gaps is None:
+                gaps = _eviction_gaps(graph, steps)
             picked = _make_room(level, a, p, extra, budget, gain, gaps, busy | {p}, reads_at,
                                 evicted, deadline)
             if picked is None:
@@ -306,7 +309,7 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
                 gaps.free[g] = False
                 level[e.after + 1:e.before] -= e.bytes
                 busy.add(e.before)
-                for x in ops[e.op].inputs:
+                for x in e.inputs:
                     reads_at.setdefault(x, []).append(e.before)
                 evicted.setdefault(e.tensor, []).append((e.after, e.before))
                 evictions.append(e)
