@@ -12,9 +12,13 @@ import textwrap
 import pytest
 
 # A fresh process (the setting is process-wide): build an HRockmate module on the CPU, then
-# allocate, touch and free a 64 MiB tensor three times and count the page faults of the last
-# round. glibc serves such a block with mmap and unmaps it on free unless told otherwise, so
-# every round faults all 16384 pages in again.
+# allocate, touch and free a 64 MiB tensor three times; in the last round count the page faults
+# and how much the resident size drops at the free. glibc serves such a block with mmap and
+# unmaps it on free unless told otherwise, so every round faults all 16384 pages in again.
+# Kept, the block stays in the process; whether the next allocation reuses it (no faults) is
+# glibc's choice: in about one process in four (address-space layout randomisation) the
+# aligned allocation torch asks for does not fit the freed chunk and the heap grows instead,
+# so only the resident size is asserted when kept.
 _PROBE = textwrap.dedent("""
     import json, resource, sys
     import torch
@@ -23,14 +27,19 @@ _PROBE = textwrap.dedent("""
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     HRockmate(model, torch.randn(4, 8), cache=False)
-    faults = []
+    def resident():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
     for _ in range(3):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t = torch.empty(16 * 2**20, dtype=torch.float32)
         t.fill_(1.0)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        held = resident()
         del t
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(json.dumps({"kept": keep_freed_cpu_memory(), "faults": faults[-1]}))
+        dropped = held - resident()
+    print(json.dumps({"kept": keep_freed_cpu_memory(), "faults": faults, "dropped": dropped}))
 """)
 
 
@@ -53,12 +62,15 @@ def _probe(**env: str) -> dict[str, int]:
 
 
 @pytest.mark.skipif(not _glibc(), reason="the setting is glibc's (Linux); elsewhere it is a no-op")
-def test_freed_cpu_memory_is_reused_without_page_faults() -> None:
-    pages = 64 * 2**20 // 4096
+def test_freed_cpu_memory_stays_in_the_process() -> None:
+    block = 64 * 2**20
+    pages = block // 4096
     kept = _probe(HROCKMATE_KEEP_CPU_MEMORY="1")
     assert kept["kept"] is True
-    assert kept["faults"] < pages // 10, kept
-    # turned off: the C library's defaults, and the block is faulted in again
+    assert kept["dropped"] < block // 10, kept
+    # turned off: the C library's defaults; the block goes back to the OS at the free and is
+    # faulted in again at the next allocation
     default = _probe(HROCKMATE_KEEP_CPU_MEMORY="0")
     assert default["kept"] is False
+    assert default["dropped"] > block // 2, default
     assert default["faults"] > pages // 2, default

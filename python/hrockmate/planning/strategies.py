@@ -344,21 +344,26 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
             del refs[inst]
 
     def evict_one(locked: set[int]) -> bool:
-        best, best_score = None, math.inf
+        """Evict the storage with the lowest score; a storage goes with every alive tensor on
+        it (a ReLU's output and the detached view its backward reads are freed together, or
+        neither frees a byte), and only when all of them may be evicted."""
+        on_storage: dict[int, list[int]] = {}
         for x in alive:
-            if not evictable[x] or x in locked:
+            if x in instance:  # not a parameter or an input
+                on_storage.setdefault(instance[x], []).append(x)
+        best, best_score = None, math.inf
+        for inst, xs in on_storage.items():
+            if inst_bytes[inst] == 0 or any(not evictable[x] or x in locked for x in xs):
                 continue
-            inst = instance[x]
-            freed = inst_bytes[inst] if refs[inst] == 1 else 0
-            if freed == 0:
-                continue
-            stale = clock[0] - last_access[x] + 1
-            score = (ops[prod[x]].time + 1e-12) / (freed * stale)  # type: ignore[index]
+            stale = clock[0] - max(last_access[x] for x in xs) + 1
+            redo = sum(ops[prod[x]].time for x in xs)  # type: ignore[index]
+            score = (redo + 1e-12) / (inst_bytes[inst] * stale)
             if score < best_score:
-                best, best_score = x, score
+                best, best_score = xs, score
         if best is None:
             return False
-        free(best)
+        for x in sorted(best, reverse=True):  # views (made after their base) first
+            free(x)
         return True
 
     def run(j: int, locked: set[int]) -> bool:
