@@ -214,8 +214,11 @@ def test_run_highs_stops_a_search_that_stopped_improving() -> None:
 def interrupt_after_start(code: str, wait: float = 1.0) -> tuple[subprocess.CompletedProcess[str], float]:
     """Run ``code`` (which prints "started" when the long call begins), send SIGINT ``wait``
     seconds later; the finished process and the seconds it took to exit after the signal."""
+    # a test run started in the background inherits SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler: the child gets the default disposition back
     p = subprocess.Popen(python_command(code), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=REPO)
+                         text=True, cwd=REPO,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "started"
     time.sleep(wait)

@@ -472,13 +472,40 @@ def test_small_graph_whose_hierarchy_falls_back_tries_the_op_level(data_graphs: 
 
 
 def test_over_budget_hierarchy_schedules_fall_back_instead_of_failing(data_graphs: Path) -> None:
-    # TW-Remat leaves on ResNet50 at 30%: the top's schedule simulates 0.8% over the budget
-    # (its memory model misses part of a leaf's storage); re-solving lower or a fallback must
-    # give a plan within the budget, never an error
+    # TW-Remat leaves on ResNet50 at 30%: the top's schedule simulated 0.8% over the budget
+    # (its memory model missed part of a leaf's storage); a fallback must give a plan within
+    # the budget, never an error
     g = Graph.load(data_graphs / "resnet_like_train.json")
     plan = hrockmate.solve_graph(g, 0.3, flat_ops=0, progress=False,
                                  solvers={"leaves": "twremat"})
     _check(plan, g)
+
+
+def test_a_top_schedule_over_the_budget_is_reported_and_replaced(monkeypatch, caplog) -> None:
+    # the top MILP is made to return the store-all schedule, which simulates over the budget:
+    # the plan is not solved again lower; the overshoot is logged with its size and the plan
+    # comes from the fallbacks, within the budget
+    from hrockmate.planning import policy
+
+    g = training_graph(24, seed=3)
+    store = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
+    budget = int(0.7 * store.peak_bytes)
+    calls = []
+
+    def over_budget(h, b, **kw):
+        calls.append(b)
+        s = hrockmate.store_all_schedule(g)
+        return [(str(k), int(i)) for k, i in s.steps], int(s.forward_len), True, {}
+
+    monkeypatch.setattr(policy, "solve_top", over_budget)
+    with caplog.at_level(logging.WARNING, logger="hrockmate"):
+        plan = hrockmate.solve_graph(g, budget, progress=False, flat_ops=0, exact_ops=0,
+                                     time_limit=30)
+    _check(plan, g)
+    assert calls and all(b == budget for b in calls if b is not None)
+    over = store.peak_bytes - budget
+    assert any(f"simulates {over} bytes" in r.getMessage() for r in caplog.records)
+    assert plan.stats.get("fallback")
 
 
 def test_default_workers_follow_the_cores_and_a_container_quota(monkeypatch, tmp_path) -> None:

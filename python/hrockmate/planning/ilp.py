@@ -158,8 +158,8 @@ class StagePlan:
 
 
 class LevelInfeasible(Exception):
-    """The level has no schedule within the given budget (proven by the solver, or none of
-    the re-solves below it fitted when simulated)."""
+    """The level has no schedule within the given budget (proven by the solver, or its
+    schedule simulated over the budget: ``policy._within_budget``)."""
 
 
 class LevelNoSolution(Exception):
@@ -317,6 +317,13 @@ class _Builder:
         return lp
 
 
+# Taken off the memory rows' right-hand side, in units of the budget: HiGHS accepts a row
+# violated by up to its mip_feasibility_tolerance (1e-6) and a binary up to its integrality
+# tolerance (1e-6) off 0 or 1, and a memory row sums many binaries; 1e-5 of the budget (10 KB
+# of 1 GB) covers both, so no accepted schedule simulates over the budget.
+MEMORY_TOLERANCE_MARGIN = 1e-5
+
+
 @dataclass
 class _Model:
     builder: _Builder
@@ -471,9 +478,11 @@ def build_model(
 
     # peak variable for the min-peak variant
     peak_col = b.col(1.0, 0.0, math.inf, False) if minimize_peak else None
-    # memory sums whole bytes: half a byte of slack accepts a peak equal to the budget; the
-    # caller re-solves slightly lower if solver tolerances ever put a schedule over it
-    limit = (float(budget) + 0.5) / scale if not minimize_peak else 0.0  # type: ignore[arg-type]
+    # memory sums whole bytes: half a byte of slack accepts a peak equal to the budget, and
+    # the solver's feasibility and integrality tolerances are taken off, so a solution the
+    # solver accepts as feasible is within the budget when its binaries are rounded
+    limit = ((float(budget) + 0.5) / scale - MEMORY_TOLERANCE_MARGIN  # type: ignore[arg-type]
+             if not minimize_peak else 0.0)
 
     # memory: U[t,k] by recurrence over the computable nodes of the stage
     counted_by_stage_user: dict[int, list[int]] = {}
