@@ -333,11 +333,14 @@ class ParetoPoint:
         return None if self.plan is None else self.plan.time
 
 
-def with_hierarchy(graph: Graph, options: Mapping[str, Any]) -> dict[str, Any]:
+def with_hierarchy(graph: Graph, options: Mapping[str, Any], *,
+                   workers: int | None = None) -> dict[str, Any]:
     """``solve_graph`` options for several solves of ``graph`` (other budgets): with method
-    ``"hrockmate"`` the hierarchy and its block options are built once here and reused, so
-    each solve only solves the top level. When the time limit runs out while building it, the
-    options are returned as they are (each solve then falls back as it would alone)."""
+    ``"hrockmate"`` the hierarchy and its block options are built once here, for each leaf
+    size ``solve_graph`` would try, and reused, so each solve only solves the top levels.
+    ``workers``: threads solving the blocks (``prepare``). When the time limit runs out while
+    building them, the options are returned with the hierarchies built so far (none: each
+    solve then falls back as it would alone)."""
     options = dict(options)
     if options.get("method", "hrockmate") == "hrockmate" and options.get("hierarchy") is None:
         keys = ("flat_ops", "group_size", "top_size", "time_limit", "sub_time_limit",
@@ -356,7 +359,7 @@ def with_hierarchy(graph: Graph, options: Mapping[str, Any]) -> dict[str, Any]:
             if limit is not None:  # a later leaf size
                 kw["time_limit"] = limit
             try:
-                prepared.append(prepare(graph, leaf_size=size, **kw))
+                prepared.append(prepare(graph, leaf_size=size, workers=workers, **kw))
             except HierarchyTimeout:
                 break
         if prepared:
