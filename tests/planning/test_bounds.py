@@ -209,6 +209,20 @@ def test_run_highs_stops_a_search_that_stopped_improving() -> None:
     assert run_highs(h, deadline=time.perf_counter() + 0.3, stall=60.0) == "deadline"
 
 
+def test_run_highs_stops_soon_once_the_gap_is_small() -> None:
+    """A best schedule within ``CLOSE_GAP`` of the bound that has not improved for
+    ``CLOSE_GAP_STALL_SECONDS`` ends the search, even with a long ``stall``."""
+    from hrockmate.planning import ilp
+
+    h = _hard_knapsack()  # runs well past 30 s; its gap falls under 0.5% within seconds
+    start = time.perf_counter()
+    why = ilp.run_highs(h, deadline=start + 60.0, stall=30.0)
+    assert why == "stall"
+    assert time.perf_counter() - start < 25.0
+    assert h.getInfo().mip_gap <= ilp.CLOSE_GAP
+    assert h.getInfo().primal_solution_status == 2
+
+
 # ---- item 3: Ctrl-C ----------------------------------------------------------------------------
 
 def interrupt_after_start(code: str, wait: float = 1.0) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -597,6 +597,12 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
 STALL_IMPROVEMENT = 1e-3
 STALL_FACTOR = 0.5
 START_STALL_FACTOR = 2.0
+# Once HiGHS's relative gap is at most CLOSE_GAP, what is left to gain is that much at most:
+# a best schedule that has not improved for CLOSE_GAP_STALL_SECONDS then ends the search (the
+# top MILP of MobileNet at 30% found its schedule at 4.2 s with a 0.3% gap and used to wait 5 s
+# more for nothing).
+CLOSE_GAP = 5e-3
+CLOSE_GAP_STALL_SECONDS = 1.0
 
 
 def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
@@ -613,7 +619,8 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     past it. Past the deadline HiGHS is interrupted and returns the best schedule it has.
 
     ``stall`` (seconds) stops a MIP whose best schedule has not improved (by more than
-    ``STALL_IMPROVEMENT``) for ``max(stall, STALL_FACTOR x the time it took to find it)``;
+    ``STALL_IMPROVEMENT``) for ``max(stall, STALL_FACTOR x the time it took to find it)``, or
+    for ``CLOSE_GAP_STALL_SECONDS`` once the gap is within ``CLOSE_GAP``;
     ``started_from``: HiGHS was given a starting schedule, which it reports at once, so that one
     is kept for ``START_STALL_FACTOR x stall`` (HiGHS's own heuristics take that long to find
     anything better on the op-level MILPs of 50-80 ops).
@@ -627,10 +634,17 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     started = _time.perf_counter()
     best = [math.inf, started]  # best objective so far, and when it was found
     found = [0]  # how many better schedules HiGHS reported
+    gap = [math.inf]  # HiGHS's relative gap, as its MIP loop last reported it
 
     def interrupt_when_asked(event: Any) -> None:
         if stop.is_set() or (cancel is not None and cancel.is_set()):
             event.interrupt()
+
+    def mip_interrupt_when_asked(event: Any) -> None:
+        value = event.data_out.mip_gap
+        if math.isfinite(value):
+            gap[0] = value
+        interrupt_when_asked(event)
 
     def note_better(event: Any) -> None:
         value = event.data_out.objective_function_value
@@ -642,12 +656,15 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     def stalled() -> bool:
         if stall is None or not math.isfinite(best[0]):
             return False
+        quiet = _time.perf_counter() - best[1]
+        if gap[0] <= CLOSE_GAP:
+            return quiet > CLOSE_GAP_STALL_SECONDS
         window = stall * (START_STALL_FACTOR if started_from and found[0] == 1 else 1.0)
-        return _time.perf_counter() - best[1] > max(window, STALL_FACTOR * (best[1] - started))
+        return quiet > max(window, STALL_FACTOR * (best[1] - started))
 
     h.cbSimplexInterrupt += interrupt_when_asked
     h.cbIpmInterrupt += interrupt_when_asked
-    h.cbMipInterrupt += interrupt_when_asked
+    h.cbMipInterrupt += mip_interrupt_when_asked
     h.cbMipImprovingSolution += note_better
     failure: list[BaseException] = []
     done = threading.Event()
@@ -679,7 +696,7 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     finally:
         h.cbSimplexInterrupt -= interrupt_when_asked
         h.cbIpmInterrupt -= interrupt_when_asked
-        h.cbMipInterrupt -= interrupt_when_asked
+        h.cbMipInterrupt -= mip_interrupt_when_asked
         h.cbMipImprovingSolution -= note_better
     if failure:
         raise failure[0]
