@@ -362,7 +362,7 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
                 best, best_score = xs, score
         if best is None:
             return False
-        for x in sorted(best, reverse=True):  # views (made after their base) first
+        for x in sorted(best, reverse=True):  # any order frees the storage; this one is fixed
             free(x)
         return True
 
