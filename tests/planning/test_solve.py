@@ -658,3 +658,45 @@ def test_top_plans_fit_without_solving_again(data_graphs: Path, name: str) -> No
     h = hierarchy_mod.prepare(g, flat_ops=0, leaf_size=4, progress=False, time_limit=120)
     steps, fl, _, _ = hierarchy_mod.solve_top(h, budget, time_limit=60, mip_rel_gap=1e-4)
     assert hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).peak_bytes <= budget
+
+
+def test_block_limits_go_loosest_first_and_skip_those_already_met(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block's capped solves run from the loosest cap down; a cap that the schedule found
+    under a looser one already meets is not solved again (its fastest is that schedule)."""
+    from hrockmate import models
+    from hrockmate.planning import ilp
+
+    model, sample = models.gpt2_tiny(n_layer=2)
+    g = hrockmate.trace(model, sample)
+    h = hierarchy_mod.prepare(g, flat_ops=0, leaf_size=8, progress=False, workers=1)
+    st = hierarchy_mod._Settings(None, 1.0, 1e-2)
+    caps: list[float] = []
+    real = ilp.solve_level
+
+    def recording(*args: Any, **kw: Any) -> Any:
+        if kw.get("boundary_limit") is not None and not kw.get("minimize_peak"):
+            caps.append(kw["boundary_limit"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ilp, "solve_level", recording)
+    skipped = 0
+    stack = list(h.root.children)
+    while stack:
+        b = stack.pop()
+        stack.extend(b.children)
+        caps.clear()
+        options = hierarchy_mod._block_options(h.ctx, b, st)
+        if not caps:
+            continue
+        # the first cap is the loosest: a fraction of what the fastest schedule keeps
+        first_saved = caps[0] / max(st.saved_fractions)
+        assert caps == sorted(caps, reverse=True)
+        wanted = {f * first_saved for f in st.saved_fractions}
+        assert all(any(cap == pytest.approx(w) for w in wanted) for cap in caps)
+        left_out = [w for w in wanted if not any(cap == pytest.approx(w) for cap in caps)]
+        skipped += len(left_out)
+        # every cap left out is met by an option found under a looser cap
+        for cap in left_out:
+            assert any(o.saved_bytes <= cap for o in options)
+    assert skipped > 0

@@ -58,7 +58,7 @@ def solve_graph(
     leaf_size: int | None = None,
     group_size: int = GROUP_SIZE,
     top_size: int = 16,
-    sub_time_limit: float = 1.0,
+    sub_time_limit: float | None = None,
     progress: bool = True,
     hierarchy: Hierarchy | Sequence[Hierarchy] | None = None,
     solvers: Mapping[str, str] | None = None,
@@ -84,6 +84,8 @@ def solve_graph(
             ops: 6, 4, 8, then 9), keeping the fastest plan (``hierarchy.leaf_sizes``;
             ``plan.stats["leaf_size"]`` says which); the later sizes only within the first
             9 s of the solve (``IMPROVE_SECONDS``).
+        sub_time_limit: seconds for each memory-limited MILP that makes a block's options
+            (None: ``hierarchy.SUB_TIME_LIMIT``, 0.3 s).
         hierarchy: a prepared hierarchy (``with_hierarchy``), or several (one per leaf size;
             the fastest plan is kept), to solve only the top level.
         exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose

@@ -161,16 +161,30 @@ TOP_TIME_SHARE = 0.7
 REFINE_TIME_SHARE = 0.2
 
 
+# A block's options (``_block_options``): the fastest schedule, then the fastest under caps on
+# what its forward keeps for its backward (fractions of what the fastest keeps), the lowest
+# peak, and the fastest under peaks between the lowest and the fastest's (fractions of the way).
+# The 1/8 cap took the demo GPT-2 at 50% from +22.9% to +21.5% and at 30% from +48.3% to +43.7%,
+# and the 24-layer enc-dec at 30% from +35.1% to +33.2%, for ~15% more block-solving time. The
+# 1/16 and 3/8 caps and the 1/4 and 3/4 peaks, with block MILPs of 0.3 s instead of 1 s, took it
+# (one trace, leaves of 8) from +5.7 / +12.4 / +23.6% to +4.7 / +10.7 / +20.4% at 70/50/30% in
+# about the same time (the blocks' MILPs: a third of the time limit finds as good options; the
+# lowest-peak ones were cut at 1 s before and are at 0.3 s now). Over the never-costlier
+# benchmark's 64 solves: 5 plans faster, 2 slower by 0.2-0.3 points, the same total time.
+SAVED_FRACTIONS: tuple[float, ...] = (0.0, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75)
+PEAK_FRACTIONS: tuple[float, ...] = (0.25, 0.5, 0.75)
+# Seconds for one block MILP under a memory limit (the lowest peak, a peak between; the caps on
+# what the forward keeps get ``_FRACTION_TIME`` times this).
+SUB_TIME_LIMIT = 0.3
+
+
 @dataclass
 class _Settings:
     time_limit: float | None
     sub_time_limit: float
     mip_rel_gap: float
-    # caps on what a block's forward keeps, as fractions of what its fastest schedule keeps. The
-    # 1/8 cap took the demo GPT-2 at 50% from +22.9% to +21.5% and at 30% from +48.3% to +43.7%,
-    # and the 24-layer enc-dec at 30% from +35.1% to +33.2%, for ~15% more block-solving time.
-    saved_fractions: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 0.75)
-    peak_fractions: tuple[float, ...] = (0.5,)
+    saved_fractions: tuple[float, ...] = field(default_factory=lambda: SAVED_FRACTIONS)
+    peak_fractions: tuple[float, ...] = field(default_factory=lambda: PEAK_FRACTIONS)
     solvers: dict[str, str] = field(default_factory=dict)  # level kind -> solver
     deadline: float | None = None  # perf_counter time by which every block must be solved
     # set when the blocks would not all be solved by the deadline with full option sets
@@ -258,23 +272,32 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
     options = [first]
     # the Rust core's front already covers what the forward keeps against what the backward
     # recomputes, exactly: beside it the ILP adds only the options of lower peaks
+    # Limits are taken loosest first: a schedule found under a looser limit that already meets
+    # a tighter one is also the fastest there (up to the MILP's gap), so that MILP is skipped.
     if block.bwd_ops and first.saved_bytes > 0 and not (extra and provider == "rust"):
-        for frac in st.saved_fractions:
-            o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None,
-                        boundary_limit=frac * first.saved_bytes)
+        last = first
+        for frac in sorted(st.saved_fractions, reverse=True):
+            cap = frac * first.saved_bytes
+            if last.saved_bytes <= cap:
+                continue
+            o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None, boundary_limit=cap)
             if o is not None:
                 options.append(o)
+                last = o
     low = attempt(budget=None, minimize_peak=True, boundary_limit=boundary0)
     if low is not None:
         options.append(low)
         internal = _internal_storages(ctx, block)
         hi_peak, lo_peak = _internal_peak(ctx, first, internal), _internal_peak(ctx, low, internal)
-        for frac in st.peak_fractions:
-            if hi_peak <= lo_peak:
-                break
-            o = attempt(budget=lo_peak + frac * (hi_peak - lo_peak), boundary_limit=None)
+        last_peak = hi_peak
+        for frac in sorted(st.peak_fractions, reverse=True):
+            limit = lo_peak + frac * (hi_peak - lo_peak)
+            if hi_peak <= lo_peak or last_peak <= limit:
+                continue
+            o = attempt(budget=limit, boundary_limit=None)
             if o is not None:
                 options.append(o)
+                last_peak = _internal_peak(ctx, o, internal)
     if extra:
         block.solver = leaves
     return pareto_filter(options + extra)
@@ -338,7 +361,8 @@ class Hierarchy:
 
 def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
             group_size: int = GROUP_SIZE,
-            top_size: int = 16, time_limit: float | None = None, sub_time_limit: float = 1.0,
+            top_size: int = 16, time_limit: float | None = None,
+            sub_time_limit: float | None = None,
             mip_rel_gap: float = 1e-4, progress: bool = True,
             workers: int | None = None, solvers: Mapping[str, str] | None = None) -> Hierarchy:
     """Build the hierarchy and compute the options of every block below the root.
@@ -357,7 +381,8 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
         root = build_hierarchy(graph, leaf_size, group_size, top_size,
                                leaf_options=chosen["leaves"] in ("rust", "ilp+rust")
                                or time_limit is not None)
-    st = _Settings(time_limit, sub_time_limit, mip_rel_gap, solvers=chosen,
+    st = _Settings(time_limit, SUB_TIME_LIMIT if sub_time_limit is None else sub_time_limit,
+                   mip_rel_gap, solvers=chosen,
                    deadline=None if time_limit is None
                    else t0 + HIERARCHY_TIME_SHARE * time_limit)
     by_height: dict[int, list[Block]] = {}
