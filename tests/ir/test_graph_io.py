@@ -310,3 +310,31 @@ def test_flat_array_boundary_errors() -> None:
     names = {"tensor_names": [t.name for t in g.tensors], "op_names": [o.name for o in g.ops]}
     with pytest.raises(ValueError, match="op 1 'relu': is a forward op but reads tensor 7 'dh'"):
         _native.check_graph(**{**arrays, "op_in_idx": idx}, **names)
+
+
+def test_arrays_are_converted_once_inside_arrays_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside ``arrays_cached`` the graph is converted once (a solve simulates many schedules);
+    outside, or for another graph, every call converts again, so a changed graph is seen."""
+    import hrockmate.ir.graph as graph_mod
+
+    calls = []
+    real = graph_mod._exact_arrays
+
+    def counting(g: Graph) -> Any:
+        calls.append(g)
+        return real(g)
+
+    monkeypatch.setattr(graph_mod, "_exact_arrays", counting)
+    g, other = mlp_graph(), mlp_graph()
+    with g.arrays_cached():
+        first = g.to_arrays()
+        first["op_time"] = None  # a caller's change to its dict does not reach the cache
+        with g.arrays_cached():  # nested: the same conversion
+            again = g.to_arrays()
+        assert again["op_time"] is not None and np.array_equal(again["op_time"],
+                                                               g.to_arrays()["op_time"])
+        other.to_arrays()
+        other.to_arrays()
+    assert calls == [g, other, other]
+    g.ops[0].time = 1.0  # outside the block the graph may change, and is converted again
+    assert g.to_arrays()["op_time"][0] == 1.0 and calls[-1] is g

@@ -218,6 +218,22 @@ def test_schedule_constructor_errors(tmp_path: Path) -> None:
         Schedule([("compute",)], 0)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="forward_len 3 must be between 0 and the number of steps"):
         Schedule([("compute", 0)], 3)
+    # the bulk check of plain (kind, int) tuples lets none of these through either
+    with pytest.raises(ValueError, match="step 1: id must be an integer >= 0, got True"):
+        Schedule([("compute", 0), ("free", True)], 0)
+    with pytest.raises(ValueError, match="step 0: id 9223372036854775808 is out of range"):
+        Schedule([("free", 2**63)], 0)
+    with pytest.raises(ValueError, match="step 0: kind must be 'compute' or 'free', got \\['c'\\]"):
+        Schedule([(["c"], 0)], 0)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="step 0: kind must be 'compute' or 'free', got 'a'"):
+        Schedule(["ab"], 0)  # type: ignore[list-item]
+    # lists, numpy ids and tuples come out as (str, int) tuples, and a copy of the input
+    given = [["compute", np.int64(0)], ("free", 1)]
+    s = Schedule(given, 1)  # type: ignore[arg-type]
+    assert s.steps == [("compute", 0), ("free", 1)] and type(s.steps[0][1]) is int
+    plain = [("compute", 0), ("free", 1)]
+    s = Schedule(plain, 1)
+    assert s.steps == plain and s.steps is not plain
     with pytest.raises(ValueError, match="step_kind item 1 is 2"):
         Schedule.from_arrays(np.array([0, 2], np.int8), np.array([0, 0]), 0)
     with pytest.raises(ValueError, match="cannot read schedule file"):

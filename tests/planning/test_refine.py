@@ -142,3 +142,34 @@ def test_an_exchange_keeps_the_expensive_output_and_recomputes_the_cheap_one() -
     names = [g.ops[i].name for k, i in r.steps if k == "compute"]
     assert names.count("f1") == 1 and names.count("f2") == 2  # f1 kept, f2 made again
     assert r.time == before.time - 10.0 + 1.0
+
+
+def test_dead_recomputation_chains_go_whole_in_one_pass() -> None:
+    """A chain of recomputations that only fed each other, ending in one freed unread, is
+    removed whole however long it is (it was cut at 16 links), and nothing else is."""
+    from hrockmate.ir.graph import Op, Tensor
+    from hrockmate.planning.refine import _drop_dead_recomputes
+
+    n = 40
+    g = Graph(name="chain")
+    x = g.add_tensor(Tensor("x", 8, "input"))
+    ts = [g.add_tensor(Tensor(f"t{k}", 8)) for k in range(n)]
+    for k in range(n):
+        g.add_op(Op(f"f{k}", "forward", 1.0, [x if k == 0 else ts[k - 1]], [ts[k]]))
+    first = [("compute", k) for k in range(n)] + [("free", t) for t in ts]
+    # the chain again, each link freeing its input once read; the last output is never read
+    again: list[tuple[str, int]] = []
+    for k in range(n):
+        again.append(("compute", k))
+        if k:
+            again.append(("free", ts[k - 1]))
+    again.append(("free", ts[-1]))
+    tail = [("compute", 0), ("compute", 1), ("compute", 2), ("free", ts[0]), ("free", ts[1]),
+            ("free", ts[2])]
+    out = [s for s, _ in _drop_dead_recomputes(g, [(s, True) for s in first + again + tail])]
+    # f2's output is freed unread: f2 goes, then f1's output is unread, then f0's: only the
+    # first runs are left
+    assert out == first
+    # a recomputation whose output stays alive (or is read by one that does) is kept
+    alive_end = first + [("compute", 0), ("compute", 1), ("free", ts[0])]
+    assert [s for s, _ in _drop_dead_recomputes(g, [(s, True) for s in alive_end])] == alive_end

@@ -22,6 +22,7 @@ SCHEDULE_FORMAT = "hrockmate-schedule"
 SCHEDULE_VERSION = 1
 STEP_KINDS: tuple[str, ...] = ("compute", "free")
 MAX_ID = 2**63 - 1  # ids cross into the core as int64
+_KIND_SET = frozenset(STEP_KINDS)
 
 Step = tuple[str, int]  # ("compute", op id) or ("free", tensor id)
 
@@ -35,6 +36,46 @@ class ScheduleError(ValueError):
         self.step = step
 
 
+def _plain_steps(steps: list[Any]) -> bool:
+    """Whether every step is already a ``(kind, id)`` tuple of a known kind and a plain int id
+    in range (the planner's own schedules): checked in bulk, ~10x faster than step by step."""
+    if not steps:
+        return True
+    if set(map(type, steps)) != {tuple} or set(map(len, steps)) != {2}:
+        return False
+    try:
+        kinds = {k for k, _ in steps}
+    except TypeError:  # an unhashable kind: the step-by-step check names it
+        return False
+    ids = [i for _, i in steps]
+    return (kinds <= _KIND_SET and set(map(type, ids)) == {int}
+            and min(ids) >= 0 and max(ids) <= MAX_ID)
+
+
+def _checked_steps(steps: list[Any]) -> list[Step]:
+    """The steps as ``(kind, int id)`` tuples, or ValueError naming the first bad one."""
+    checked: list[Step] = []
+    for i, step in enumerate(steps):
+        try:
+            kind, ident = step
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"schedule step {i}: expected a (kind, id) pair, got {step!r}"
+            ) from None
+        if kind not in STEP_KINDS:
+            raise ValueError(
+                f"schedule step {i}: kind must be 'compute' or 'free', got {kind!r}"
+            )
+        if isinstance(ident, bool) or not isinstance(ident, (int, np.integer)) or ident < 0:
+            raise ValueError(f"schedule step {i}: id must be an integer >= 0, got {ident!r}")
+        if ident > MAX_ID:
+            raise ValueError(
+                f"schedule step {i}: id {ident} is out of range (ids are at most 2^63-1)"
+            )
+        checked.append((kind, int(ident)))
+    return checked
+
+
 class Schedule:
     """A sequence of ``("compute", op_id)`` / ``("free", tensor_id)`` steps; the first
     ``forward_len`` steps run in the forward call, the rest in backward."""
@@ -42,25 +83,8 @@ class Schedule:
     __slots__ = ("steps", "forward_len")
 
     def __init__(self, steps: Iterable[Step], forward_len: int) -> None:
-        checked: list[Step] = []
-        for i, step in enumerate(steps):
-            try:
-                kind, ident = step
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"schedule step {i}: expected a (kind, id) pair, got {step!r}"
-                ) from None
-            if kind not in STEP_KINDS:
-                raise ValueError(
-                    f"schedule step {i}: kind must be 'compute' or 'free', got {kind!r}"
-                )
-            if isinstance(ident, bool) or not isinstance(ident, (int, np.integer)) or ident < 0:
-                raise ValueError(f"schedule step {i}: id must be an integer >= 0, got {ident!r}")
-            if ident > MAX_ID:
-                raise ValueError(
-                    f"schedule step {i}: id {ident} is out of range (ids are at most 2^63-1)"
-                )
-            checked.append((kind, int(ident)))
+        given = list(steps)
+        checked = given if _plain_steps(given) else _checked_steps(given)
         if isinstance(forward_len, bool) or not isinstance(forward_len, (int, np.integer)):
             raise ValueError(f"forward_len must be an integer, got {forward_len!r}")
         if not 0 <= forward_len <= len(checked):

@@ -115,6 +115,17 @@ def solve_graph(
 
     chosen = check_solvers(solvers)
     graph = _as_graph(graph_or_path)
+    with graph.arrays_cached():  # the solve never changes the graph
+        return _solve_graph(graph, budget, method, time_limit, mip_rel_gap, flat_ops, leaf_size,
+                            group_size, top_size, sub_time_limit, progress, hierarchy,
+                            chosen, exact_ops)
+
+
+def _solve_graph(graph: Graph, budget: BudgetLike, method: str, time_limit: float | None,
+                 mip_rel_gap: float, flat_ops: int, leaf_size: int | None, group_size: int,
+                 top_size: int, sub_time_limit: float | None, progress: bool,
+                 hierarchy: Hierarchy | Sequence[Hierarchy] | None, chosen: Mapping[str, str],
+                 exact_ops: int) -> Plan:
     t0 = _time.perf_counter()
     base_steps, base_fl, base_peak, base_time = baseline_schedule(graph)
     budget_bytes = parse_budget(budget, base_peak)

@@ -343,48 +343,53 @@ def _apply(graph: Graph, steps: list[Step], forward_len: int,
 # (step, whether it belongs to the forward segment)
 _Placed = tuple[Step, bool]
 
-# Passes of dead-recomputation removal at most: each pass removes one more link of a chain of
-# recomputations that only fed each other.
-_DEAD_PASSES = 16
-
-
 def _drop_dead_recomputes(graph: Graph, steps: list[_Placed]) -> list[_Placed]:
     """Remove recomputations whose new outputs are all freed before anything reads them (and
-    those frees), pass after pass: dropping one can leave its inputs' recomputation dead."""
+    those frees); removing one takes its reads away, which can leave the recomputation of its
+    inputs dead in turn (a worklist, in time linear in the steps and their reads)."""
     ops = graph.ops
-    for _ in range(_DEAD_PASSES):
-        ran: set[int] = set()
-        alive: set[int] = set()
-        made_at: dict[int, int] = {}  # alive tensor -> the compute position that made it
-        read: set[int] = set()  # alive tensors read since they were made
-        new_outs: dict[int, int] = {}  # recompute position -> outputs it made
-        unread_frees: dict[int, list[int]] = {}  # recompute position -> frees of them unread
-        for p, ((kind, i), _) in enumerate(steps):
-            if kind == "compute":
-                read.update(ops[i].inputs)
-                made = [x for x in dict.fromkeys(ops[i].outputs) if x not in alive]
-                for x in made:
-                    alive.add(x)
-                    made_at[x] = p
-                    read.discard(x)
-                if i in ran:
-                    new_outs[p] = len(made)
-                    unread_frees[p] = []
-                ran.add(i)
-            else:
-                alive.discard(i)
-                q = made_at.pop(i, None)
-                if q is not None and q in unread_frees and i not in read:
-                    unread_frees[q].append(p)
-        remove: set[int] = set()
-        for q, frees in unread_frees.items():
-            if len(frees) == new_outs[q]:
-                remove.add(q)
-                remove.update(frees)
-        if not remove:
-            break
-        steps = [s for p, s in enumerate(steps) if p not in remove]
-    return steps
+    ran: set[int] = set()
+    made_at: dict[int, int] = {}  # alive tensor -> the compute position that made it
+    new_outs: dict[int, list[int]] = {}  # recompute position -> the outputs it made
+    readers: dict[tuple[int, int], int] = {}  # (maker position, tensor) -> reads before its free
+    reads_of: dict[int, list[tuple[int, int]]] = {}  # recompute position -> (maker, tensor) read
+    free_at: dict[tuple[int, int], int] = {}  # (maker position, tensor) -> position of its free
+    for p, ((kind, i), _) in enumerate(steps):
+        if kind == "compute":
+            read = [(made_at[x], x) for x in dict.fromkeys(ops[i].inputs) if x in made_at]
+            for key in read:
+                readers[key] = readers.get(key, 0) + 1
+            made = [x for x in dict.fromkeys(ops[i].outputs) if x not in made_at]
+            for x in made:
+                made_at[x] = p
+            if i in ran:
+                new_outs[p] = made
+                reads_of[p] = read
+            ran.add(i)
+        else:
+            q = made_at.pop(i, None)
+            if q is not None:
+                free_at[(q, i)] = p
+
+    def dead(q: int) -> bool:
+        return all((q, x) in free_at and not readers.get((q, x)) for x in new_outs[q])
+
+    remove: set[int] = set()
+    work = [q for q in new_outs if dead(q)]
+    while work:
+        q = work.pop()
+        if q in remove:
+            continue
+        remove.add(q)
+        remove.update(free_at[(q, x)] for x in new_outs[q])
+        for key in reads_of[q]:
+            readers[key] -= 1
+            maker = key[0]
+            if maker in new_outs and maker not in remove and dead(maker):
+                work.append(maker)
+    if not remove:
+        return steps
+    return [s for p, s in enumerate(steps) if p not in remove]
 
 
 def _free_early(graph: Graph, steps: list[_Placed]) -> tuple[list[Step], int]:
