@@ -700,3 +700,29 @@ def test_block_limits_go_loosest_first_and_skip_those_already_met(
         for cap in left_out:
             assert any(o.saved_bytes <= cap for o in options)
     assert skipped > 0
+
+
+def test_rotors_lowest_peak_is_probed_only_when_reported(data_graphs: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotor's lowest reachable peak (several dynamic programs) is probed only when a solve
+    reports it: when nothing but recompute-all fits, or nothing at all."""
+    policy = importlib.import_module("hrockmate.planning.policy")
+    calls: list[int] = []
+    real = policy._rotor_lowest
+
+    def counting(graph: Graph, model_min: int, time_limit: float | None = None) -> int:
+        calls.append(model_min)
+        return real(graph, model_min, time_limit)
+
+    monkeypatch.setattr(policy, "_rotor_lowest", counting)
+    # DenseNet operator log at 70%: Rotor's chain model does not reach it, the hierarchy does
+    g = Graph.load(data_graphs / "densenet_tiny_oplog.json")
+    plan = hrockmate.solve_graph(g, 0.7, progress=False, time_limit=20)
+    _check(plan, g)
+    assert calls == []
+    # the unrolled RNN operator log at 50%: nothing fits, and the error states the minimum
+    g = Graph.load(data_graphs / "rnn_loop_oplog.json")
+    with pytest.raises(InfeasibleBudget) as info:
+        hrockmate.solve_graph(g, 0.5, progress=False, time_limit=5)
+    assert calls and set(calls) == {calls[0]}  # (once per leaf size tried)
+    assert info.value.min_bytes <= real(g, calls[0], 5)

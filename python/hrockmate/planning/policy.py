@@ -72,10 +72,11 @@ def time_left(kw: Mapping[str, Any]) -> float | None:
     return None if deadline is None else max(0.0, deadline - _time.perf_counter())
 
 
-def _run_literature(graph: Graph, method: str, budget: int, time_limit: float | None = None
-                    ) -> tuple[Candidate | None, int]:
+def _run_literature(graph: Graph, method: str, budget: int, time_limit: float | None = None,
+                    probe_lowest: bool = True) -> tuple[Candidate | None, int]:
     """TW-Remat or Rotor on the whole graph (hrockmate.planning.literature) within ``time_limit``
-    seconds: the candidate, or (None, the lowest peak the method reaches). Raises
+    seconds: the candidate, or (None, the lowest peak the method reaches; for Rotor without
+    ``probe_lowest`` its chain model's minimum, which ``_rotor_lowest`` refines). Raises
     TimeoutError when the time runs out, MemoryError when Rotor's tables cannot fit."""
     from hrockmate.planning import literature
 
@@ -91,6 +92,8 @@ def _run_literature(graph: Graph, method: str, budget: int, time_limit: float | 
         try:
             sched, _ = literature.rotor(graph, budget, time_limit=time_limit)
         except InfeasibleBudget as exc:
+            if not probe_lowest:
+                return None, exc.min_bytes
             left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
             return None, _rotor_lowest(graph, exc.min_bytes, left)
         stats = {}
@@ -292,6 +295,10 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
     cand, lowest = _pick(spares, budget, method, graph)
     if cand is not None and method == "hrockmate":
         cand = _refined(graph, budget, cand, kw)
+    if "rotor" in minima and (cand is None or cand.stats["fallback"] == "recompute-all"):
+        # probed only now that it is reported: up to six of Rotor's dynamic programs (2 s on a
+        # 6k-op graph) that a solve with a plan does not need
+        minima["rotor"] = _rotor_lowest(graph, minima["rotor"], time_left(kw))
     if cand is None:
         lowest = min([lowest, *minima.values()])
     elif cand.stats["fallback"] == "recompute-all":
@@ -318,7 +325,8 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
     budget: block checkpointing, selective checkpointing, whole-graph Rotor (chain-shaped
     graphs only) and greedy eviction (DTR-style, any graph), within ``time_limit`` seconds.
     Returns them as (candidate, peak, time), marked as fallbacks, and the lowest peak each of
-    the first three reaches (for the log and the error when nothing fits)."""
+    the first three reaches (for the log and the error when nothing fits; Rotor's is its chain
+    model's minimum, which ``_rotor_lowest`` refines)."""
     from hrockmate.planning.literature import NotAChainError
 
     out: list[tuple[Candidate, int, float]] = []
@@ -339,7 +347,8 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
     try:
         rotor, rotor_lowest = _run_literature(
             graph, "rotor", budget,
-            None if deadline is None else max(0.0, deadline - _time.perf_counter()) / 2)
+            None if deadline is None else max(0.0, deadline - _time.perf_counter()) / 2,
+            probe_lowest=False)
     except NotAChainError:
         rotor = None
     except (TimeoutError, MemoryError) as exc:  # out of time, or tables too large
