@@ -247,17 +247,18 @@ class Graph:
         does). Everything else is checked by the Rust core when it receives the arrays.
         """
         cached = _ARRAYS_IN_USE.get(id(self))
-        if cached is not None and cached[0] is self and cached[1] is not None:
-            return dict(cached[1])
+        if cached is not None:
+            return dict(cached)
         arrays = _exact_arrays(self)
         if arrays is None:
             arrays = _exact_arrays(Graph.from_json(self._json_for_reader()))
             if arrays is None:
                 raise GraphError(f"graph '{self.name}': the reader's canonical form does not "
                                  "convert to arrays (internal error)")
-        if cached is not None and cached[0] is self:
-            _ARRAYS_IN_USE[id(self)] = (self, arrays)
-        return dict(arrays)
+        if id(self) in _ARRAYS_IN_USE:  # inside ``arrays_cached``: the first conversion
+            _ARRAYS_IN_USE[id(self)] = arrays
+            return dict(arrays)
+        return arrays
 
     @contextlib.contextmanager
     def arrays_cached(self) -> Iterator[None]:
@@ -267,15 +268,15 @@ class Graph:
         if id(self) in _ARRAYS_IN_USE:
             yield
             return
-        _ARRAYS_IN_USE[id(self)] = (self, None)
+        _ARRAYS_IN_USE[id(self)] = None  # (the id stays this graph's while the block runs)
         try:
             yield
         finally:
             _ARRAYS_IN_USE.pop(id(self), None)
 
 
-# graphs inside ``Graph.arrays_cached``, by id: (the graph, its arrays once converted)
-_ARRAYS_IN_USE: dict[int, tuple[Graph, dict[str, np.ndarray] | None]] = {}
+# ids of the graphs inside ``Graph.arrays_cached``: their arrays once converted (None before)
+_ARRAYS_IN_USE: dict[int, dict[str, np.ndarray] | None] = {}
 
 
 _INTEGERS = (int, np.integer)

@@ -116,12 +116,14 @@ def solve_graph(
     chosen = check_solvers(solvers)
     graph = _as_graph(graph_or_path)
     with graph.arrays_cached():  # the solve never changes the graph
-        return _solve_graph(graph, budget, method, time_limit, mip_rel_gap, flat_ops, leaf_size,
-                            group_size, top_size, sub_time_limit, progress, hierarchy,
-                            chosen, exact_ops)
+        return _solve_graph(graph, budget, method=method, time_limit=time_limit,
+                            mip_rel_gap=mip_rel_gap, flat_ops=flat_ops, leaf_size=leaf_size,
+                            group_size=group_size, top_size=top_size,
+                            sub_time_limit=sub_time_limit, progress=progress,
+                            hierarchy=hierarchy, chosen=chosen, exact_ops=exact_ops)
 
 
-def _solve_graph(graph: Graph, budget: BudgetLike, method: str, time_limit: float | None,
+def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: float | None,
                  mip_rel_gap: float, flat_ops: int, leaf_size: int | None, group_size: int,
                  top_size: int, sub_time_limit: float | None, progress: bool,
                  hierarchy: Hierarchy | Sequence[Hierarchy] | None, chosen: Mapping[str, str],

@@ -292,7 +292,7 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
         last_peak = hi_peak
         for frac in sorted(st.peak_fractions, reverse=True):
             limit = lo_peak + frac * (hi_peak - lo_peak)
-            if hi_peak <= lo_peak or last_peak <= limit:
+            if last_peak <= limit:  # (always so when the fastest's peak is the lowest)
                 continue
             o = attempt(budget=limit, boundary_limit=None)
             if o is not None:

@@ -343,6 +343,7 @@ def _apply(graph: Graph, steps: list[Step], forward_len: int,
 # (step, whether it belongs to the forward segment)
 _Placed = tuple[Step, bool]
 
+
 def _drop_dead_recomputes(graph: Graph, steps: list[_Placed]) -> list[_Placed]:
     """Remove recomputations whose new outputs are all freed before anything reads them (and
     those frees); removing one takes its reads away, which can leave the recomputation of its
