@@ -104,6 +104,23 @@ def recompute_all(**graph: _GraphArg) -> _ScheduleArrays:
 def parse_schedule(text: str) -> _ScheduleArrays:
     """Parse schedule JSON."""
 
+def block_checkpoint_schedule(
+    blocks: int, keep_extra: NDArray[np.int64], **graph: _GraphArg
+) -> _ScheduleArrays:
+    """Per-block checkpointing with ``blocks`` contiguous blocks of the forward ops, also keeping
+    the tensors ``keep_extra``."""
+
+def checkpoint_points(
+    keep_extra: NDArray[np.int64],
+    budget_bytes: int | None = None,
+    time_limit: float | None = None,
+    **graph: _GraphArg,
+) -> list[tuple[int, int, float, _ScheduleArrays | None]]:
+    """Per-block checkpointing at every candidate block count, simulated: ``(blocks,
+    peak_bytes, time, schedule)`` each; with ``budget_bytes`` only the fastest point within it
+    keeps its schedule; with ``time_limit`` the counts nearest sqrt(n) come first and the rest
+    are dropped once it has passed."""
+
 # ---- literature_api.rs -----------------------------------------------------------------------
 
 def twremat(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 from graph_builders import training_graph
 from hypothesis import HealthCheck, given, settings
@@ -33,7 +34,7 @@ def test_block_checkpoint_schedules_are_valid(n: int, seed: int, blocks: int, se
                                               skips: bool) -> None:
     g = training_graph(n, seed, skips=skips)
     extra = strategies.heavy_outputs(g) if selective else set()
-    steps, fl = strategies.block_checkpoint_schedule(g, strategies.contiguous_blocks(g, blocks), extra)
+    steps, fl = strategies.block_checkpoint_schedule(g, blocks, extra)
     sim = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))  # raises on an invalid schedule
     store = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
     _backward_runs_once(g, steps, fl)
@@ -46,10 +47,10 @@ def test_block_checkpoint_schedules_are_valid(n: int, seed: int, blocks: int, se
 def test_block_checkpointing_frees_memory_on_a_transformer(data_graphs: Path) -> None:
     g = Graph.load(data_graphs / "gpt2_tiny_oplog.json")
     store = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
-    points = strategies.checkpoint_points(g, simulate_steps)
+    points = strategies.checkpoint_points(g)
     peak, t, blocks, _, _ = min(points)
     assert peak < 0.8 * store.peak_bytes and t > store.time
-    sel = {p[2]: p for p in strategies.checkpoint_points(g, simulate_steps, selective=True)}
+    sel = {p.blocks: p for p in strategies.checkpoint_points(g, selective=True)}
     # at the same block count, keeping the matmul outputs recomputes less
     for peak, t, blocks, _, _ in points:
         if 2 <= blocks <= 8:
@@ -64,10 +65,16 @@ def test_selective_is_a_method(data_graphs: Path) -> None:
 
 
 def test_unpaired_backward_ops_join_the_blocks_whose_values_they_read(data_graphs: Path) -> None:
+    from hrockmate import _native
+
     g = Graph.load(data_graphs / "gpt2_tiny_oplog.json")
     assert all(o.differentiates is None for o in g.ops)
-    blocks = strategies.contiguous_blocks(g, 8)
-    owner = strategies.backward_owners(g, blocks, 7)
+    fwd = [j for j in hrockmate.planning.ilp.topological_ops(g) if g.ops[j].phase == "forward"]
+    blocks = np.full(g.num_ops, -1, dtype=np.int64)
+    for k, j in enumerate(fwd):  # 8 contiguous blocks, as block checkpointing cuts them
+        blocks[j] = k * 8 // len(fwd)
+    owners = _native.backward_owners(blocks, 7, **g.to_arrays())
+    owner = {j: int(owners[j]) for j, o in enumerate(g.ops) if o.phase == "backward"}
     # spread over the blocks, not all in the last one
     assert len(set(owner.values())) >= 6
     prod = g.producers()
@@ -78,30 +85,31 @@ def test_unpaired_backward_ops_join_the_blocks_whose_values_they_read(data_graph
 
 
 @pytest.mark.parametrize("name", ["gpt2_tiny_oplog", "resnet_like_train"])
-def test_block_counts_share_one_topological_sort(data_graphs: Path, name: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    # the order, producers and backward links do not depend on the block count: they are
-    # computed once per graph (a sort per count made rnn_loop(steps=180) twice as slow), and
-    # sharing them changes no schedule (e.g. no count may alter the shared sets)
+def test_each_block_count_is_the_schedule_built_alone(data_graphs: Path, name: str) -> None:
+    # the sweep shares the block-independent facts between counts; sharing them must change no
+    # schedule (e.g. no count may alter the shared sets), and the budgeted sweep keeps exactly
+    # the fastest schedule within the budget
     g = Graph.load(data_graphs / f"{name}.json")  # an operator log (no pairing) and a paired one
-    sort = hrockmate.planning.ilp.topological_ops
-    calls = 0
-
-    def counted(graph: Graph) -> list[int]:
-        nonlocal calls
-        calls += 1
-        return sort(graph)
-
-    monkeypatch.setattr(hrockmate.planning.ilp, "topological_ops", counted)
     for selective in (False, True):
-        calls = 0
-        points = strategies.checkpoint_points(g, simulate_steps, selective)
-        assert len(points) >= 5 and calls == 1
+        points = strategies.checkpoint_points(g, selective)
+        assert len(points) >= 5 and [p.blocks for p in points] == sorted(p.blocks for p in points)
         extra = strategies.heavy_outputs(g) if selective else set()
-        for _, _, blocks, steps, fl in points:
-            alone = strategies.block_checkpoint_schedule(g, strategies.contiguous_blocks(g, blocks),
-                                                      extra)
+        for peak, t, blocks, steps, fl in points:
+            alone = strategies.block_checkpoint_schedule(g, blocks, extra)
             assert (steps, fl) == alone, blocks
+            assert simulate_steps(g, *alone) == (peak, t)
+        budget = sorted(p.peak for p in points)[len(points) // 2]
+        kept = [p for p in strategies.checkpoint_points(g, selective, budget=budget) if p.steps]
+        fastest = min(p.time for p in points if p.peak <= budget)
+        assert len(kept) == 1 and kept[0].time == fastest and kept[0].peak <= budget
+        # out of time: the count nearest sqrt(n) still runs, and only it
+        (only,) = strategies.checkpoint_points(g, selective, time_limit=0.0)
+        assert only.blocks == min((p.blocks for p in points),
+                                  key=lambda b: abs(np.log(b / np.sqrt(len(fwd_ops(g))))))
+
+
+def fwd_ops(g: Graph) -> list[int]:
+    return [j for j, o in enumerate(g.ops) if o.phase == "forward"]
 
 
 @pytest.mark.parametrize("name", ["gpt2_tiny_oplog", "cnn_bn_oplog"])

@@ -168,8 +168,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
         return _pick(spares, budget, method, graph)
     if method in ("checkpoint", "selective"):
         try:
-            r = reference.solve_checkpoint(graph, budget, simulate_steps,
-                                           selective=method == "selective")
+            r = reference.solve_checkpoint(graph, budget, selective=method == "selective")
         except reference.SolverInfeasible as exc:
             # keeping no block at all is recompute-all, the checkpointing with least memory
             cand, lowest = _pick(spares, budget, method, graph)
@@ -336,14 +335,15 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
     # what remains, greedy eviction the rest
     for share, (label, selective) in ((4, ("checkpoint", False)), (3, ("selective", True))):
         left = None if deadline is None else max(0.0, deadline - _time.perf_counter()) / share
-        points = reference.checkpoint_points(graph, simulate_steps, selective, left, budget)
-        lowest[label] = min(p[0] for p in points)
-        fits = [p for p in points if p[3] is not None]  # the fastest within the budget
+        points = reference.checkpoint_points(graph, selective, left, budget)
+        lowest[label] = min(p.peak for p in points)
+        fits = [p for p in points if p.steps is not None]  # the fastest within the budget
         if fits:
-            peak, t, blocks, steps, fl = fits[0]
-            assert steps is not None
-            out.append((Candidate(steps, fl, False, {"method": method, "fallback": label,
-                                                      "blocks": blocks}), peak, t))
+            best = fits[0]
+            assert best.steps is not None and best.forward_len is not None
+            out.append((Candidate(best.steps, best.forward_len, False,
+                                  {"method": method, "fallback": label, "blocks": best.blocks}),
+                        best.peak, best.time))
     try:
         rotor, rotor_lowest = _run_literature(
             graph, "rotor", budget,

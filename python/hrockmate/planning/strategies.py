@@ -23,12 +23,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
 from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
-from hrockmate.ir.schedule import Step
+from hrockmate.ir.schedule import Schedule, Step, _call
 from hrockmate.planning import ilp
 
 
@@ -48,75 +48,6 @@ class SolverInfeasible(Exception):
         super().__init__(message)
         self.proven = proven
         self.min_bytes = min_bytes
-
-
-def backward_owners(graph: Graph, block_of_fwd: dict[int, int], last: int, *,
-                    arrays: dict[str, Any] | None = None) -> dict[int, int]:
-    """The block each backward op belongs to, given the blocks of the forward ops.
-
-    A backward op joins the block of the forward op it differentiates; without that link
-    (operator logs of other tools carry none) it joins the latest block whose forward values it
-    reads, or ``last`` when it reads none. Never a later block than a backward op it reads
-    from: block indices then never increase along backward data flow, so the blocks' backward
-    parts form a DAG. The rule is the Rust core's (``partition::backward_owners``), which the
-    hierarchy's leaves use too. ``arrays``: ``graph.to_arrays()``, when the caller has it."""
-    from hrockmate import _native
-
-    blocks = np.full(graph.num_ops, -1, dtype=np.int64)
-    for j, k in block_of_fwd.items():
-        blocks[j] = k
-    owner = _native.backward_owners(blocks, last, **(arrays if arrays is not None
-                                                     else graph.to_arrays()))
-    return {j: int(owner[j]) for j, op in enumerate(graph.ops) if op.phase == "backward"}
-
-
-@dataclass(frozen=True)
-class CheckpointFacts:
-    """What block checkpointing needs to know about a graph that does not depend on the
-    blocks: computed once per graph (``checkpoint_facts``) and shared, read-only, by every
-    block count."""
-
-    order: list[int]  # ``ilp.topological_ops``
-    fwd: list[int]  # the forward ops, in ``order``
-    bwd: list[int]  # the backward ops, in ``order``
-    arrays: dict[str, Any]  # ``graph.to_arrays()``
-    fixed: frozenset[int]  # tensors that exist before the step (parameters, inputs, ...)
-    never_free: frozenset[int]  # ``fixed`` and the model outputs
-    last_direct: dict[int, int]  # tensor -> position in ``bwd`` of its last backward reader
-    last_fwd_use: dict[int, int]  # tensor -> position in ``fwd`` of its last forward use
-
-
-def checkpoint_facts(graph: Graph) -> CheckpointFacts:
-    """The block-independent facts of ``graph`` (one topological sort)."""
-    order = ilp.topological_ops(graph)
-    ops, tensors = graph.ops, graph.tensors
-    fwd = [j for j in order if ops[j].phase == "forward"]
-    bwd = [j for j in order if ops[j].phase == "backward"]
-    fixed = frozenset(x for x, t in enumerate(tensors) if t.role in PREEXISTING_ROLES)
-    never_free = frozenset(x for x, t in enumerate(tensors) if t.role == "output") | fixed
-    last_direct: dict[int, int] = {}
-    for q, j in enumerate(bwd):
-        for y in ops[j].inputs:
-            last_direct[y] = q
-    last_fwd_use: dict[int, int] = {}
-    for p, j in enumerate(fwd):
-        for y in ops[j].inputs:
-            last_fwd_use[y] = p
-        for y in ops[j].outputs:
-            last_fwd_use.setdefault(y, p)
-    return CheckpointFacts(order=order, fwd=fwd, bwd=bwd, arrays=graph.to_arrays(),
-                           fixed=fixed, never_free=never_free, last_direct=last_direct,
-                           last_fwd_use=last_fwd_use)
-
-
-def contiguous_blocks(graph: Graph, blocks: int,
-                      facts: CheckpointFacts | None = None) -> dict[int, int]:
-    """Forward ops cut into ``blocks`` contiguous runs of the topological order (equal op
-    counts): forward op -> block index. ``facts``: ``checkpoint_facts(graph)``, when the
-    caller already has it."""
-    order = (facts or checkpoint_facts(graph)).fwd
-    n = max(len(order), 1)
-    return {j: (k * blocks) // n for k, j in enumerate(order)}
 
 
 # Ops whose outputs selective checkpointing keeps (matmuls, convolutions, attention), by ATen
@@ -157,119 +88,23 @@ def heavy_outputs(graph: Graph) -> set[int]:
     return out
 
 
-def block_checkpoint_schedule(graph: Graph, block_of_fwd: dict[int, int],
-                              keep_extra: set[int] = frozenset(),
-                              facts: CheckpointFacts | None = None) -> tuple[list[Step], int]:
-    """Per-block checkpointing as ``torch.utils.checkpoint`` runs it.
+def block_checkpoint_schedule(graph: Graph, blocks: int,
+                              keep_extra: Iterable[int] = ()) -> tuple[list[Step], int]:
+    """Per-block checkpointing as ``torch.utils.checkpoint`` runs it, with the forward ops cut
+    into ``blocks`` contiguous runs of the topological order (equal op counts).
 
     Forward: every op runs once; only the values that cross blocks (read by a forward op of
     another block, or by a backward op of another block), the model outputs and ``keep_extra``
     are kept. Backward: when a backward op reads a dropped value, that value's block is run
     forward again (only the ops the block's backward still needs), and the recomputed values
     live until their last backward use. ``keep_extra`` = matmul/attention outputs gives
-    selective checkpointing. ``facts``: ``checkpoint_facts(graph)``, when the caller already
-    has it (it does not depend on the blocks)."""
-    f = facts or checkpoint_facts(graph)
-    order, fwd, bwd = f.order, f.fwd, f.bwd
-    fixed, never_free = f.fixed, f.never_free
-    last_direct, last_fwd_use = f.last_direct, f.last_fwd_use
-    ops, tensors = graph.ops, graph.tensors
-    n_blocks = 1 + max(block_of_fwd.values(), default=0)
-    owner = backward_owners(graph, block_of_fwd, n_blocks - 1, arrays=f.arrays)
-    block_of_tensor = {x: block_of_fwd[j] for j in fwd for x in ops[j].outputs}
+    selective checkpointing. Built by the Rust core (``checkpointing::block_checkpoint``);
+    backward ops join blocks by the hierarchy's rule (``partition::backward_owners``)."""
+    from hrockmate import _native
 
-    keep: set[int] = set()
-    for x in keep_extra:
-        if x in block_of_tensor:
-            keep.add(x)
-    for j in order:
-        mine = block_of_fwd[j] if ops[j].phase == "forward" else owner[j]
-        for x in ops[j].inputs:
-            if x in block_of_tensor and block_of_tensor[x] != mine:
-                keep.add(x)
-    keep |= {graph.storage_root(x) for x in list(keep)}
-    keep &= set(block_of_tensor)
-
-    # when each block is recomputed (the first backward op reading a dropped value of it) and
-    # which of its values the backward reads from then on
-    trigger: dict[int, int] = {}
-    for q, j in enumerate(bwd):
-        for y in ops[j].inputs:
-            if y in block_of_tensor and y not in keep and y not in never_free:
-                trigger.setdefault(block_of_tensor[y], q)
-    # the recomputation of block m reads its kept values and other blocks' values: they must
-    # live until then
-    horizon: dict[int, int] = {x: last_direct.get(x, -1) for x in keep}
-    for j in fwd:
-        m = block_of_fwd[j]
-        if m in trigger:
-            for x in ops[j].inputs:
-                if x in keep or (x in block_of_tensor and block_of_tensor[x] != m):
-                    horizon[x] = max(horizon.get(x, -1), trigger[m])
-
-    steps: list[Step] = []
-    alive: set[int] = set(fixed)
-
-    def needed_later(x: int, q: int) -> bool:
-        return last_direct.get(x, -1) > q or horizon.get(x, -1) > q
-
-    def free(x: int) -> None:
-        alive.discard(x)
-        steps.append(("free", x))
-
-    for p, j in enumerate(fwd):
-        steps.append(("compute", j))
-        alive.update(ops[j].outputs)
-        for x in sorted({*ops[j].inputs, *ops[j].outputs}):
-            if x in never_free or x not in alive or last_fwd_use.get(x, -1) > p:
-                continue
-            if x in keep and horizon.get(x, -1) >= 0:
-                continue
-            free(x)
-    forward_len = len(steps)
-
-    block_ops: dict[int, list[int]] = {}
-    block_values: dict[int, list[int]] = {}
-    for j in fwd:
-        block_ops.setdefault(block_of_fwd[j], []).append(j)
-        block_values.setdefault(block_of_fwd[j], []).extend(ops[j].outputs)
-    for q, j in enumerate(bwd):
-        missing = [y for y in ops[j].inputs if y not in alive]
-        touched: set[int] = set()
-        while missing:
-            m = block_of_tensor.get(missing[0])
-            if m is None:
-                raise ValueError(f"backward op '{ops[j].name}' reads a value nobody produces")
-            # the values of block m still read by the backward, and what they are made from
-            want = {y for y in block_values[m] if y not in alive and last_direct.get(y, -1) >= q}
-            run: list[int] = []
-            for k in reversed(block_ops[m]):
-                if any(x in want for x in ops[k].outputs):
-                    run.append(k)
-                    want.update(x for x in ops[k].inputs
-                                if x not in alive and block_of_tensor.get(x) == m)
-            run.reverse()
-            last_use = {x: i for i, k in enumerate(run) for x in ops[k].inputs}
-            for i, k in enumerate(run):
-                steps.append(("compute", k))
-                alive.update(ops[k].outputs)
-                touched.update(ops[k].outputs)
-                for x in sorted({*ops[k].inputs, *ops[k].outputs}):
-                    if (x in alive and x not in never_free and x in block_of_tensor
-                            and block_of_tensor[x] == m and x not in keep
-                            and last_use.get(x, -1) <= i and last_direct.get(x, -1) < q):
-                        free(x)
-            missing = [y for y in ops[j].inputs if y not in alive]
-            if missing and block_of_tensor.get(missing[0]) == m:
-                raise ValueError(f"block {m} recomputation left '{tensors[missing[0]].name}' "
-                                 "missing")
-        steps.append(("compute", j))
-        alive.update(ops[j].outputs)
-        for x in sorted({*ops[j].inputs, *ops[j].outputs, *touched}):
-            if x in never_free or x not in alive or needed_later(x, q):
-                continue
-            free(x)
-    return steps, forward_len
+    kind, ids, fl = _call(_native.block_checkpoint_schedule, graph, graph.to_arrays(),
+                          blocks=blocks, keep_extra=_id_array(keep_extra))
+    return Schedule.from_arrays(kind, ids, fl).steps, int(fl)
 
 
 def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None = None
@@ -414,72 +249,58 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     return steps, len(steps) if forward_len is None else forward_len
 
 
-def checkpoint_candidates(n_forward: int) -> list[int]:
-    """Block counts tried by the checkpoint solver: sqrt(n) and a spread around it."""
-    if n_forward <= 0:
-        return [1]
-    cands = {1, n_forward, max(1, round(math.sqrt(n_forward)))}
-    k = 2
-    while k < n_forward:
-        cands.add(k)
-        k = k + 1 if k < 16 else int(k * 1.3)
-    return sorted(cands)
+class CheckpointPoint(NamedTuple):
+    """Block checkpointing at one block count, simulated; ``steps``/``forward_len`` are None
+    for points that did not keep their schedule."""
+
+    peak: int
+    time: float
+    blocks: int
+    steps: list[Step] | None
+    forward_len: int | None
 
 
-Simulate = Callable[[Graph, list[Step], int], tuple[int, float]]
-
-
-def checkpoint_points(graph: Graph, simulate: Simulate, selective: bool = False,
-                      time_limit: float | None = None, budget: int | None = None
-                      ) -> list[tuple[int, float, int, list[Step] | None, int]]:
+def checkpoint_points(graph: Graph, selective: bool = False, time_limit: float | None = None,
+                      budget: int | None = None) -> list[CheckpointPoint]:
     """Block checkpointing (``selective``: also keeping matmul/attention outputs) at every
-    candidate block count: (peak, time, blocks, steps, forward_len) each. With ``time_limit``
-    (seconds), the counts nearest sqrt(n) come first and the rest stop when time runs out.
-    With ``budget`` only the fastest point within it keeps its steps (the others' are None):
-    dozens of whole-graph schedules held at once took 1 GB on a 45k-op graph."""
-    deadline = None if time_limit is None else time.perf_counter() + time_limit
-    facts = checkpoint_facts(graph)
-    n_forward = len(facts.fwd)
-    extra = heavy_outputs(graph) if selective else set()
-    counts = checkpoint_candidates(n_forward)
-    if time_limit is not None:
-        root = math.sqrt(max(n_forward, 1))
-        counts.sort(key=lambda b: abs(math.log(b / root)))
-    out: list[tuple[int, float, int, list[Step] | None, int]] = []
-    best: int | None = None  # index of the fastest point within the budget so far
-    for blocks in counts:
-        if deadline is not None and out and time.perf_counter() > deadline:
-            break
-        steps: list[Step] | None
-        steps, fl = block_checkpoint_schedule(graph, contiguous_blocks(graph, blocks, facts),
-                                              extra, facts)
-        peak, t = simulate(graph, steps, fl)
-        if budget is not None:
-            if peak <= budget and (best is None or t < out[best][1]):
-                if best is not None:
-                    out[best] = (*out[best][:3], None, out[best][4])
-                best = len(out)
-            else:
-                steps = None
-        out.append((int(peak), float(t), blocks, steps, fl))
-    return out
+    candidate block count (sqrt(n) and a spread around it), each built and simulated by the
+    Rust core (``checkpointing::checkpoint_points``), in ascending block counts. With
+    ``time_limit`` (seconds), the counts nearest sqrt(n) come first and the rest stop when time
+    runs out. With ``budget`` only the fastest point within it keeps its steps: dozens of
+    whole-graph schedules held at once took 1 GB on a 45k-op graph."""
+    from hrockmate import _native
+
+    extra = heavy_outputs(graph) if selective else ()
+    raw = _call(_native.checkpoint_points, graph, graph.to_arrays(),
+                keep_extra=_id_array(extra), budget_bytes=budget, time_limit=time_limit)
+    out = []
+    for blocks, peak, t, sched in raw:
+        steps, fl = None, None
+        if sched is not None:
+            steps, fl = Schedule.from_arrays(*sched).steps, int(sched[2])
+        out.append(CheckpointPoint(int(peak), float(t), int(blocks), steps, fl))
+    return sorted(out, key=lambda p: p.blocks)
 
 
-def solve_checkpoint(graph: Graph, budget: int, simulate: Simulate, *, selective: bool = False,
-                     **_: Any) -> SolverResult:
+def _id_array(ids: Iterable[int]) -> np.ndarray:
+    return np.fromiter(sorted(ids), dtype=np.int64)
+
+
+def solve_checkpoint(graph: Graph, budget: int, *, selective: bool = False, **_: Any
+                     ) -> SolverResult:
     """The fastest block count whose per-block checkpointing fits the budget."""
-    points = checkpoint_points(graph, simulate, selective, budget=budget)
-    fits = [p for p in points if p[3] is not None]
+    points = checkpoint_points(graph, selective, budget=budget)
+    fits = [p for p in points if p.steps is not None]
     kind = "selective checkpointing" if selective else "block checkpointing"
     if not fits:
-        lowest = min(p[0] for p in points)
+        lowest = min(p.peak for p in points)
         raise SolverInfeasible(
             f"no {kind} of '{graph.name}' fits {budget} bytes (its lowest peak is {lowest} bytes)",
             proven=False, min_bytes=lowest,
         )
-    peak, t, blocks, steps, fl = fits[0]
-    assert steps is not None
-    return SolverResult(steps, fl, False, {"blocks": blocks})
+    best = fits[0]
+    assert best.steps is not None and best.forward_len is not None
+    return SolverResult(best.steps, best.forward_len, False, {"blocks": best.blocks})
 
 
 def solve_checkmate(

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use hrockmate_core::checkpointing::CheckpointError;
 use hrockmate_core::io::GraphError;
 use hrockmate_core::limits::{Stop, Stopped, TooLarge};
 use hrockmate_core::literature::LiteratureError;
@@ -164,6 +165,15 @@ impl From<LiteratureError> for Failure {
             LiteratureError::TooLarge(e) => e.into(),
             LiteratureError::Stopped(e) => e.into(),
             LiteratureError::Internal(_) => Failure::Internal(message),
+        }
+    }
+}
+
+impl From<CheckpointError> for Failure {
+    fn from(e: CheckpointError) -> Self {
+        match e {
+            CheckpointError::Internal(m) => Failure::Internal(m),
+            CheckpointError::Stopped(s) => s.into(),
         }
     }
 }

@@ -11,7 +11,9 @@
 use hrockmate_core::arrays::{
     graph_from_arrays, schedule_from_arrays, schedule_to_arrays, GraphArrays,
 };
+use hrockmate_core::checkpointing::{block_checkpoint, checkpoint_points as core_points, CheckpointFacts};
 use hrockmate_core::graph::Graph;
+use hrockmate_core::limits::Stop;
 use hrockmate_core::io::{graph_to_json, parse_graph_json, parse_schedule_json, GraphError};
 use hrockmate_core::schedule::Schedule;
 use hrockmate_core::schedules::{recompute_all, store_all};
@@ -19,7 +21,7 @@ use hrockmate_core::simulate::{simulate_within, SimResult};
 use numpy::{Element, IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 use crate::errors::{run_native, Failure};
 
@@ -239,6 +241,74 @@ fn parse_schedule<'py>(py: Python<'py>, text: &str) -> PyResult<ScheduleArrays<'
     Ok(schedule_arrays(py, s))
 }
 
+
+/// Ids from Python (int64) for a graph of `n` items: `what` names the array in errors.
+fn ids_below(ids: &[i64], n: usize, what: &str) -> Result<Vec<usize>, Failure> {
+    ids.iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            usize::try_from(x).ok().filter(|&x| x < n).ok_or_else(|| {
+                Failure::InvalidArgument(format!("{what} item {i} is {x}; ids are 0..{n}"))
+            })
+        })
+        .collect()
+}
+
+/// Per-block checkpointing with `blocks` contiguous blocks of the forward ops, also keeping the
+/// tensors `keep_extra` (int64 ids): (step_kind int8, step_id int64, forward_len)
+/// (`checkpointing::block_checkpoint`).
+#[pyfunction]
+#[pyo3(signature = (blocks, keep_extra, **graph))]
+fn block_checkpoint_schedule<'py>(
+    py: Python<'py>,
+    blocks: usize,
+    keep_extra: PyReadonlyArray1<'py, i64>,
+    graph: Option<&Bound<'py, PyDict>>,
+) -> PyResult<ScheduleArrays<'py>> {
+    let input = graph_input(graph)?;
+    let extra: Vec<i64> = keep_extra.as_array().iter().copied().collect();
+    if blocks == 0 {
+        return Err(Failure::InvalidArgument("blocks must be >= 1, got 0".into()).into_pyerr(py));
+    }
+    let s = run_native(py, None, |stop| {
+        let g = input.build()?;
+        let extra = ids_below(&extra, g.tensors.len(), "keep_extra")?;
+        let facts = CheckpointFacts::new(&g);
+        Ok(block_checkpoint(&g, &facts, &facts.contiguous_blocks(g.ops.len(), blocks), &extra, stop)?)
+    })?;
+    Ok(schedule_arrays(py, s))
+}
+
+/// Per-block checkpointing at every candidate block count, simulated
+/// (`checkpointing::checkpoint_points`): a list of `(blocks, peak_bytes, time, schedule)`,
+/// `schedule` being (step_kind, step_id, forward_len) or None (with `budget_bytes`, only the
+/// fastest point within it keeps one). `time_limit`: the counts nearest sqrt(n) first, the rest
+/// dropped once it has passed.
+#[pyfunction]
+#[pyo3(signature = (keep_extra, budget_bytes=None, time_limit=None, **graph))]
+fn checkpoint_points<'py>(
+    py: Python<'py>,
+    keep_extra: PyReadonlyArray1<'py, i64>,
+    budget_bytes: Option<u64>,
+    time_limit: Option<f64>,
+    graph: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let input = graph_input(graph)?;
+    let extra: Vec<i64> = keep_extra.as_array().iter().copied().collect();
+    Stop::new(None, time_limit).map_err(|m| Failure::InvalidArgument(m).into_pyerr(py))?;
+    let points = run_native(py, None, |stop| {
+        let g = input.build()?;
+        let extra = ids_below(&extra, g.tensors.len(), "keep_extra")?;
+        Ok(core_points(&g, &extra, budget_bytes, time_limit, stop)?)
+    })?;
+    let list = PyList::empty(py);
+    for p in points {
+        let sched = p.schedule.map(|s| schedule_arrays(py, s));
+        list.append((p.blocks, p.peak_bytes, p.time, sched))?;
+    }
+    Ok(list)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_graph, m)?)?;
     m.add_function(wrap_pyfunction!(check_graph, m)?)?;
@@ -246,5 +316,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store_all_py, m)?)?;
     m.add_function(wrap_pyfunction!(recompute_all_py, m)?)?;
     m.add_function(wrap_pyfunction!(parse_schedule, m)?)?;
+    m.add_function(wrap_pyfunction!(block_checkpoint_schedule, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint_points, m)?)?;
     Ok(())
 }

@@ -1,11 +1,12 @@
 //! hrockmate-core: the pure-Rust half of hrockmate (no Python inside).
 //!
 //! Pipeline stages owned here: graph IR and its JSON forms (`graph`, `io`), the schedule
-//! simulator (`simulate`) and the storage rules it shares with the planner (`memory`), reference schedules (`schedules`), graph simplification
+//! simulator (`simulate`) and the storage rules it shares with the planner (`memory`), reference schedules (`schedules`, and per-block checkpointing in `checkpointing`), graph simplification
 //! (`simplify`), hierarchical partitioning (`partition`) and leaf option enumeration (`options`).
 //! `limits` holds the bounds on all of it: byte sizes, schedule lengths, time and cancellation.
 
 pub mod arrays;
+pub mod checkpointing;
 pub mod chunking;
 pub mod graph;
 pub mod io;
