@@ -705,10 +705,20 @@ def test_block_limits_go_loosest_first_and_skip_those_already_met(
 def test_rotors_lowest_peak_is_probed_only_when_reported(data_graphs: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Rotor's lowest reachable peak (several dynamic programs) is probed only when a solve
-    reports it: when nothing but recompute-all fits, or nothing at all."""
+    reports it: when nothing but recompute-all fits, or nothing at all; and recompute-all itself
+    is built only when a fallback is wanted."""
     policy = importlib.import_module("hrockmate.planning.policy")
+    schedule_module = importlib.import_module("hrockmate.ir.schedule")
     calls: list[int] = []
     real = policy._rotor_lowest
+    built: list[str] = []
+    real_recompute_all = schedule_module.recompute_all_schedule
+
+    def recompute_all(graph: Graph) -> Any:
+        built.append(graph.name)
+        return real_recompute_all(graph)
+
+    monkeypatch.setattr(schedule_module, "recompute_all_schedule", recompute_all)
 
     def counting(graph: Graph, model_min: int, time_limit: float | None = None) -> int:
         calls.append(model_min)
@@ -719,10 +729,11 @@ def test_rotors_lowest_peak_is_probed_only_when_reported(data_graphs: Path,
     g = Graph.load(data_graphs / "densenet_tiny_oplog.json")
     plan = hrockmate.solve_graph(g, 0.7, progress=False, time_limit=20)
     _check(plan, g)
-    assert calls == []
+    assert calls == [] and not plan.stats.get("fallback") and built == []
     # the unrolled RNN operator log at 50%: nothing fits, and the error states the minimum
     g = Graph.load(data_graphs / "rnn_loop_oplog.json")
     with pytest.raises(InfeasibleBudget) as info:
         hrockmate.solve_graph(g, 0.5, progress=False, time_limit=5)
     assert calls and set(calls) == {calls[0]}  # (once per leaf size tried)
+    assert built  # the last resort was tried before giving up
     assert info.value.min_bytes <= real(g, calls[0], 5)

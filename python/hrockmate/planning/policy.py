@@ -155,15 +155,20 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
         spares.append((Candidate(steps, fl, False, {"method": method, "fallback": label,
                                                        **stats}), peak, t))
 
-    try:
-        rc = recompute_all_schedule(graph)
-    except MemoryError as exc:  # TooLargeError: O(n^2) steps on a long chain
-        if method == "recompute-all":
-            raise
-        logger.info("no recompute-all fallback for '%s': %s", graph.name, exc)
-    else:
-        spare("recompute-all", [(str(k), int(i)) for k, i in rc.steps], int(rc.forward_len))
+    def add_recompute_all() -> None:
+        # the last resort, built only when a fallback is wanted: on a 6k-op graph building and
+        # simulating it took a second that a solve with a plan does not need
+        try:
+            rc = recompute_all_schedule(graph)
+        except MemoryError as exc:  # TooLargeError: O(n^2) steps on a long chain
+            if method == "recompute-all":
+                raise
+            logger.info("no recompute-all fallback for '%s': %s", graph.name, exc)
+        else:
+            spare("recompute-all", rc.steps, int(rc.forward_len))
+
     if method == "recompute-all":
+        add_recompute_all()
         spares[0][0].stats.pop("fallback")
         return _pick(spares, budget, method, graph)
     if method in ("checkpoint", "selective"):
@@ -171,6 +176,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
             r = reference.solve_checkpoint(graph, budget, selective=method == "selective")
         except reference.SolverInfeasible as exc:
             # keeping no block at all is recompute-all, the checkpointing with least memory
+            add_recompute_all()
             cand, lowest = _pick(spares, budget, method, graph)
             return cand, int(min(lowest, exc.min_bytes))
         return Candidate(r.steps, r.forward_len, False, {"method": method, **r.stats}), 0
@@ -181,6 +187,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
         found = reference.greedy_eviction_schedule(graph, budget, time_left(kw))
         if found is not None and simulate_steps(graph, *found)[0] <= budget:
             return Candidate(found[0], found[1], False, {"method": "greedy"}), 0
+        add_recompute_all()
         cand, lowest = _pick(spares, budget, method, graph)
         if cand is not None:
             logger.warning("greedy eviction got stuck for '%s' within %d bytes; using %s",
@@ -289,6 +296,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     spare("lowest-peak H-ILP", steps, fl, **stats_h)
             except (ilp.LevelInfeasible, ilp.LevelNoSolution):
                 pass
+    add_recompute_all()
     simple, minima = _simple_strategies(graph, budget, method, time_left(kw))
     spares.extend(simple)
     cand, lowest = _pick(spares, budget, method, graph)

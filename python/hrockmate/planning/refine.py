@@ -271,8 +271,10 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
             k = bisect.bisect_right(fs, prev)
             between = fs[k:]  # frees after the previous run (all before p)
             freed.extend(between)
-            if between and tensors[x].alias_of is None:
-                extra += int(tensors[x].bytes)
+            if between:
+                # a view kept alive keeps its base's storage (the simulator counts it when
+                # the base is freed, and again if the base is recomputed)
+                extra += int(tensors[graph.storage_root(x)].bytes)
         if freed:
             cands.append((float(ops[i].time), p, freed, extra))
     # most time saved per byte kept first (a knapsack's greedy order; by time alone it did a
