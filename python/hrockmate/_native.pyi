@@ -121,6 +121,12 @@ def checkpoint_points(
     keeps its schedule; with ``time_limit`` the counts nearest sqrt(n) come first and the rest
     are dropped once it has passed."""
 
+def greedy_eviction(
+    budget_bytes: int, time_limit: float | None = None, **graph: _GraphArg
+) -> _ScheduleArrays | None:
+    """Greedy eviction (DTR-style) within ``budget_bytes``; None when it gets stuck or the time
+    limit passes."""
+
 # ---- literature_api.rs -----------------------------------------------------------------------
 
 def twremat(

@@ -20,14 +20,12 @@ validates every result with the simulator and picks among them with ``method=``:
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
+from hrockmate.ir.graph import Graph
 from hrockmate.ir.schedule import Schedule, Step, _call
 from hrockmate.planning import ilp
 
@@ -115,138 +113,15 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     again after its eviction is recomputed from what is alive, recursively. Needs no structure
     at all (no pairing, no chain), so it serves graphs the other strategies cannot cut well
     (long skips). Memory is counted per storage as the simulator counts it (views share their
-    base's storage); returns None when it gets stuck (nothing left to evict) or out of time."""
-    deadline = None if time_limit is None else time.perf_counter() + time_limit
-    order = ilp.topological_ops(graph)
-    ops, tensors = graph.ops, graph.tensors
-    prod = graph.producers()
-    fixed = {x for x, t in enumerate(tensors) if t.role in PREEXISTING_ROLES}
-    never_free = {x for x, t in enumerate(tensors) if t.role == "output"} | fixed
-    evictable = [prod[x] is not None and ops[prod[x]].phase == "forward"  # type: ignore[index]
-                 and x not in never_free for x in range(len(tensors))]
-    uses = [0] * len(tensors)  # reads still to come in the op order
-    for j in order:
-        for x in set(ops[j].inputs):
-            uses[x] += 1
+    base's storage); returns None when it gets stuck (nothing left to evict) or out of time.
+    Built by the Rust core (``greedy::greedy_eviction``)."""
+    from hrockmate import _native
 
-    alive: set[int] = set(fixed)
-    instance: dict[int, int] = {}  # alive tensor -> storage instance
-    refs: dict[int, int] = {}  # instance -> alive tensors on it
-    inst_bytes: dict[int, int] = {}
-    counter = [0]
-    mem = [0]
-    last_access = [0.0] * len(tensors)
-    clock = [0]
-    steps: list[Step] = []
-
-    def alive_base(x: int) -> int | None:
-        """The nearest alive tensor up ``x``'s alias chain: a view made then shares its
-        storage (None: producing ``x`` allocates a storage of its own)."""
-        base = tensors[x].alias_of
-        while base is not None and base not in alive:
-            base = tensors[base].alias_of
-        return base
-
-    def storage_bytes(x: int) -> int:
-        root = graph.storage_root(x)
-        return 0 if root in fixed else tensors[root].bytes
-
-    def new_bytes(j: int) -> int:
-        """Bytes a compute of op j adds: owners' storages and views made with no base alive."""
-        return ops[j].workspace + sum(storage_bytes(x) for x in ops[j].outputs
-                                      if x not in alive and alive_base(x) is None)
-
-    def produce(x: int) -> None:
-        base = alive_base(x)
-        alive.add(x)
-        if base is not None and base in instance:
-            inst = instance[base]
-        else:
-            counter[0] += 1
-            inst = counter[0]
-            inst_bytes[inst] = storage_bytes(x)
-            mem[0] += inst_bytes[inst]
-        instance[x] = inst
-        refs[inst] = refs.get(inst, 0) + 1
-
-    def free(x: int) -> None:
-        alive.discard(x)
-        steps.append(("free", x))
-        inst = instance.pop(x)
-        refs[inst] -= 1
-        if refs[inst] == 0:
-            mem[0] -= inst_bytes.pop(inst)
-            del refs[inst]
-
-    def evict_one(locked: set[int]) -> bool:
-        """Evict the storage with the lowest score; a storage goes with every alive tensor on
-        it (a ReLU's output and the detached view its backward reads are freed together, or
-        neither frees a byte), and only when all of them may be evicted."""
-        on_storage: dict[int, list[int]] = {}
-        for x in alive:
-            if x in instance:  # not a parameter or an input
-                on_storage.setdefault(instance[x], []).append(x)
-        best, best_score = None, math.inf
-        for inst, xs in on_storage.items():
-            if inst_bytes[inst] == 0 or any(not evictable[x] or x in locked for x in xs):
-                continue
-            stale = clock[0] - max(last_access[x] for x in xs) + 1
-            redo = sum(ops[prod[x]].time for x in xs)  # type: ignore[index]
-            score = (redo + 1e-12) / (inst_bytes[inst] * stale)
-            if score < best_score:
-                best, best_score = xs, score
-        if best is None:
-            return False
-        for x in sorted(best, reverse=True):  # any order frees the storage; this one is fixed
-            free(x)
-        return True
-
-    def run(j: int, locked: set[int]) -> bool:
-        """Compute op j (inputs alive), evicting first if it would not fit."""
-        while mem[0] + new_bytes(j) > budget:
-            if not evict_one(locked | set(ops[j].inputs) | set(ops[j].outputs)):
-                return False
-        steps.append(("compute", j))
-        for x in ops[j].outputs:
-            if x not in alive:
-                produce(x)
-        clock[0] += 1
-        for x in (*ops[j].inputs, *ops[j].outputs):
-            last_access[x] = clock[0]
-        return True
-
-    def ensure(j: int, locked: set[int]) -> bool:
-        """Make op j's inputs alive, recomputing evicted forward values (iteratively)."""
-        stack = [j]
-        while stack:
-            k = stack[-1]
-            missing = [x for x in ops[k].inputs if x not in alive]
-            if not missing:
-                stack.pop()
-                if k != j:
-                    if not run(k, locked | {y for q in stack for y in ops[q].inputs}):
-                        return False
-                continue
-            q = prod[missing[0]]
-            if q is None or ops[q].phase != "forward" or len(stack) > len(order):
-                return False
-            stack.append(q)
-        return True
-
-    forward_len = None
-    for n, j in enumerate(order):
-        if deadline is not None and n % 64 == 0 and time.perf_counter() > deadline:
-            return None
-        if ops[j].phase == "backward" and forward_len is None:
-            forward_len = len(steps)
-        if not ensure(j, set()) or not run(j, set()):
-            return None
-        for x in set(ops[j].inputs):
-            uses[x] -= 1
-        for x in sorted({*ops[j].inputs, *ops[j].outputs}):
-            if x in alive and x not in never_free and uses[x] <= 0:
-                free(x)
-    return steps, len(steps) if forward_len is None else forward_len
+    found = _call(_native.greedy_eviction, graph, graph.to_arrays(), budget_bytes=int(budget),
+                  time_limit=time_limit)
+    if found is None:
+        return None
+    return Schedule.from_arrays(*found).steps, int(found[2])
 
 
 class CheckpointPoint(NamedTuple):

@@ -13,6 +13,7 @@ use hrockmate_core::arrays::{
 };
 use hrockmate_core::checkpointing::{block_checkpoint, checkpoint_points as core_points, CheckpointFacts};
 use hrockmate_core::graph::Graph;
+use hrockmate_core::greedy::greedy_eviction as core_greedy;
 use hrockmate_core::limits::Stop;
 use hrockmate_core::io::{graph_to_json, parse_graph_json, parse_schedule_json, GraphError};
 use hrockmate_core::schedule::Schedule;
@@ -309,6 +310,25 @@ fn checkpoint_points<'py>(
     Ok(list)
 }
 
+/// Greedy eviction (DTR-style, `greedy::greedy_eviction`) within `budget_bytes`: (step_kind,
+/// step_id, forward_len), or None when it gets stuck or `time_limit` (seconds) passes.
+#[pyfunction]
+#[pyo3(signature = (budget_bytes, time_limit=None, **graph))]
+fn greedy_eviction<'py>(
+    py: Python<'py>,
+    budget_bytes: u64,
+    time_limit: Option<f64>,
+    graph: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Option<ScheduleArrays<'py>>> {
+    let input = graph_input(graph)?;
+    Stop::new(None, time_limit).map_err(|m| Failure::InvalidArgument(m).into_pyerr(py))?;
+    let s = run_native(py, None, |stop| {
+        let g = input.build()?;
+        Ok(core_greedy(&g, budget_bytes, time_limit, stop)?)
+    })?;
+    Ok(s.map(|s| schedule_arrays(py, s)))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_graph, m)?)?;
     m.add_function(wrap_pyfunction!(check_graph, m)?)?;
@@ -318,5 +338,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(block_checkpoint_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_points, m)?)?;
+    m.add_function(wrap_pyfunction!(greedy_eviction, m)?)?;
     Ok(())
 }
