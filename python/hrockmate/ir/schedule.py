@@ -235,7 +235,8 @@ def _graph_names(graph: Graph) -> dict[str, list[str]]:
     }
 
 
-def _call(fn: Callable[..., Any], graph: Graph, arrays: dict[str, Any], **extra: Any) -> Any:
+def call_native(fn: Callable[..., Any], graph: Graph, arrays: dict[str, Any],
+                **extra: Any) -> Any:
     """Call a native function; on failure call it again with names so that the message names
     ops and tensors (names cost a list per call, so they are sent only when needed)."""
     from hrockmate import _native
@@ -265,7 +266,7 @@ def simulate(graph: Graph, schedule: Schedule, *,
     from hrockmate import _native
 
     arrays = graph.to_arrays() if graph_arrays is None else graph_arrays
-    d = _call(_native.simulate, graph, arrays, **schedule.to_arrays())
+    d = call_native(_native.simulate, graph, arrays, **schedule.to_arrays())
     return SimulationResult.from_native(d)
 
 
@@ -273,7 +274,7 @@ def store_all_schedule(graph: Graph) -> Schedule:
     """Plain autograd's schedule: every op once, each tensor freed after its last use."""
     from hrockmate import _native
 
-    return Schedule.from_arrays(*_call(_native.store_all, graph, graph.to_arrays()))
+    return Schedule.from_arrays(*call_native(_native.store_all, graph, graph.to_arrays()))
 
 
 def recompute_all_schedule(graph: Graph) -> Schedule:
@@ -284,7 +285,7 @@ def recompute_all_schedule(graph: Graph) -> Schedule:
     is allocated."""
     from hrockmate import _native
 
-    return Schedule.from_arrays(*_call(_native.recompute_all, graph, graph.to_arrays()))
+    return Schedule.from_arrays(*call_native(_native.recompute_all, graph, graph.to_arrays()))
 
 
 # Roles every schedule must produce (docs/graph-ir.md, schedule rules).

@@ -26,7 +26,7 @@ from typing import Any, Iterable, NamedTuple
 import numpy as np
 
 from hrockmate.ir.graph import Graph
-from hrockmate.ir.schedule import Schedule, Step, _call
+from hrockmate.ir.schedule import Schedule, Step, call_native
 from hrockmate.planning import ilp
 
 
@@ -100,8 +100,8 @@ def block_checkpoint_schedule(graph: Graph, blocks: int,
     backward ops join blocks by the hierarchy's rule (``partition::backward_owners``)."""
     from hrockmate import _native
 
-    kind, ids, fl = _call(_native.block_checkpoint_schedule, graph, graph.to_arrays(),
-                          blocks=blocks, keep_extra=_id_array(keep_extra))
+    kind, ids, fl = call_native(_native.block_checkpoint_schedule, graph, graph.to_arrays(),
+                                blocks=blocks, keep_extra=_id_array(keep_extra))
     return Schedule.from_arrays(kind, ids, fl).steps, int(fl)
 
 
@@ -112,13 +112,13 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     evict forward values by the smallest recompute time / (bytes x staleness); a value needed
     again after its eviction is recomputed from what is alive, recursively. Needs no structure
     at all (no pairing, no chain), so it serves graphs the other strategies cannot cut well
-    (long skips). Memory is counted per storage as the simulator counts it (views share their
-    base's storage); returns None when it gets stuck (nothing left to evict) or out of time.
-    Built by the Rust core (``greedy::greedy_eviction``)."""
+    (long skips). Built by the Rust core (``greedy::greedy_eviction``), which measures memory
+    with the simulator's storage rules, so a schedule it returns is within ``budget``; None
+    when it gets stuck (nothing left to evict) or out of time."""
     from hrockmate import _native
 
-    found = _call(_native.greedy_eviction, graph, graph.to_arrays(), budget_bytes=int(budget),
-                  time_limit=time_limit)
+    found = call_native(_native.greedy_eviction, graph, graph.to_arrays(),
+                        budget_bytes=int(budget), time_limit=time_limit)
     if found is None:
         return None
     return Schedule.from_arrays(*found).steps, int(found[2])
@@ -146,7 +146,7 @@ def checkpoint_points(graph: Graph, selective: bool = False, time_limit: float |
     from hrockmate import _native
 
     extra = heavy_outputs(graph) if selective else ()
-    raw = _call(_native.checkpoint_points, graph, graph.to_arrays(),
+    raw = call_native(_native.checkpoint_points, graph, graph.to_arrays(),
                 keep_extra=_id_array(extra), budget_bytes=budget, time_limit=time_limit)
     out = []
     for blocks, peak, t, sched in raw:
