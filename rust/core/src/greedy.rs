@@ -13,7 +13,7 @@
 //! never counted.
 
 use crate::graph::{Graph, OpId, Phase, Role, TensorId};
-use crate::limits::{Stop, Stopped};
+use crate::limits::{Stop, Stopped, MAX_SCHEDULE_STEPS};
 use crate::memory::{Memory, NOT_ALIVE, UNCOUNTED};
 use crate::schedule::{Schedule, Step};
 use crate::schedules::execution_order;
@@ -160,7 +160,9 @@ impl State<'_> {
 }
 
 /// The greedy eviction schedule of `g` within `budget` bytes; None when it gets stuck (nothing
-/// left to evict) or when `time_limit` (seconds) passes. `stop` is polled for cancellation.
+/// left to evict), when `time_limit` (seconds) passes, or when the schedule grows past
+/// [`MAX_SCHEDULE_STEPS`] (chains recomputed over and over under a tight budget grow as n^2).
+/// `stop` is polled for cancellation.
 pub fn greedy_eviction(
     g: &Graph,
     budget: u64,
@@ -220,7 +222,7 @@ pub fn greedy_eviction(
         if g.ops[o].phase == Phase::Backward && forward_len.is_none() {
             forward_len = Some(st.steps.len());
         }
-        if !st.ensure(o, order.len()) || !st.run(o, &[]) {
+        if !st.ensure(o, order.len()) || !st.run(o, &[]) || st.steps.len() > MAX_SCHEDULE_STEPS {
             return Ok(None);
         }
         buf.clear();
