@@ -68,7 +68,8 @@ def is_heavy_op(target: str) -> bool:
 def heavy_outputs(graph: Graph) -> set[int]:
     """Outputs of the forward ops that selective checkpointing keeps (``is_heavy_op``); in
     graphs without targets (node-link files), the ops whose time per output byte is in the top
-    third (expensive to recompute, cheap to keep)."""
+    third (expensive to recompute, cheap to keep). (The storage a kept view lives in is kept
+    by the core's block rule, ``checkpointing::block_checkpoint``.)"""
     fwd = [j for j, o in enumerate(graph.ops) if o.phase == "forward"]
     if any(graph.ops[j].target for j in fwd):
         chosen = [j for j in fwd if graph.ops[j].target and is_heavy_op(graph.ops[j].target)]
@@ -78,12 +79,7 @@ def heavy_outputs(graph: Graph) -> set[int]:
             return graph.ops[j].time / max(b, 1)
         ranked = sorted(fwd, key=density, reverse=True)
         chosen = ranked[:len(ranked) // 3]
-    out: set[int] = set()
-    for j in chosen:
-        for x in graph.ops[j].outputs:
-            out.add(x)
-            out.add(graph.storage_root(x))
-    return out
+    return {x for j in chosen for x in graph.ops[j].outputs}
 
 
 def block_checkpoint_schedule(graph: Graph, blocks: int,
@@ -147,7 +143,7 @@ def checkpoint_points(graph: Graph, selective: bool = False, time_limit: float |
 
     extra = heavy_outputs(graph) if selective else ()
     raw = call_native(_native.checkpoint_points, graph, graph.to_arrays(),
-                keep_extra=_id_array(extra), budget_bytes=budget, time_limit=time_limit)
+                      keep_extra=_id_array(extra), budget_bytes=budget, time_limit=time_limit)
     out = []
     for blocks, peak, t, sched in raw:
         steps, fl = None, None

@@ -8,8 +8,6 @@
 //! values live until their last backward use. `keep_extra` = matmul/attention outputs gives
 //! selective checkpointing (torchtitan-style).
 
-use std::time::{Duration, Instant};
-
 use crate::graph::{Graph, OpId, Phase, TensorId};
 use crate::io::{op_label, tensor_label};
 use crate::limits::{Stop, Stopped};
@@ -338,9 +336,9 @@ pub fn checkpoint_points(
     time_limit: Option<f64>,
     stop: &Stop,
 ) -> Result<Vec<CheckpointPoint>, CheckpointError> {
-    let deadline = time_limit
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .map(|s| Instant::now().checked_add(Duration::from_secs_f64(s.min(1e9))));
+    // (a limit that is not a number of seconds >= 0 means none, as for `Stop::new` callers that
+    // validated it already)
+    let limit = Stop::new(None, time_limit).unwrap_or_default();
     let facts = CheckpointFacts::new(g);
     let mut counts = checkpoint_candidates(facts.fwd.len());
     if time_limit.is_some() {
@@ -354,7 +352,7 @@ pub fn checkpoint_points(
     let mut best: Option<usize> = None;
     for blocks in counts {
         stop.check()?;
-        if !out.is_empty() && matches!(deadline, Some(Some(d)) if Instant::now() >= d) {
+        if !out.is_empty() && limit.should_stop() {
             break;
         }
         let block_of = facts.contiguous_blocks(g.ops.len(), blocks);

@@ -169,9 +169,8 @@ pub fn greedy_eviction(
     time_limit: Option<f64>,
     stop: &Stop,
 ) -> Result<Option<Schedule>, Stopped> {
-    let deadline = time_limit
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .and_then(|s| std::time::Instant::now().checked_add(std::time::Duration::from_secs_f64(s.min(1e9))));
+    // (a limit that is not a number of seconds >= 0 means none)
+    let limit = Stop::new(None, time_limit).unwrap_or_default();
     let order = execution_order(g);
     let nt = g.tensors.len();
     let producer = g.producers();
@@ -215,7 +214,7 @@ pub fn greedy_eviction(
     for (n, &o) in order.iter().enumerate() {
         if n % 64 == 0 {
             stop.check()?;
-            if deadline.is_some_and(|d| std::time::Instant::now() > d) {
+            if limit.should_stop() {
                 return Ok(None);
             }
         }
