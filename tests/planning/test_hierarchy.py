@@ -184,6 +184,18 @@ def test_real_graphs() -> None:
             assert all(h.exact[c.id] for c in h.leaves()), f"{f.name}: leaves of <= 20 ops are exact"
 
 
+def test_an_invalid_graph_is_a_hierarchy_error_naming_the_op() -> None:
+    g = chain_model(4)
+    bwd = next(o for o in g.ops if o.phase == "backward")
+    i, fwd = next((i, o) for i, o in enumerate(g.ops) if o.phase == "forward" and o.inputs)
+    fwd.inputs = [bwd.outputs[0]]  # a forward op reading a backward op's output
+    name = f"op {i} '{fwd.name}'"
+    with pytest.raises(HierarchyError, match=name):
+        build_hierarchy(g)
+    with pytest.raises(HierarchyError, match=name):
+        simplify(g)
+
+
 def test_partition_only_is_fast_and_has_no_options(data_graphs: Path) -> None:
     g = Graph.load(data_graphs / "resnet_like_train.json")
     h = build_hierarchy(g, options=False)

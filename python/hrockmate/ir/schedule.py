@@ -235,23 +235,58 @@ def _graph_names(graph: Graph) -> dict[str, list[str]]:
     }
 
 
-def call_native(fn: Callable[..., Any], graph: Graph, arrays: dict[str, Any],
-                **extra: Any) -> Any:
-    """Call a native function; on failure call it again with names so that the message names
-    ops and tensors (names cost a list per call, so they are sent only when needed)."""
+#: (native exception class, factory): how one caller turns a native error into its own exception.
+ErrorRule = tuple[type[BaseException], Callable[[Any], BaseException]]
+
+
+def _python_error(exc: BaseException, errors: Iterable[ErrorRule]) -> BaseException:
+    """The Python exception for native error ``exc``: the caller's rule for it if any, else the
+    graph/schedule defaults, else ``exc`` itself."""
     from hrockmate import _native
 
-    invalid = (_native.InvalidGraphError, _native.InvalidScheduleError)
+    for cls, make in errors:
+        if isinstance(exc, cls):
+            return make(exc)
+    if isinstance(exc, _native.InvalidScheduleError):
+        return ScheduleError(str(exc), exc.step)
+    if isinstance(exc, _native.InvalidGraphError):
+        return GraphError(str(exc))
+    return exc
+
+
+def call_native(fn: Callable[..., Any], graph: Graph, arrays: dict[str, Any] | None = None,
+                *, errors: Iterable[ErrorRule] = (), **extra: Any) -> Any:
+    """``fn(**extra, **arrays)`` (``arrays``: ``graph.to_arrays()`` unless given), with native
+    errors turned into Python ones: ``errors`` first, then InvalidScheduleError -> ScheduleError,
+    InvalidGraphError -> GraphError. The one way every wrapper calls the core.
+
+    An error whose message names ops or tensors (invalid graph or schedule, not a chain) is
+    answered by calling again with the names, so that the message names them (names cost a
+    list per call, so they are sent only when needed). TimeLimitError, TooLargeError and
+    KeyboardInterrupt pass through unless ``errors`` names them.
+    """
+    from hrockmate import _native
+
+    errors = tuple(errors)
+    named = (_native.InvalidGraphError, _native.InvalidScheduleError, _native.NotAChainError)
+    if arrays is None:
+        arrays = graph.to_arrays()
     try:
         return fn(**extra, **arrays)
-    except invalid:
+    except named:
         pass
+    except Exception as exc:
+        new = _python_error(exc, errors)
+        if new is exc:
+            raise
+        raise new from None
     try:
         fn(**extra, **arrays, **_graph_names(graph))
-    except _native.InvalidScheduleError as exc:
-        raise ScheduleError(str(exc), exc.step) from None
-    except _native.InvalidGraphError as exc:
-        raise GraphError(str(exc)) from None
+    except named as exc:
+        new = _python_error(exc, errors)
+        if new is exc:
+            raise
+        raise new from None
     raise AssertionError("native call failed without names but succeeded with them")
 
 
@@ -274,7 +309,7 @@ def store_all_schedule(graph: Graph) -> Schedule:
     """Plain autograd's schedule: every op once, each tensor freed after its last use."""
     from hrockmate import _native
 
-    return Schedule.from_arrays(*call_native(_native.store_all, graph, graph.to_arrays()))
+    return Schedule.from_arrays(*call_native(_native.store_all, graph))
 
 
 def recompute_all_schedule(graph: Graph) -> Schedule:
@@ -285,7 +320,7 @@ def recompute_all_schedule(graph: Graph) -> Schedule:
     is allocated."""
     from hrockmate import _native
 
-    return Schedule.from_arrays(*call_native(_native.recompute_all, graph, graph.to_arrays()))
+    return Schedule.from_arrays(*call_native(_native.recompute_all, graph))
 
 
 # Roles every schedule must produce (docs/graph-ir.md, schedule rules).

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from hrockmate.ir.graph import ROLES, Graph, Op, Tensor
+from hrockmate.ir.schedule import call_native
 
 __all__ = [
     "Cluster",
@@ -191,13 +192,13 @@ def correspondence(graph: Graph, a: Cluster, b: Cluster) -> tuple[dict[int, int]
     return ops, tensors
 
 
-def _native_call(fn_name: str, *args: Any, **kwargs: Any) -> Any:
+def _native_call(fn_name: str, graph: Graph, **kwargs: Any) -> Any:
+    """Call native ``fn_name`` on ``graph``; its errors become HierarchyError (naming ops and
+    tensors where the core's message does)."""
     from hrockmate import _native
 
-    try:
-        return getattr(_native, fn_name)(*args, **kwargs)
-    except ValueError as exc:
-        raise HierarchyError(str(exc)) from None
+    errors = [(ValueError, lambda e: HierarchyError(str(e)))]
+    return call_native(getattr(_native, fn_name), graph, errors=errors, **kwargs)
 
 
 def _split(ptr: np.ndarray, idx: np.ndarray) -> list[tuple[int, ...]]:
@@ -233,6 +234,7 @@ def build_hierarchy(
         raise HierarchyError(f"unknown partitioner {partitioner!r}; use one of {', '.join(PARTITIONERS)}")
     d = _native_call(
         "build_hierarchy",
+        graph,
         partitioner=partitioner,
         max_size=int(max_size),
         top_max_size=int(top_max_size),
@@ -243,7 +245,6 @@ def build_hierarchy(
         max_options=int(max_options),
         exact_limit=int(exact_limit),
         max_evaluations=int(max_evaluations),
-        **graph.to_arrays(),
     )
     lists = {k: _split(d[f"{k}_ptr"], d[f"{k}_idx"]) for k in ("children", "fwd_ops", "bwd_ops", "own_bwd_ops", "inputs", "outputs")}
     n = len(d["level"])
@@ -315,18 +316,18 @@ class SimplifiedGraph:
         """A schedule of the simplified graph -> the same schedule on the original graph."""
         return _native_call(
             "expand_schedule",
-            np.asarray(step_kind, dtype=np.int8),
-            np.asarray(step_id, dtype=np.int64),
-            int(forward_len),
+            self.original,
+            step_kind=np.asarray(step_kind, dtype=np.int8),
+            step_id=np.asarray(step_id, dtype=np.int64),
+            forward_len=int(forward_len),
             fold_views=self.fold_views,
             merge_chains=self.merge_chains,
-            **self.original.to_arrays(),
         )
 
 
 def simplify(graph: Graph, *, fold_views: bool = True, merge_chains: bool = True) -> SimplifiedGraph:
     """Fold free views into their storage and merge chains no schedule would split."""
-    d = _native_call("simplify", fold_views=fold_views, merge_chains=merge_chains, **graph.to_arrays())
+    d = _native_call("simplify", graph, fold_views=fold_views, merge_chains=merge_chains)
     origin = _split(d["op_origin_ptr"], d["op_origin_idx"])
     t_origin = d["tensor_origin"]
     tensors = []

@@ -23,9 +23,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hrockmate.ir.graph import Graph, GraphError
+from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import InfeasibleBudget
-from hrockmate.ir.schedule import Schedule, SimulationResult
+from hrockmate.ir.schedule import ErrorRule, Schedule, SimulationResult, call_native
 
 __all__ = [
     "NotAChainError",
@@ -80,27 +80,14 @@ def _native_call(fn: Callable[..., Any], graph: Graph, requested_bytes: int = 0,
 
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a hrockmate.Graph, got {type(graph).__name__}")
-    arrays = graph.to_arrays()
-    try:
-        return fn(**extra, **arrays)
-    except (_native.InvalidGraphError, _native.NotAChainError) as exc:
-        failed: ValueError = exc
-    except _native.InfeasibleError as exc:
-        raise InfeasibleBudget(requested_bytes, exc.min_bytes, graph.name) from None
-    except _native.InvalidArgumentError as exc:
-        raise ValueError(str(exc)) from None
-    except _native.InternalError as exc:
-        raise LiteratureSolverError(str(exc)) from None
-    # Once more with names, so that the message names the op or tensor at fault (names cost a
-    # list per call, so they are sent only when needed).
-    try:
-        fn(**extra, **arrays, tensor_names=[t.name for t in graph.tensors],
-           op_names=[o.name for o in graph.ops])
-    except (_native.InvalidGraphError, _native.NotAChainError) as again:
-        failed = again
-    if isinstance(failed, _native.NotAChainError):
-        raise NotAChainError(str(failed)) from None
-    raise GraphError(str(failed)) from None
+    errors: list[ErrorRule] = [
+        (_native.NotAChainError, lambda e: NotAChainError(str(e))),
+        (_native.InfeasibleError,
+         lambda e: InfeasibleBudget(requested_bytes, e.min_bytes, graph.name)),
+        (_native.InvalidArgumentError, lambda e: ValueError(str(e))),
+        (_native.InternalError, lambda e: LiteratureSolverError(str(e))),
+    ]
+    return call_native(fn, graph, errors=errors, **extra)
 
 
 def twremat(

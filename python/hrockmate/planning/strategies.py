@@ -96,8 +96,8 @@ def block_checkpoint_schedule(graph: Graph, blocks: int,
     backward ops join blocks by the hierarchy's rule (``partition::backward_owners``)."""
     from hrockmate import _native
 
-    kind, ids, fl = call_native(_native.block_checkpoint_schedule, graph, graph.to_arrays(),
-                                blocks=blocks, keep_extra=_id_array(keep_extra))
+    kind, ids, fl = call_native(_native.block_checkpoint_schedule, graph, blocks=blocks,
+                                keep_extra=_id_array(keep_extra))
     return Schedule.from_arrays(kind, ids, fl).steps, int(fl)
 
 
@@ -113,8 +113,8 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     when it gets stuck (nothing left to evict) or out of time."""
     from hrockmate import _native
 
-    found = call_native(_native.greedy_eviction, graph, graph.to_arrays(),
-                        budget_bytes=int(budget), time_limit=time_limit)
+    found = call_native(_native.greedy_eviction, graph, budget_bytes=int(budget),
+                        time_limit=time_limit)
     if found is None:
         return None
     return Schedule.from_arrays(*found).steps, int(found[2])
@@ -142,8 +142,8 @@ def checkpoint_points(graph: Graph, selective: bool = False, time_limit: float |
     from hrockmate import _native
 
     extra = heavy_outputs(graph) if selective else ()
-    raw = call_native(_native.checkpoint_points, graph, graph.to_arrays(),
-                      keep_extra=_id_array(extra), budget_bytes=budget, time_limit=time_limit)
+    raw = call_native(_native.checkpoint_points, graph, keep_extra=_id_array(extra),
+                      budget_bytes=budget, time_limit=time_limit)
     out = []
     for blocks, peak, t, sched in raw:
         steps, fl = None, None
