@@ -70,6 +70,7 @@ def _cmd_solve(args: argparse.Namespace) -> int:
     plan = hrockmate.solve_graph(
         graph, args.budget, method=args.method, time_limit=args.time_limit,
         solvers=_parse_solvers(args.solvers),
+        **({} if args.improve_time is None else {"improve_time": args.improve_time}),
     )
     if args.output:
         plan.save(args.output)
@@ -165,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     solve.add_argument(
         "--time-limit", type=seconds, default=300.0, help="seconds for the solver (default 300)"
+    )
+    solve.add_argument(
+        "--improve-time", type=seconds, default=None,
+        help="seconds into the solve after which work that can only improve a plan in hand "
+        "stops (default 9; up to --time-limit for sometimes better plans)",
     )
     solve.add_argument(
         "--solvers",

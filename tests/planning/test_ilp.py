@@ -4,6 +4,7 @@ pairs, model building and input checks."""
 from __future__ import annotations
 
 import heapq
+from pathlib import Path
 
 import pytest
 from graph_builders import training_graph
@@ -225,3 +226,26 @@ def test_the_op_level_milp_starts_from_a_known_schedule() -> None:
     bad = [[(len(stages) - 1, 0)] + stage if t == 0 else stage for t, stage in enumerate(stages)]
     sp = ilp.solve_level(lvl.problem, budget, start=bad)
     assert "started_from_schedule" not in sp.stats
+
+
+def test_past_its_soft_deadline_a_milp_stops_once_it_has_a_schedule(data_graphs: Path) -> None:
+    # the U-Net-like graph's op-level MILP at 50%: HiGHS proves nothing for many seconds; past
+    # the solve's improvement window it returns its start at the first poll
+    import time
+
+    from hrockmate.planning.hierarchy import prepare
+    from hrockmate.planning.level import block_level, op_stages
+    from hrockmate.planning.policy import baseline_schedule
+
+    g = Graph.load(data_graphs / "unet_like_train.json")
+    budget = int(0.5 * baseline_schedule(g)[2])
+    found = strategies.greedy_eviction_schedule(g, budget)
+    assert found is not None
+    h = prepare(g, flat_ops=g.num_ops, progress=False)
+    lvl = block_level(h.ctx, h.root)
+    stages = op_stages(lvl, found[0])
+    t0 = time.perf_counter()
+    sp = ilp.solve_level(lvl.problem, budget, start=stages, stall=60.0, time_limit=60.0,
+                         soft_deadline=t0)
+    assert sp.stats["stopped"] == "window" and not sp.optimal
+    assert sp.stats["solve_seconds"] < 30  # (a bound far from the 60 s it could take)

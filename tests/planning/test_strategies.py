@@ -205,6 +205,13 @@ def test_solve_graph_rejects_bad_time_limits(data_graphs: Path, bad: object) -> 
         hrockmate.solve_graph(g, 0.9, time_limit=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "10"])
+def test_solve_graph_rejects_bad_improve_times(data_graphs: Path, bad: object) -> None:
+    g = Graph.load(data_graphs / "vgg_like_train.json")
+    with pytest.raises(ValueError, match="improve_time must be a number of seconds >= 0"):
+        hrockmate.solve_graph(g, 0.9, improve_time=bad)  # type: ignore[arg-type]
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(2, 30), seed=st.integers(0, 10_000), fraction=st.floats(0.2, 1.0),
        skips=st.booleans())

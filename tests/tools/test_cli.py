@@ -169,15 +169,34 @@ def test_too_small_byte_budget_fails_at_once_naming_the_minimum(
     assert f"at least {floor} bytes" in line and "alone needs" in line
 
 
+@pytest.mark.parametrize("flag", ["--time-limit", "--improve-time"])
 @pytest.mark.parametrize("limit", ["-1", "0", "nan", "inf", "soon"])
-def test_time_limit_must_be_positive_seconds(data_graphs: Path, limit: str,
+def test_time_limit_must_be_positive_seconds(data_graphs: Path, limit: str, flag: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["solve", str(data_graphs / "vgg_like_train.json"), "--budget", "0.9",
-              f"--time-limit={limit}"])
+              f"{flag}={limit}"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "--time-limit" in err and "seconds above 0" in err and repr(limit) in err
+    assert flag in err and "seconds above 0" in err and repr(limit) in err
+
+
+def test_improve_time_reaches_the_solver(data_graphs: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import hrockmate
+
+    seen: list[object] = []
+    solve_graph = hrockmate.solve_graph
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs.get("improve_time", "default"))
+        return solve_graph(*args, **kwargs)
+
+    monkeypatch.setattr(hrockmate, "solve_graph", spy)
+    path = str(data_graphs / "vgg_like_train.json")
+    assert main(["solve", path, "--budget", "0.9", "--improve-time", "2.5"]) == 0
+    assert main(["solve", path, "--budget", "0.9"]) == 0
+    assert seen == [2.5, "default"]
 
 
 # ---- simulate reads the plan files solve writes ----------------------------------------------

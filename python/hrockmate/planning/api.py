@@ -24,9 +24,13 @@ from hrockmate.planning.hierarchy import (
     prepare,
 )
 from hrockmate.planning.policy import (
+    IMPROVE_SECONDS,
+    MIN_GAIN_TO_RETRY,
     Candidate,
     baseline_schedule,
     check_method,
+    improve_seconds,
+    limited,
     run_method,
     simulate_steps,
     time_left,
@@ -63,6 +67,7 @@ def solve_graph(
     hierarchy: Hierarchy | Sequence[Hierarchy] | None = None,
     solvers: Mapping[str, str] | None = None,
     exact_ops: int = 100,
+    improve_time: float | None = IMPROVE_SECONDS,
 ) -> Plan:
     """Plan one training iteration given as a graph (IR JSON or a node-link file).
 
@@ -90,8 +95,15 @@ def solve_graph(
             the fastest plan is kept), to solve only the top level.
         exact_ops: graphs of more than ``flat_ops`` and at most ``exact_ops`` ops whose
             hierarchy plan is beaten by a fallback, is missing, or recomputes over 10% are
-            also tried at the op level: for at most 60 s when the hierarchy has no plan of
-            its own, else within the first 9 s of the solve.
+            also tried at the op level: for at most 60 s when there is no plan at all, else
+            within ``improve_time``. Graphs of at most ``flat_ops`` ops are planned at the
+            op level first, from greedy eviction's plan, also within ``improve_time``.
+        improve_time: seconds into the solve after which the work that can only improve a
+            plan in hand stops (later leaf sizes, the op-level second try, an op-level or top
+            MILP that has a schedule): 9 s, so that graphs of up to about 1,000 ops plan in
+            about 10 s. None: up to ``time_limit`` (better plans, sometimes, for longer
+            solves: the U-Net-like test graph at 55% with ``flat_ops=0``: +34.5% in 9 s, +17.3%
+            in 25 s).
         solvers: (method ``"hrockmate"``) the solver of each kind of level:
             ``{"leaves": "ilp" | "rust" | "ilp+rust" | "twremat" | "ilp+twremat",
             "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
@@ -111,6 +123,10 @@ def solve_graph(
                                        and math.isfinite(time_limit) and time_limit > 0):
         raise ValueError(f"time_limit must be a positive number of seconds or None, "
                          f"got {time_limit!r}")
+    if improve_time is not None and not (isinstance(improve_time, (int, float))
+                                         and math.isfinite(improve_time) and improve_time >= 0):
+        raise ValueError(f"improve_time must be a number of seconds >= 0 or None, "
+                         f"got {improve_time!r}")
     from hrockmate.planning.level_solvers import check_solvers
 
     chosen = check_solvers(solvers)
@@ -120,14 +136,15 @@ def solve_graph(
                             mip_rel_gap=mip_rel_gap, flat_ops=flat_ops, leaf_size=leaf_size,
                             group_size=group_size, top_size=top_size,
                             sub_time_limit=sub_time_limit, progress=progress,
-                            hierarchy=hierarchy, chosen=chosen, exact_ops=exact_ops)
+                            hierarchy=hierarchy, chosen=chosen, exact_ops=exact_ops,
+                            improve_time=improve_time)
 
 
 def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: float | None,
                  mip_rel_gap: float, flat_ops: int, leaf_size: int | None, group_size: int,
                  top_size: int, sub_time_limit: float | None, progress: bool,
                  hierarchy: Hierarchy | Sequence[Hierarchy] | None, chosen: Mapping[str, str],
-                 exact_ops: int) -> Plan:
+                 exact_ops: int, improve_time: float | None) -> Plan:
     t0 = _time.perf_counter()
     base_steps, base_fl, base_peak, base_time = baseline_schedule(graph)
     budget_bytes = parse_budget(budget, base_peak)
@@ -165,7 +182,8 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
               leaf_size=leaf_sizes(graph, leaf_size, flat_ops)[0], group_size=group_size,
               top_size=top_size,
               sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
-              deadline=None if time_limit is None else t0 + time_limit, started=t0,
+              deadline=None if time_limit is None else t0 + time_limit,
+              improve_until=None if improve_time is None else t0 + improve_time,
               baseline_time=base_time)
     cand, lowest = _best_over_leaf_sizes(graph, method, budget_bytes, hierarchy, leaf_size, kw)
     retry = method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
@@ -178,22 +196,22 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
         # the hierarchy's own plan lost to a fallback, there is none, or it recomputes much:
         # on a graph this small the op-level MILP often does better, within a short limit
         # (long skips, as in U-Nets, are where the hierarchy's blocks hold the most): 60 s when
-        # the hierarchy has no plan of its own (the U-Net-like test graph at 55%: greedy's +35%,
-        # the op-level MILP's +17.4% after 5 s), else it only improves one (``_retry_seconds``)
+        # there is no plan at all, else it only improves one, within the improvement window
+        # (``improve_seconds``; the U-Net-like test graph at 55% with ``flat_ops=0``: greedy's
+        # +34.5%, the op-level MILP's +17.3% after 10-15 s, past the default window)
         own = cand is not None and cand.hierarchy_planned
         left = time_left(kw)
-        cap = (_retry_seconds(_time.perf_counter() - t0, left) if own
+        cap = (improve_seconds(kw["improve_until"], left) if cand is not None
                else min(60.0, math.inf if left is None else left))
+        cap = None if cap is not None and cap < 1.0 else cap
         if cap is not None:
             logger.info("the hierarchy of '%s' fell back or recomputes over 10%%; trying the "
                         "op-level MILP for up to %.0f s", graph.name, cap)
             # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
             # fallbacks are already known)
-            flat_kw = {**kw, "flat_ops": graph.num_ops, "time_limit": cap,
-                       "log_level": logging.INFO,
-                       "deadline": _time.perf_counter() + cap,
-                       "lowest_peak": False, "hierarchy_retry": False,
-                       "starts": [cand.steps] if own else []}
+            flat_kw = limited(kw, cap, flat_ops=graph.num_ops, log_level=logging.INFO,
+                              lowest_peak=False, hierarchy_retry=False,
+                              starts=[cand.steps] if own else [])
             alt, alt_lowest = run_method(graph, method, budget_bytes, None, flat_kw)
             if alt is not None and not alt.stats.get("fallback") and (
                     simulate_steps(graph, alt.steps, alt.forward_len)[1] < cand_time):
@@ -212,46 +230,17 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
     return plan
 
 
-# Tries that can only improve a plan (later leaf sizes; the op-level second try of small graphs
-# when it starts from a plan of the hierarchy's own) stop this many seconds into the solve
-# (``kw["started"]``, ``_retry_seconds``; what follows them takes about a second more). On the
-# graphs of at most 400 ops of benches/simple_strategies.py at 50% they took solves to 14-15 s:
-# the op-level second try of a 64-op CNN and of a 78-op U-Net found nothing better in 11-12 s of
-# HiGHS. A search whose only plan in hand is a fallback's (greedy eviction's, ...) is not cut by
-# it: there the op-level MILP often finds much better plans after seconds (and a graph of at
-# most ``flat_ops`` ops, planned at the op level from greedy eviction's plan, gets the same plan
-# in every run when its MILP is solved to optimality). Their messages about fallbacks are logged
-# at INFO (``kw["log_level"]``): the plan returned says what it is.
-IMPROVE_SECONDS = 9.0
-
-# Later leaf sizes and the op-level second try are not tried once a plan costs at most this
-# much over store-all (the most they could gain): at 90% of store-all most plans of the
-# never-costlier benchmark were within 0.1-0.8%, and trying every size took their solves from
-# 1.5-3 s to 5-8 s.
-MIN_GAIN_TO_RETRY = 0.01
-
-
-def _retry_seconds(spent: float, left: float | None) -> float | None:
-    """Seconds for a try that can only improve a plan (a later leaf size, the op-level second
-    try): what is left of the first ``IMPROVE_SECONDS`` of the solve, within the ``left``
-    of the time limit. ``spent``: seconds since the solve began. None: under 1 s."""
-    limit = IMPROVE_SECONDS - spent
-    if left is not None:
-        limit = min(limit, left)
-    return None if limit < 1.0 else limit
-
-
-def _improving_tries(tries: Sequence[Any], started: float,
+def _improving_tries(tries: Sequence[Any], improve_until: float | None,
                      time_left: Callable[[], float | None]) -> Iterator[tuple[Any, float | None]]:
     """Each try (a leaf size, ...) with the seconds it may take: None for the first (the
-    solve's own limit), what ``_retry_seconds`` leaves for each later one, counted from
-    ``started``; it stops where that is under a second. The caller stops earlier by not asking
-    for more."""
+    solve's own limit), what ``improve_seconds`` leaves for each later one (until
+    ``improve_until``); it stops where that is under a second. The caller stops earlier by not
+    asking for more."""
     for k, item in enumerate(tries):
         if k == 0:
             yield item, None
             continue
-        limit = _retry_seconds(_time.perf_counter() - started, time_left())
+        limit = improve_seconds(improve_until, time_left())
         if limit is None:
             return
         yield item, limit
@@ -263,7 +252,7 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
                           ) -> tuple[Candidate | None, int]:
     """``run_method`` with each hierarchy given, else with each leaf size ``leaf_sizes``
     picks (method ``"hrockmate"``): the fastest plan, and the lowest budget seen when none.
-    A later try gets ``_retry_seconds``, counted from ``kw["started"]``, and none runs once a
+    A later try gets ``improve_seconds`` (until ``kw["improve_until"]``), and none runs once a
     plan is within ``MIN_GAIN_TO_RETRY`` of ``kw["baseline_time"]``."""
     if isinstance(hierarchy, Hierarchy):
         return run_method(graph, method, budget, hierarchy, kw)
@@ -275,13 +264,12 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
     best: Candidate | None = None
     best_time = math.inf
     lows: list[int] = []
-    for (size, h), limit in _improving_tries(tries, kw["started"], lambda: time_left(kw)):
+    for (size, h), limit in _improving_tries(tries, kw["improve_until"], lambda: time_left(kw)):
         kw_k = {**kw, "leaf_size": size}
         if limit is not None:  # a later try
             if best is not None and best_time <= (1 + MIN_GAIN_TO_RETRY) * kw["baseline_time"]:
                 break  # nothing worth another try is left to gain
-            kw_k.update(time_limit=limit, deadline=_time.perf_counter() + limit,
-                        log_level=logging.INFO)
+            kw_k = limited(kw_k, limit, log_level=logging.INFO)
         cand, low = run_method(graph, method, budget, h, kw_k)
         if cand is None:
             lows.append(low)
@@ -370,9 +358,11 @@ def with_hierarchy(graph: Graph, options: Mapping[str, Any], *,
             return None if time_limit is None else time_limit - (_time.perf_counter() - t0)
 
         sizes = leaf_sizes(graph, options.get("leaf_size"), kw["flat_ops"])
-        for size, limit in _improving_tries(sizes, t0, left):
+        improve = options.get("improve_time", defaults["improve_time"].default)
+        until = None if improve is None else t0 + improve
+        for size, limit in _improving_tries(sizes, until, left):
             if limit is not None:  # a later leaf size
-                kw["time_limit"] = limit
+                kw["time_limit"] = limit if math.isfinite(limit) else None
             try:
                 prepared.append(prepare(graph, leaf_size=size, workers=workers, **kw))
             except HierarchyTimeout:

@@ -84,7 +84,7 @@ GROUP_SIZE = 4
 # planned at +10.3% or +9.0% with 8 depending on the op times a trace measured, +8.6% with 9
 # both times (7: +17.1%). So graphs are planned with each size of ``LEAF_SIZES`` (graphs of up
 # to ``LEAF_PORTFOLIO_MAX_OPS`` ops: ``SMALL_GRAPH_LEAF_SIZES``) in turn, the later ones only
-# within the time ``api._retry_seconds`` gives them (the first 9 s of the solve: on graphs
+# within the time ``policy.improve_seconds`` gives them (the first 9 s of the solve: on graphs
 # that take longer only the first size is tried), and the fastest plan is kept. 6 goes first on
 # small graphs: 4 took 6-13 s on the DenseNet log at 50%, the resnet-like graph and MobileNet
 # at 30%, 6 at most 9 s.
@@ -497,13 +497,15 @@ TOP_STALL_SECONDS = 5.0
 
 
 def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip_rel_gap: float,
-              minimize_peak: bool = False, starts: Sequence[list[Step]] = ()
+              minimize_peak: bool = False, starts: Sequence[list[Step]] = (),
+              soft_deadline: float | None = None
               ) -> tuple[list[Step], int, bool, dict[str, Any]]:
     """The top level at ``budget`` (None: no limit, or the least peak with ``minimize_peak``):
     (steps, forward length, proven optimal, statistics). Raises ``ilp.LevelInfeasible`` or
     ``ilp.LevelNoSolution`` when it finds nothing. ``starts``: schedules within the budget; when
     the top is the op level the MILP starts from the first that fits its stage structure (it
-    then has a schedule at once, and the stall rule ends a search that finds nothing better)."""
+    then has a schedule at once, and the stall rule ends a search that finds nothing better).
+    ``soft_deadline``: past it, the top MILP stops once it has a schedule (``ilp.run_highs``)."""
     if h.solvers.get("top") == "rotor":
         chain = level_solvers.chain_level(h.ctx, h.root)
         if chain is not None:
@@ -525,7 +527,11 @@ def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip
     if not h.root.children:
         stages = next((st for st in map(partial(op_stages, lvl), starts) if st is not None), None)
     sp = ilp.solve_level(lvl.problem, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
-                         minimize_peak=minimize_peak, stall=TOP_STALL_SECONDS, start=stages)
+                         minimize_peak=minimize_peak, stall=TOP_STALL_SECONDS, start=stages,
+                         soft_deadline=soft_deadline)
+    if sp.stats.get("stopped") == "window":
+        logger.info("the top MILP of '%s' stopped after %.1f s at the end of the solve's "
+                    "improvement window", h.graph.name, sp.stats["solve_seconds"])
     if sp.stats.get("stopped") == "stall":
         gap = sp.stats.get("mip_gap")
         logger.info("the top MILP of '%s' stopped after %.1f s: its best schedule had stopped "

@@ -606,7 +606,7 @@ CLOSE_GAP_STALL_SECONDS = 1.0
 
 
 def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
-              started_from: bool = False) -> str | None:
+              started_from: bool = False, soft_deadline: float | None = None) -> str | None:
     """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s.
 
     HiGHS runs on a worker thread while this thread waits; on KeyboardInterrupt, HiGHS's
@@ -624,7 +624,9 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     ``started_from``: HiGHS was given a starting schedule, which it reports at once, so that one
     is kept for ``START_STALL_FACTOR x stall`` (HiGHS's own heuristics take that long to find
     anything better on the op-level MILPs of 50-80 ops).
-    Returns why it stopped HiGHS early: ``"deadline"``, ``"stall"``, or None.
+    ``soft_deadline`` (a ``time.perf_counter`` time): past it, a MIP with a schedule in hand
+    stops (the solve's improvement window).
+    Returns why it stopped HiGHS early: ``"deadline"``, ``"stall"``, ``"window"`` or None.
     """
     cancel: threading.Event | None = getattr(_cancel, "event", None)
     if cancel is not None and cancel.is_set():
@@ -683,8 +685,12 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     try:
         while not done.wait(0.05):
             if not stop.is_set():
-                if deadline is not None and _time.perf_counter() > deadline:
+                now = _time.perf_counter()
+                if deadline is not None and now > deadline:
                     why = "deadline"
+                elif (soft_deadline is not None and now > soft_deadline
+                      and math.isfinite(best[0])):
+                    why = "window"
                 elif stalled():
                     why = "stall"
                 if why is not None:
@@ -715,9 +721,11 @@ def solve_level(
     boundary_limit: float | None = None,
     stall: float | None = None,
     start: Sequence[Sequence[tuple[int, int]]] | None = None,
+    soft_deadline: float | None = None,
 ) -> StagePlan:
     """Solve one level at ``budget`` bytes (or for its smallest peak with ``minimize_peak``).
-    ``stall``: stop once the best schedule stops improving (``run_highs``). ``start``: a known
+    ``stall``, ``soft_deadline``: stop once the best schedule stops improving, or once past
+    ``soft_deadline`` with a schedule in hand (``run_highs``). ``start``: a known
     schedule, per stage the (node, option) pairs it computes, given to HiGHS as a partial
     solution (``R`` fixed; HiGHS completes the rest or drops it when it does not fit).
 
@@ -741,7 +749,8 @@ def solve_level(
         h.setOptionValue("mip_detect_symmetry", False)
     h.passModel(lp)
     started_from = start is not None and _set_start(h, p, model, start)
-    stopped = run_highs(h, None if time_limit is None else t0 + time_limit, stall, started_from)
+    stopped = run_highs(h, None if time_limit is None else t0 + time_limit, stall, started_from,
+                        soft_deadline)
     status = h.getModelStatus()
     t_solve = _time.perf_counter() - t0 - t_build
     MS = highspy.HighsModelStatus

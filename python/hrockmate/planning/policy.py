@@ -6,6 +6,7 @@ same budget, and recompute-all is the last resort (the log says why)."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time as _time
 from dataclasses import dataclass
@@ -70,6 +71,44 @@ def time_left(kw: Mapping[str, Any]) -> float | None:
     """Seconds left of the solve's ``time_limit`` (None: no limit)."""
     deadline = kw.get("deadline")
     return None if deadline is None else max(0.0, deadline - _time.perf_counter())
+
+
+# Tries that can only improve a plan in hand stop this many seconds into the solve (the default
+# of ``solve_graph(improve_time=)``, ``kw["improve_until"]``, ``improve_seconds``; what follows
+# them takes about a second more): later
+# leaf sizes, the op-level second try of small graphs, the hierarchical retry of a graph planned
+# at the op level, and an op-level MILP that starts from a schedule (greedy eviction's or the
+# hierarchy's, which HiGHS then only improves). On the graphs of at most 400 ops of
+# benches/simple_strategies.py at 50% such tries took solves to 13-15 s: the op-level MILP of a
+# 53-op U-Net found nothing better than its start in 13 s of HiGHS, a 64-op CNN's and a 78-op
+# U-Net's second tries nothing in 11-12 s. Only a search with no plan in hand at all runs on to
+# the time limit. Their messages about fallbacks are logged at INFO (``kw["log_level"]``): the
+# plan returned says what it is.
+IMPROVE_SECONDS = 9.0
+
+# Later leaf sizes and the op-level second try are not tried once a plan costs at most this
+# much over store-all (the most they could gain): at 90% of store-all most plans of the
+# never-costlier benchmark were within 0.1-0.8%, and trying every size took their solves from
+# 1.5-3 s to 5-8 s.
+MIN_GAIN_TO_RETRY = 0.01
+
+
+def improve_seconds(until: float | None, left: float | None) -> float | None:
+    """Seconds for a try that can only improve a plan in hand: what is left until ``until``
+    (the end of the solve's improvement window, a ``time.perf_counter`` time; None: no window),
+    within ``left`` (seconds left of the time limit, or None). None: under 1 s; ``math.inf``:
+    neither a window nor a time limit."""
+    limit = math.inf if until is None else until - _time.perf_counter()
+    if left is not None:
+        limit = min(limit, left)
+    return None if limit < 1.0 else limit
+
+
+def limited(kw: Mapping[str, Any], seconds: float, **extra: Any) -> dict[str, Any]:
+    """``kw`` for a try of at most ``seconds`` (``math.inf``: no limit), with ``extra``."""
+    bounded = math.isfinite(seconds)
+    return {**kw, **extra, "time_limit": seconds if bounded else None,
+            "deadline": _time.perf_counter() + seconds if bounded else None}
 
 
 def _run_literature(graph: Graph, method: str, budget: int, time_limit: float | None = None,
@@ -227,6 +266,8 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                        "block_solvers": h.solver_counts(), "lean_blocks": h.lean,
                        "hierarchy_seconds": round(h.seconds, 4), "leaf_size": h.leaf_size}
 
+            until = kw.get("improve_until")
+
             def top(b: int) -> reference.SolverResult:
                 left = time_left(kw)
                 if left is not None and h.root.children:  # (a flat level is the whole solve)
@@ -240,11 +281,17 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     starts += kw.get("starts", [])
                     found = reference.greedy_eviction_schedule(graph, b, left)
                     starts += [found[0]] if found is not None else []
+                    if starts and until is not None:  # a plan in hand: HiGHS only improves it
+                        left = improve_seconds(until, left) or 1.0
+                # a top MILP that begins within the improvement window ends with it once it has
+                # a schedule (MobileNet at 30%: found at 8.5 s into the solve, then 5 s more of
+                # the stall rule); one that begins later (large graphs) runs on its stall rule
+                soft = until if until is not None and _time.perf_counter() < until else None
                 level = "op-level" if not h.root.children else "top"
                 with elapsed_progress(f"{level} MILP of '{graph.name}'", left, kw["progress"]):
-                    steps, fl, optimal, stats = solve_top(h, b, time_limit=left,
-                                                          mip_rel_gap=kw["mip_rel_gap"],
-                                                          starts=starts)
+                    steps, fl, optimal, stats = solve_top(
+                        h, b, time_limit=left, mip_rel_gap=kw["mip_rel_gap"], starts=starts,
+                        soft_deadline=soft)
                 return reference.SolverResult(steps, fl, optimal, stats)
 
             # an op-level MILP cut short by the time limit may lose to the hierarchy
@@ -254,9 +301,11 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 cand = _within_budget(graph, budget, Candidate(
                     r.steps, r.forward_len, r.optimal, {**stats_h, **r.stats}))
                 cand = _refined(graph, budget, cand, kw)
-                if flat and not cand.optimal and kw.get("hierarchy_retry", True):
+                retry = improve_seconds(until, time_left(kw))
+                if (flat and not cand.optimal and kw.get("hierarchy_retry", True)
+                        and retry is not None):
                     alt, _ = run_method(graph, method, budget, None,
-                                        {**kw, "flat_ops": 0, "log_level": logging.INFO})
+                                        limited(kw, retry, flat_ops=0, log_level=logging.INFO))
                     if alt is not None and (
                             simulate_steps(graph, alt.steps, alt.forward_len)[1]
                             < simulate_steps(graph, cand.steps, cand.forward_len)[1]):
