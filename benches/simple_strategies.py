@@ -6,7 +6,8 @@ plans with the default method and with block checkpointing, selective checkpoint
 whole-graph Rotor and greedy eviction (DTR-style), and reports each one's time over store-all
 (``inf.`` where it does not fit; ``RA`` where only recompute-all fits), which method made
 hrockmate's plan, its solve time, and whether hrockmate cost more than any strategy that fits
-(it must not).
+(it must not), with a lower bound on what any schedule costs there
+(``hrockmate.time_lower_bound``; ``inf.`` where no schedule can fit) and hrockmate's gap to it.
 
     OMP_NUM_THREADS=1 python benches/simple_strategies.py [--demo] [--graphs DIR]
 
@@ -76,6 +77,12 @@ def cell(r: dict[str, Any]) -> str:
     return f"{100 * r['overhead']:.1f}%"
 
 
+def bound_cell(b: dict[str, Any]) -> str:
+    if b["overhead"] is None:
+        return "inf."
+    return f"{100 * b['overhead']:.1f}%" + ("" if b["proven"] else "*")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--graphs", action="append", default=[],
@@ -88,13 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     folders = [REPO / "tests" / "data" / "graphs", *map(Path, args.graphs)]
     rows = []
     print(f"{'graph':32} {'budget':>6} {'hrockmate':>12} {'made by':>21} {'solve s':>8} "
-          + " ".join(f"{s:>12}" for s in STRATEGIES) + "  never costlier")
+          + " ".join(f"{s:>12}" for s in STRATEGIES) + f" {'bound':>8}  never costlier")
     for name, g in graphs(folders, args.demo):
         for fraction in (float(b) for b in args.budgets.split(",")):
             row: dict[str, Any] = {"graph": name, "ops": g.num_ops, "budget": fraction}
             row["hrockmate"] = run_one(g, fraction, "hrockmate", args.time_limit)
             for s in STRATEGIES:
                 row[s] = run_one(g, fraction, s, args.time_limit)
+            b = hrockmate.time_lower_bound(g, fraction)
+            row["bound"] = {"overhead": b.overhead if b.time < float("inf") else None,
+                            "proven": b.proven, "seconds": b.seconds}
             h = row["hrockmate"]
             beaten = [s for s in STRATEGIES if row[s]["fits"] and row[s].get("fallback") is None
                       and h["fits"] and h["overhead"] > row[s]["overhead"] + 1e-9]
@@ -105,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{name[:32]:32} {fraction:>6.0%} {cell(h):>12} {made_by:>21} "
                   f"{h['seconds']:>8.1f} " + " ".join(f"{cell(row[s]):>12}" for s in STRATEGIES)
+                  + f" {bound_cell(row['bound']):>8}"
                   + f"  {'yes' if not beaten else 'NO: ' + ','.join(beaten)}", flush=True)
     write_atomic(Path(args.out), json.dumps({"rows": rows, "time_limit": args.time_limit},
                                             indent=1))

@@ -39,6 +39,8 @@ _EXPORTS: dict[str, str] = {
     "solve": "hrockmate.planning.api",
     "solve_graph": "hrockmate.planning.api",
     "pareto": "hrockmate.planning.api",
+    "time_lower_bound": "hrockmate.planning.bounds",
+    "TimeBound": "hrockmate.planning.bounds",
     "Plan": "hrockmate.ir.plan",
     "load_plan": "hrockmate.ir.plan",
     "PlanError": "hrockmate.ir.plan",

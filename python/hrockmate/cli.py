@@ -88,6 +88,12 @@ def _cmd_solve(args: argparse.Namespace) -> int:
         f"{overhead})"
     )
     print(f"solve time       {plan.stats.get('solve_seconds', float('nan')):.2f} s")
+    if args.bound and plan.baseline_time > 0:
+        bound = hrockmate.time_lower_bound(graph, plan.budget_bytes)
+        gap = 100 * (plan.time - bound.time) / plan.baseline_time
+        print(f"lower bound      overhead {100 * bound.overhead:.1f}%"
+              f"{'' if bound.proven else ' (search cut at its time limit)'}: no schedule within "
+              f"the budget is faster; this plan is at most {gap:.1f} points from the best")
     if args.output:
         print(f"plan written to  {args.output}")
     return 0
@@ -166,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     solve.add_argument(
         "--time-limit", type=seconds, default=300.0, help="seconds for the solver (default 300)"
+    )
+    solve.add_argument(
+        "--bound", action="store_true",
+        help="also print a lower bound on the overhead of any schedule within the budget",
     )
     solve.add_argument(
         "--improve-time", type=seconds, default=None,

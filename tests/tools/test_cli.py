@@ -199,6 +199,22 @@ def test_improve_time_reaches_the_solver(data_graphs: Path, monkeypatch: pytest.
     assert seen == [2.5, "default"]
 
 
+def test_solve_prints_a_lower_bound_when_asked(data_graphs: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    import hrockmate
+
+    path = data_graphs / "resnet_like_train.json"
+    assert main(["solve", str(path), "--budget", "0.5", "--bound"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("lower bound"))
+    bound = float(re.search(r"overhead ([0-9.]+)%", line).group(1))  # type: ignore[union-attr]
+    planned = float(re.search(r"overhead ([0-9.]+)%\)", out).group(1))  # type: ignore[union-attr]
+    expected = hrockmate.time_lower_bound(hrockmate.Graph.load(path), 0.5).overhead
+    assert bound == pytest.approx(100 * expected, abs=0.05) and bound <= planned + 0.05
+
+
 # ---- simulate reads the plan files solve writes ----------------------------------------------
 
 def test_simulate_a_plan_written_by_solve(data_graphs: Path, tmp_path: Path,

@@ -324,7 +324,8 @@ def recompute_all_schedule(graph: Graph) -> Schedule:
 
 
 # Roles every schedule must produce (docs/graph-ir.md, schedule rules).
-_REQUIRED_ROLES = frozenset({"output", "param_grad", "input_grad", "buffer_update"})
+# The results every schedule must produce and leave alive (the simulator's rule).
+REQUIRED_ROLES = frozenset({"output", "param_grad", "input_grad", "buffer_update"})
 
 
 def peak_lower_bound(graph: Graph) -> tuple[int, str]:
@@ -354,7 +355,7 @@ def peak_lower_bound(graph: Graph) -> tuple[int, str]:
     producer = graph.producers()
     todo = [i for i, op in enumerate(ops) if op.phase == "backward"]
     todo += [p for t, p in enumerate(producer)
-             if p is not None and tensors[t].role in _REQUIRED_ROLES]
+             if p is not None and tensors[t].role in REQUIRED_ROLES]
     needed: set[int] = set()
     while todo:
         i = todo.pop()

@@ -255,7 +255,7 @@ def _value_need(
 # model building
 
 
-class _Builder:
+class ModelBuilder:
     """Columns and coordinate-form rows, turned into one HighsLp."""
 
     def __init__(self) -> None:
@@ -326,7 +326,7 @@ MEMORY_TOLERANCE_MARGIN = 1e-5
 
 @dataclass
 class _Model:
-    builder: _Builder
+    builder: ModelBuilder
     R: list[dict[int, int]]  # stage -> node -> first column (options follow)
     S: dict[tuple[int, int], int]
     P: dict[tuple[int, int, int], int]
@@ -346,7 +346,7 @@ def build_model(
     ``budget=None`` leaves memory unconstrained. ``boundary_limit`` bounds the bytes kept from
     the forward stages into the first backward stage (what a cluster saves for its backward)."""
     n = len(p.nodes)
-    b = _Builder()
+    b = ModelBuilder()
     nv = len(p.values)
     max_bytes = max([v.bytes for v in p.values] + [o.overhead + o.saved for nd in p.nodes
                                                   for o in nd.options] + [1])
@@ -557,7 +557,7 @@ SETUP_SECONDS_PER_NONZERO = 6e-6  # building the model (~1 us) and HiGHS's set-u
 MAX_MODEL_NONZEROS = 40_000_000
 
 
-def _new_highs(time_limit: float | None, mip_rel_gap: float) -> Any:
+def new_highs(time_limit: float | None, mip_rel_gap: float) -> Any:
     import highspy
 
     global _THREADS_SET
@@ -743,7 +743,7 @@ def solve_level(
     lp = model.builder.to_lp()
     t_build = _time.perf_counter() - t0
     # the limit covers building the model too
-    h = _new_highs(None if time_limit is None else time_limit - t_build, mip_rel_gap)
+    h = new_highs(None if time_limit is None else time_limit - t_build, mip_rel_gap)
     if len(lp.a_matrix_.value_) > PRESOLVE_MAX_NONZEROS:
         h.setOptionValue("presolve", "off")
         h.setOptionValue("mip_detect_symmetry", False)
