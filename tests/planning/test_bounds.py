@@ -294,6 +294,65 @@ def test_ctrl_c_stops_a_highs_solve() -> None:
     assert seconds < 2.0
 
 
+class _Callbacks:
+    """Stands in for a highspy callback list: ``+=`` and ``-=`` record what is attached."""
+
+    def __init__(self) -> None:
+        self.attached: list[object] = []
+
+    def __iadd__(self, fn: object) -> "_Callbacks":
+        self.attached.append(fn)
+        return self
+
+    def __isub__(self, fn: object) -> "_Callbacks":
+        self.attached.remove(fn)
+        return self
+
+
+class _DeafHighs:
+    """A HiGHS stand-in in a phase that polls no interrupt callback (a sub-MIP heuristic):
+    ``run`` takes ``seconds`` whatever it is told."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.cbSimplexInterrupt = _Callbacks()
+        self.cbIpmInterrupt = _Callbacks()
+        self.cbMipInterrupt = _Callbacks()
+        self.cbMipImprovingSolution = _Callbacks()
+
+    def run(self) -> None:
+        time.sleep(self.seconds)
+
+
+def test_ctrl_c_returns_within_the_grace_when_highs_does_not_poll() -> None:
+    import _thread
+    import threading
+
+    from hrockmate.planning import ilp
+
+    h = _DeafHighs(10.0)
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    # interrupt_main does nothing while SIGINT is ignored (a test run started in the background)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    start = time.perf_counter()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ilp.run_highs(h)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, before)
+    assert time.perf_counter() - start < 0.3 + ilp.INTERRUPT_GRACE_SECONDS + 1.0
+    assert h.cbMipInterrupt.attached  # left for the abandoned run to stop at its next poll
+    # a cancellation from another thread (the block solvers' way) returns as soon
+    event = threading.Event()
+    threading.Timer(0.3, event.set).start()
+    start = time.perf_counter()
+    with ilp.cancelled_by(event), pytest.raises(ilp.SolveCancelled):
+        ilp.run_highs(_DeafHighs(10.0))
+    assert time.perf_counter() - start < 0.3 + ilp.INTERRUPT_GRACE_SECONDS + 1.0
+
+
 def test_blocks_go_lean_when_the_time_left_would_not_do(monkeypatch: pytest.MonkeyPatch
                                                       ) -> None:
     """When the blocks would not all be solved in their share of the time limit at the pace

@@ -71,6 +71,31 @@ def test_the_bound_is_tight_where_one_tensor_must_go() -> None:
     assert hrockmate.time_lower_bound(g, 149).time == math.inf
 
 
+def test_the_first_backward_step_tightens_the_bound() -> None:
+    # as above, but the loss's backward allocates 100 B: after the forward a, b and the loss
+    # fit 160 B, at that first backward step they do not with its 100 B; rerunning a is the
+    # least there too (a bound counting the forward's end alone says 0)
+    g = Graph(name="first-step", time_unit="units")
+    x = g.add_tensor(Tensor("x", 100, role="input"))
+    a = g.add_tensor(Tensor("a", 100))
+    b = g.add_tensor(Tensor("b", 50))
+    loss = g.add_tensor(Tensor("loss", 4, role="output"))
+    dl = g.add_tensor(Tensor("dl", 100))
+    db = g.add_tensor(Tensor("db", 4))
+    da = g.add_tensor(Tensor("da", 4, role="input_grad"))
+    g.add_op(Op("fa", "forward", 1.0, [x], [a]))
+    g.add_op(Op("fb", "forward", 5.0, [a], [b]))
+    g.add_op(Op("fl", "forward", 10.0, [b], [loss]))
+    g.add_op(Op("bl", "backward", 0.5, [loss], [dl]))
+    g.add_op(Op("bb", "backward", 5.0, [b, dl], [db]))
+    g.add_op(Op("ba", "backward", 1.0, [a, db], [da]))
+    base = _store_all(g)
+    bound = hrockmate.time_lower_bound(g, 160)
+    assert bound.proven and bound.time == pytest.approx(base.time + 1.0)
+    exact = hrockmate.solve_graph(g, 160, method="checkmate", progress=False)
+    assert exact.time == pytest.approx(bound.time)
+
+
 def test_the_bound_grows_as_the_budget_shrinks(data_graphs: Path) -> None:
     g = Graph.load(data_graphs / "resnet_like_train.json")
     bounds = [hrockmate.time_lower_bound(g, f) for f in (0.9, 0.7, 0.5, 0.3)]

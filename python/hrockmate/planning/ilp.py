@@ -603,15 +603,22 @@ START_STALL_FACTOR = 2.0
 # more for nothing).
 CLOSE_GAP = 5e-3
 CLOSE_GAP_STALL_SECONDS = 1.0
+# HiGHS polls the interrupt callbacks in its simplex, IPM and MIP loops but not inside its
+# sub-MIP heuristics (RINS, RENS, root reduced cost): on the U-Net-like graph's op-level MILP a
+# stop came 5.5 s late. On Ctrl-C or cancellation ``run_highs`` waits this long, then returns
+# and leaves HiGHS to stop on its daemon thread at its next poll.
+INTERRUPT_GRACE_SECONDS = 0.5
 
 
 def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
               started_from: bool = False, soft_deadline: float | None = None) -> str | None:
-    """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s.
+    """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s, and
+    ``INTERRUPT_GRACE_SECONDS`` at most (then HiGHS is left to stop on its own thread).
 
     HiGHS runs on a worker thread while this thread waits; on KeyboardInterrupt, HiGHS's
     interrupt callbacks (polled by its simplex, IPM and MIP loops) tell it to stop, and the
-    KeyboardInterrupt is raised again once it has stopped. HiGHS releases the GIL while it
+    KeyboardInterrupt is raised again once it has stopped (or once the grace is over). HiGHS
+    releases the GIL while it
     runs, so solves in several threads run in parallel.
 
     ``deadline`` (a ``time.perf_counter`` time) is a hard stop: HiGHS's own ``time_limit`` is
@@ -684,6 +691,10 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     threading.Thread(target=solve, name="highs", daemon=True).start()
     try:
         while not done.wait(0.05):
+            if cancel is not None and cancel.is_set():
+                stop.set()
+                done.wait(INTERRUPT_GRACE_SECONDS)
+                break
             if not stop.is_set():
                 now = _time.perf_counter()
                 if deadline is not None and now > deadline:
@@ -697,13 +708,14 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
                     stop.set()
     except KeyboardInterrupt:
         stop.set()
-        done.wait()
+        done.wait(INTERRUPT_GRACE_SECONDS)
         raise
     finally:
-        h.cbSimplexInterrupt -= interrupt_when_asked
-        h.cbIpmInterrupt -= interrupt_when_asked
-        h.cbMipInterrupt -= mip_interrupt_when_asked
-        h.cbMipImprovingSolution -= note_better
+        if done.is_set():  # (an abandoned run keeps them: they stop it at its next poll)
+            h.cbSimplexInterrupt -= interrupt_when_asked
+            h.cbIpmInterrupt -= interrupt_when_asked
+            h.cbMipInterrupt -= mip_interrupt_when_asked
+            h.cbMipImprovingSolution -= note_better
     if failure:
         raise failure[0]
     if cancel is not None and cancel.is_set():
