@@ -9,11 +9,13 @@ storage the backward (or a required result) reads is then alive, or the op produ
 again later; an op that runs again needs each of its forward inputs alive at that moment or made
 again later too. Each op that runs again costs at least its time once. The same holds at the
 step of the first backward op that allocates memory (the ops that can be it read no output of
-another such op; every other one runs after it), where that op's allocation comes off the
-budget. The cheapest set of re-runs meeting both is a small MILP (binaries per forward op and
-per storage and moment); any schedule within the budget recomputes at least that much. The
-memory later in the backward is not counted, so the bound can sit below the optimum (U-Nets,
-whose skip connections hold memory there), never above it.
+another such op; every other one runs after it) and at the steps of a few backward ops spread
+over the backward (what their descendants read is alive there or made again after), where the
+op's inputs are alive and its allocation comes off the budget. The cheapest set of re-runs
+meeting all of these is a MILP (binaries per forward op and per storage and moment); any schedule
+within the budget recomputes at least that much. The memory of the backward is counted only at
+those steps, so the bound can sit below the optimum (U-Nets, whose skip connections hold
+memory there), never above it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from hrockmate.ir.schedule import REQUIRED_ROLES, peak_lower_bound
 from hrockmate.planning import ilp
 
 __all__ = ["TimeBound", "time_lower_bound"]
+
+# Moments of the backward the second MILP also looks at (the first allocating backward op, and
+# more spread over the backward)
+BACKWARD_STEPS = 4
 
 @dataclass(frozen=True)
 class TimeBound:
@@ -81,17 +87,17 @@ def time_lower_bound(graph: Graph, budget: BudgetLike, *,
     if budget_bytes < peak_lower_bound(graph)[0]:
         return bound(math.inf, True)  # some op's inputs and outputs alone do not fit
     # The moment after the forward alone first (a fraction of a second; its optimum is a bound
-    # already), then both moments within what is left of the limit: their MILP is tighter
-    # (+8.4% against +7.7% on the demo GPT-2 at 50%) but can take seconds, and its dual bound
-    # is valid wherever the search stops.
+    # already), then with the backward's moments within what is left of the limit: that MILP
+    # is tighter (+8.4% against +7.7% on the demo GPT-2 at 50%) but can take seconds, and its
+    # dual bound is valid wherever the search stops.
     scale = base_time if base_time > 0 else 1.0
     best, proven = 0.0, False
-    for both in (False, True):
+    for steps in (0, BACKWARD_STEPS):
         left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
         if left is not None and left <= 0:
             break
         b = ilp.ModelBuilder()
-        _Model(graph, b, budget_bytes, scale).build(first_backward_step=both)
+        _Model(graph, b, budget_bytes, scale).build(backward_steps=steps)
         least, optimal = _solve(b, left)
         if least == math.inf:
             return bound(math.inf, True)
@@ -149,25 +155,53 @@ class _Model:
                 return None
             t = up
 
-    def build(self, first_backward_step: bool = True) -> None:
+    def build(self, backward_steps: int = 0) -> None:
+        """The rows: after the forward, then (``backward_steps`` > 0) at the first backward op
+        that allocates memory and at up to ``backward_steps - 1`` more backward ops, spread
+        over the backward, each with what its descendants read."""
         ops, tensors = self.graph.ops, self.graph.tensors
         backward = [i for i in range(len(ops)) if not self.is_forward[i]]
         # right after the forward: what the backward or a required result reads
         needed = {t for i in backward for t in ops[i].inputs}
         needed |= {t for t, x in enumerate(tensors) if x.role in REQUIRED_ROLES}
         self.point(needed, self.rerun, self.budget, ())
+        if backward_steps <= 0:
+            return
         # the step of the first backward op that allocates memory (its own allocation, the
         # least among the ops that can be that one, comes off the budget)
-        first, rest = self._first_allocating_backward() if first_backward_step else ([], [])
+        first, rest = self._first_allocating_backward()
         if first:
-            least = min(self._allocates(i) for i in first)
-            later_rerun = {j: self.b.col(0.0, 0.0, 1.0, True) for j in self.forward}
-            for j, col in later_rerun.items():  # a rerun after that step is a rerun
-                self.b.row([col, self.rerun[j]], [1.0, -1.0], -math.inf, 0.0)
             own = ops[first[0]].inputs if len(first) == 1 else ()
-            self.point({t for i in rest for t in ops[i].inputs}, later_rerun,
-                       self.budget - least, own)
+            self.point({t for i in rest for t in ops[i].inputs}, self._later_reruns(),
+                       self.budget - min(self._allocates(i) for i in first), own)
+        # the steps of some allocating backward ops: what the ops after them read (their
+        # descendants) is alive there or made again after
+        spread = rest[len(rest) // backward_steps::max(1, len(rest) // backward_steps)]
+        readers = self.graph.consumers()
+        for i in spread[:backward_steps - 1]:
+            after = self._descendants(i, readers)
+            self.point({t for k in after for t in ops[k].inputs}, self._later_reruns(),
+                       self.budget - self._allocates(i), ops[i].inputs)
 
+    def _later_reruns(self) -> dict[int, int]:
+        """Columns "runs again after the moment", one per forward op: such a run is a rerun."""
+        cols = {j: self.b.col(0.0, 0.0, 1.0, True) for j in self.forward}
+        for j, col in cols.items():
+            self.b.row([col, self.rerun[j]], [1.0, -1.0], -math.inf, 0.0)
+        return cols
+
+    def _descendants(self, i: int, readers: list[list[int]]) -> set[int]:
+        """The backward ops that read, directly or not, what backward op ``i`` makes."""
+        ops = self.graph.ops
+        seen: set[int] = set()
+        todo = [i]
+        while todo:
+            for t in ops[todo.pop()].outputs:
+                for k in readers[t]:
+                    if k not in seen and not self.is_forward[k]:
+                        seen.add(k)
+                        todo.append(k)
+        return seen
 
     def point(self, needed: set[int], rerun: dict[int, int], budget: float,
               alive: Iterable[int]) -> dict[int, int]:
