@@ -37,6 +37,8 @@ __all__ = ["TimeBound", "time_lower_bound"]
 # Moments of the backward the second MILP also looks at (the first allocating backward op, and
 # more spread over the backward)
 BACKWARD_STEPS = 4
+# The second MILP runs only when the time the first took, times this, fits what is left.
+SECOND_MILP_FACTOR = 3 * (BACKWARD_STEPS + 1)
 
 @dataclass(frozen=True)
 class TimeBound:
@@ -93,8 +95,11 @@ def time_lower_bound(graph: Graph, budget: BudgetLike, *,
     scale = base_time if base_time > 0 else 1.0
     best, proven = 0.0, False
     for steps in (0, BACKWARD_STEPS):
-        left = None if time_limit is None else time_limit - (_time.perf_counter() - t0)
-        if left is not None and left <= 0:
+        spent = _time.perf_counter() - t0
+        left = None if time_limit is None else time_limit - spent
+        if left is not None and (left <= 0 or (steps and spent * SECOND_MILP_FACTOR > left)):
+            # the second model is about (BACKWARD_STEPS + 1) times the first: on the 10k-op
+            # LSTM (2.4 s for the first) building and presolving it alone took 30 s
             break
         b = ilp.ModelBuilder()
         _Model(graph, b, budget_bytes, scale).build(backward_steps=steps)
