@@ -605,6 +605,43 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     assert tries == [(60, sizes[0])]
 
 
+def test_no_later_leaf_size_runs_once_the_plan_meets_the_lower_bound(
+        monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
+    # the CNN+BN log at 50%: its plan is far above store-all's time, so later leaf sizes run;
+    # with a lower bound at the first plan's time there is nothing left to gain
+    from hrockmate.planning import api
+    from hrockmate.planning.bounds import TimeBound
+
+    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
+    tries: list[int] = []
+    run_method = api.run_method
+    first_time: list[float] = []
+
+    def counted(graph, method, budget, h, kw):  # type: ignore[no-untyped-def]
+        tries.append(kw["leaf_size"])
+        cand, low = run_method(graph, method, budget, h, kw)
+        if cand is not None and not first_time:
+            first_time.append(policy.simulate_steps(graph, cand.steps, cand.forward_len)[1])
+        return cand, low
+
+    def met(graph, budget, time_limit=None):  # type: ignore[no-untyped-def]
+        return TimeBound(int(budget), first_time[0], 1.0, True, 0.0)
+
+    monkeypatch.setattr(api, "run_method", counted)
+    monkeypatch.setattr(api, "time_lower_bound", met)
+    plan = hrockmate.solve_graph(g, 0.5, progress=False, improve_time=None, exact_ops=0)
+    _check(plan, g)
+    assert len(tries) == 1 and plan.stats["lower_bound_time"] == first_time[0]
+    # a bound far below: every leaf size is tried
+    tries.clear()
+    first_time.clear()
+    monkeypatch.setattr(api, "time_lower_bound",
+                        lambda graph, budget, time_limit=None: TimeBound(int(budget), 0.0, 1.0,
+                                                                         True, 0.0))
+    hrockmate.solve_graph(g, 0.5, progress=False, improve_time=None, exact_ops=0)
+    assert len(tries) == len(hierarchy_mod.leaf_sizes(g, None)) > 1
+
+
 def test_a_small_graphs_op_level_milp_only_improves_its_start_within_the_window(
         monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
     # The U-Net-like graph (53 ops) is planned at the op level from greedy eviction's plan: at

@@ -111,3 +111,14 @@ def test_the_bound_rejects_bad_time_limits(bad: object) -> None:
     with pytest.raises(ValueError, match="time_limit must be a positive number"):
         hrockmate.time_lower_bound(training_graph(4, seed=1), 0.5,
                                    time_limit=bad)  # type: ignore[arg-type]
+
+
+def test_the_bound_honours_its_time_limit() -> None:
+    import time
+
+    g = training_graph(3000, seed=2)
+    greedy = hrockmate.solve_graph(g, 0.4, method="greedy", progress=False)
+    start = time.perf_counter()
+    bound = hrockmate.time_lower_bound(g, 0.4, time_limit=1.0)
+    assert time.perf_counter() - start < 1.0 + 4.0  # (building the model, on a loaded machine)
+    assert bound.time <= greedy.time
