@@ -41,17 +41,15 @@ def test_the_bound_never_exceeds_the_exact_optimum(n: int, seed: int, fraction: 
     assert bound.time <= greedy.time * (1 + 1e-6) + 1e-9
 
 
-def test_the_bound_is_tight_where_one_tensor_must_go() -> None:
-    # x -> a (cost 1, 100 B) -> b (cost 5, 50 B) -> loss (cost 10); the backward reads loss,
-    # b, then a. At a budget of 150 B (what computing b needs) a, b and the loss cannot all
-    # stay after the forward: rerunning a (cost 1) is the least, and a schedule doing just
-    # that exists
-    g = Graph(name="two", time_unit="units")
+def _three_layers(loss_grad_bytes: int) -> Graph:
+    """x -> a (cost 1, 100 B) -> b (cost 5, 50 B) -> loss (cost 10); the backward reads the
+    loss (making a gradient of ``loss_grad_bytes``), then b, then a."""
+    g = Graph(name="three", time_unit="units")
     x = g.add_tensor(Tensor("x", 100, role="input"))
     a = g.add_tensor(Tensor("a", 100))
     b = g.add_tensor(Tensor("b", 50))
     loss = g.add_tensor(Tensor("loss", 4, role="output"))
-    dl = g.add_tensor(Tensor("dl", 4))
+    dl = g.add_tensor(Tensor("dl", loss_grad_bytes))
     db = g.add_tensor(Tensor("db", 4))
     da = g.add_tensor(Tensor("da", 4, role="input_grad"))
     g.add_op(Op("fa", "forward", 1.0, [x], [a]))
@@ -60,6 +58,13 @@ def test_the_bound_is_tight_where_one_tensor_must_go() -> None:
     g.add_op(Op("bl", "backward", 0.5, [loss], [dl]))
     g.add_op(Op("bb", "backward", 5.0, [b, dl], [db]))
     g.add_op(Op("ba", "backward", 1.0, [a, db], [da]))
+    return g
+
+
+def test_the_bound_is_tight_where_one_tensor_must_go() -> None:
+    # at 150 B (what computing b needs) a, b and the loss cannot all stay after the forward:
+    # rerunning a (cost 1) is the least, and a schedule doing just that exists
+    g = _three_layers(4)
     base = _store_all(g)
     assert base.peak_bytes > 150
     bound = hrockmate.time_lower_bound(g, 150)
@@ -72,23 +77,10 @@ def test_the_bound_is_tight_where_one_tensor_must_go() -> None:
 
 
 def test_the_first_backward_step_tightens_the_bound() -> None:
-    # as above, but the loss's backward allocates 100 B: after the forward a, b and the loss
-    # fit 160 B, at that first backward step they do not with its 100 B; rerunning a is the
-    # least there too (a bound counting the forward's end alone says 0)
-    g = Graph(name="first-step", time_unit="units")
-    x = g.add_tensor(Tensor("x", 100, role="input"))
-    a = g.add_tensor(Tensor("a", 100))
-    b = g.add_tensor(Tensor("b", 50))
-    loss = g.add_tensor(Tensor("loss", 4, role="output"))
-    dl = g.add_tensor(Tensor("dl", 100))
-    db = g.add_tensor(Tensor("db", 4))
-    da = g.add_tensor(Tensor("da", 4, role="input_grad"))
-    g.add_op(Op("fa", "forward", 1.0, [x], [a]))
-    g.add_op(Op("fb", "forward", 5.0, [a], [b]))
-    g.add_op(Op("fl", "forward", 10.0, [b], [loss]))
-    g.add_op(Op("bl", "backward", 0.5, [loss], [dl]))
-    g.add_op(Op("bb", "backward", 5.0, [b, dl], [db]))
-    g.add_op(Op("ba", "backward", 1.0, [a, db], [da]))
+    # the loss's backward allocates 100 B: after the forward a, b and the loss fit 160 B, at
+    # that first backward step they do not with its 100 B; rerunning a is the least there too
+    # (a bound counting the forward's end alone says 0)
+    g = _three_layers(100)
     base = _store_all(g)
     bound = hrockmate.time_lower_bound(g, 160)
     assert bound.proven and bound.time == pytest.approx(base.time + 1.0)
