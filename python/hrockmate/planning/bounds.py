@@ -1,9 +1,9 @@
 """A lower bound on the time of every schedule of a graph within a memory budget.
 
 It tells how far a plan can be from the best one without solving the whole problem exactly:
-a plan at +10.3% over store-all against a bound of +8.3% is at most 2 points from optimal.
+a plan at +10.3% over store-all against a bound of +8.4% is at most 1.9 points from optimal.
 
-The argument, on the simulator's rules, at two moments of any schedule. Right after the forward
+The argument, on the simulator's rules, at several moments of any schedule. Right after the forward
 segment, what is alive fits the budget (preexisting storage is not counted). Every forward
 storage the backward (or a required result) reads is then alive, or the op producing it runs
 again later; an op that runs again needs each of its forward inputs alive at that moment or made
@@ -39,6 +39,7 @@ __all__ = ["TimeBound", "time_lower_bound"]
 BACKWARD_STEPS = 4
 # The second MILP runs only when the time the first took, times this, fits what is left.
 SECOND_MILP_FACTOR = 3 * (BACKWARD_STEPS + 1)
+
 
 @dataclass(frozen=True)
 class TimeBound:
