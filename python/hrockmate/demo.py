@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from hrockmate.ir.budget import BudgetLike, format_bytes, parse_budget
+from hrockmate.planning.bounds import time_lower_bound
 
 
 def _paired_median_times(first: Callable[[], Any], second: Callable[[], Any],
@@ -127,6 +128,10 @@ def run_demo(
         "gradients "
         + ("identical to PyTorch" if same else f"differ (max abs error {max_err:.3g})")
     )
+    # what no schedule within the plan's budget can beat, on the same predicted op times
+    bound = time_lower_bound(graph, plan.budget_bytes, time_limit=5.0)
+    print(f"bound     time {100 * bound.overhead:+.0f}%: no schedule within this budget is "
+          "predicted faster (hrockmate.time_lower_bound)")
     return {
         "eager_peak_bytes": eager.peak_bytes,
         "hrockmate_peak_bytes": hr.peak_bytes,
@@ -135,6 +140,7 @@ def run_demo(
         "eager_seconds": t_eager,
         "hrockmate_seconds": t_hr,
         "predicted_overhead": plan.overhead,
+        "lower_bound_overhead": bound.overhead,
         "gradients_identical": same,
         "max_abs_grad_error": max_err,
     }

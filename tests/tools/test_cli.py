@@ -335,5 +335,8 @@ def test_demo_runs_with_the_threads_asked_for(capsys: pytest.CaptureFixture[str]
     # the budget shown is the one asked for (70% of store-all), and the prediction the runtime's
     assert out["budget_bytes"] >= 0.69 * out["eager_peak_bytes"]
     assert abs(out["hrockmate_peak_bytes"] - out["predicted_peak_bytes"]) <= 64
+    # the lower bound printed is never above the prediction
+    assert "no schedule within this budget is predicted faster" in printed
+    assert 0.0 <= out["lower_bound_overhead"] <= out["predicted_overhead"] + 1e-9
     with pytest.raises(ValueError, match="threads must be >= 1"):
         run_demo(threads=0)
