@@ -207,8 +207,7 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
         own = cand is not None and cand.hierarchy_planned
         left = time_left(kw)
         cap = (improve_seconds(kw["improve_until"], left) if cand is not None
-               else min(60.0, math.inf if left is None else left))
-        cap = None if cap is not None and cap < 1.0 else cap
+               else improve_seconds(None, 60.0 if left is None else min(60.0, left)))
         if cap is not None:
             logger.info("the hierarchy of '%s' fell back or recomputes over 10%%; trying the "
                         "op-level MILP for up to %.0f s", graph.name, cap)
@@ -274,23 +273,21 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
     bound: TimeBound | None = None
     for (size, h), limit in _improving_tries(tries, kw["improve_until"], lambda: time_left(kw)):
         kw_k = {**kw, "leaf_size": size}
-        if limit is not None:  # a later try
-            if best is None:
-                pass
-            elif best_time <= (1 + MIN_GAIN_TO_RETRY) * kw["baseline_time"]:
+        if limit is not None and best is not None:  # a later try, a plan in hand
+            gain = MIN_GAIN_TO_RETRY * kw["baseline_time"]
+            if best_time <= kw["baseline_time"] + gain:
                 break  # nothing worth another try is left to gain
-            else:
-                if bound is None:  # what no schedule beats: is there anything left to gain?
-                    bound = time_lower_bound(graph, budget, time_limit=min(BOUND_SECONDS, limit))
-                    best.stats["lower_bound_time"] = bound.time
-                if best_time <= bound.time + MIN_GAIN_TO_RETRY * kw["baseline_time"]:
-                    logger.info("the plan of '%s' is within %.1f%% of store-all's time of the "
-                                "lower bound; no other leaf size tried", graph.name,
-                                100 * MIN_GAIN_TO_RETRY)
-                    break
-                limit = improve_seconds(kw["improve_until"], time_left(kw))
-                if limit is None:
-                    break
+            if bound is None:  # what no schedule beats: is there anything left to gain?
+                bound = time_lower_bound(graph, budget, time_limit=min(BOUND_SECONDS, limit))
+            if best_time <= bound.time + gain:
+                logger.info("the plan of '%s' is within %.1f%% of store-all's time of the "
+                            "lower bound; no other leaf size tried", graph.name,
+                            100 * MIN_GAIN_TO_RETRY)
+                break
+            limit = improve_seconds(kw["improve_until"], time_left(kw))  # (the bound took some)
+            if limit is None:
+                break
+        if limit is not None:
             kw_k = limited(kw_k, limit, log_level=logging.INFO)
         cand, low = run_method(graph, method, budget, h, kw_k)
         if cand is None:
@@ -303,6 +300,8 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
                             graph.name, best.stats.get("leaf_size"))
             best, best_time = cand, t
             best.stats.setdefault("leaf_size", size)
+    if best is not None and bound is not None:  # (whichever leaf size made the plan)
+        best.stats["lower_bound_time"] = bound.time
     return best, (0 if best is not None or not lows else min(lows))
 
 

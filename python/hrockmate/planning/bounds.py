@@ -210,11 +210,11 @@ class _Model:
         return seen
 
     def point(self, needed: set[int], rerun: dict[int, int], budget: float,
-              alive: Iterable[int]) -> dict[int, int]:
+              alive: Iterable[int]) -> None:
         """Rows for one time point: each storage of ``needed`` (tensors read after it) is alive
         there or its producer runs after it (``rerun``); an op that runs after it needs its
         forward inputs alive there or made after it too; ``alive`` (tensors read at it) are;
-        what is alive fits ``budget``. Returns the columns "storage alive there"."""
+        what is alive fits ``budget``."""
         tensors, ops = self.graph.tensors, self.graph.ops
         keep: dict[int, int] = {}  # storage -> column "alive at this point"
 
@@ -245,7 +245,6 @@ class _Model:
         roots = sorted(keep)
         self.b.row([keep[r] for r in roots], [float(tensors[r].bytes) for r in roots],
                    -math.inf, float(budget))
-        return keep
 
     def _allocates(self, i: int) -> int:
         op, tensors = self.graph.ops[i], self.graph.tensors

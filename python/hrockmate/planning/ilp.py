@@ -618,8 +618,7 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     HiGHS runs on a worker thread while this thread waits; on KeyboardInterrupt, HiGHS's
     interrupt callbacks (polled by its simplex, IPM and MIP loops) tell it to stop, and the
     KeyboardInterrupt is raised again once it has stopped (or once the grace is over). HiGHS
-    releases the GIL while it
-    runs, so solves in several threads run in parallel.
+    releases the GIL while it runs, so solves in several threads run in parallel.
 
     ``deadline`` (a ``time.perf_counter`` time) is a hard stop: HiGHS's own ``time_limit`` is
     checked between phases only, and on large models its presolve and first LP ran minutes
