@@ -13,8 +13,10 @@ import torch.utils._pytree as pytree
 import hrockmate
 from hrockmate import models
 from hrockmate.capture.tracing import (
+    CUDA_LARGE_POOL_SLACK,
     Traced,
     TraceError,
+    allocator_slack_bytes,
     placeholder_values,
     run_joint,
     split_sample,
@@ -521,3 +523,22 @@ def test_closed_over_tensors_become_constants() -> None:
     values = {torch.equal(getattr(traced.gm, k), target) for k in constants.values()}
     assert True in values
     assert_reproduces_autograd(copy.deepcopy(model), x, traced, loss_fn=loss_fn)
+
+
+def test_allocator_slack_is_kept_on_cuda_only_where_large_pool_requests_occur() -> None:
+    """The CUDA allocator may hand a request over 1 MiB a cached block up to 1 MiB larger:
+    that slack is budgeted only on CUDA and only when the graph makes such requests (a tensor
+    or an op's workspace)."""
+    from graph_builders import training_graph
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    g = training_graph(6, seed=1)
+    assert allocator_slack_bytes(g, cuda) == 0  # every tensor and workspace of a few bytes
+    g.tensors[3].bytes = CUDA_LARGE_POOL_SLACK  # exactly 1 MiB: still the small pool
+    assert allocator_slack_bytes(g, cuda) == 0
+    g.tensors[3].bytes = CUDA_LARGE_POOL_SLACK + 512
+    assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
+    assert allocator_slack_bytes(g, cpu) == 0
+    g.tensors[3].bytes = 64
+    g.ops[2].workspace = 4 * CUDA_LARGE_POOL_SLACK
+    assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK

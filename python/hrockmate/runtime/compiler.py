@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from hrockmate.capture.kernels import kernel
+from hrockmate.capture.tracing import allocator_slack_bytes
 
 __all__ = ["Program", "RuntimeScheduleError", "compile_schedule"]
 
@@ -68,8 +69,9 @@ class Program:
     recomputed_ops: int  # compute steps that re-run an op already run in this iteration
     modelled_peak_bytes: int  # peak of the runtime's own memory model (gradients as handed over)
     #: what the runtime adds to the graph's peak: the saved generator states of replayed random
-    #: ops (by how much they raise the modelled peak), and old values of buffers that
-    #: recomputations read after write-back (at most)
+    #: ops (by how much they raise the modelled peak), old values of buffers that
+    #: recomputations read after write-back (at most), and on CUDA the caching allocator's
+    #: unsplit block remainder (``capture.tracing.allocator_slack_bytes``)
     extra_bytes: int
 
 
@@ -464,7 +466,7 @@ class _Compiler:
             num_input_slots=len(self.input_slot),
             recomputed_ops=sum(max(0, r - 1) for r in runs),
             modelled_peak_bytes=self._modelled_peak,
-            extra_bytes=rng_bytes + extra_bytes,
+            extra_bytes=rng_bytes + extra_bytes + allocator_slack_bytes(g, tr.device),
         )
 
     def _compact_masks(self) -> tuple[dict[int, int], dict[int, int]]:
