@@ -574,6 +574,12 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     assert policy.improve_seconds(now + 7.0, 0.5) is None
     assert policy.improve_seconds(None, None) == math.inf
     assert policy.improve_seconds(None, 4.0) == 4.0
+    # "auto": 9 s up to 1,000 ops, then 9 s per 1,000 ops, at most 20 s; others as given
+    assert policy.improve_window("auto", 300) == policy.IMPROVE_SECONDS == 9.0
+    assert policy.improve_window("auto", 1666) == pytest.approx(9.0 * 1.666)
+    assert policy.improve_window("auto", 10_000) == policy.IMPROVE_MAX_SECONDS == 20.0
+    assert policy.improve_window(3.0, 10_000) == 3.0
+    assert policy.improve_window(None, 10_000) is None
     # the CNN+BN operator log at 50%: the hierarchy's own plan recomputes over 10%, so the
     # op-level MILP is tried too, from that plan, and later leaf sizes follow the first, all
     # while the window lasts

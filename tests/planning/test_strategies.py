@@ -205,10 +205,10 @@ def test_solve_graph_rejects_bad_time_limits(data_graphs: Path, bad: object) -> 
         hrockmate.solve_graph(g, 0.9, time_limit=bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "10"])
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "10", "Auto", True])
 def test_solve_graph_rejects_bad_improve_times(data_graphs: Path, bad: object) -> None:
     g = Graph.load(data_graphs / "vgg_like_train.json")
-    with pytest.raises(ValueError, match="improve_time must be a number of seconds >= 0"):
+    with pytest.raises(ValueError, match="improve_time must be a number of seconds >= 0, 'auto'"):
         hrockmate.solve_graph(g, 0.9, improve_time=bad)  # type: ignore[arg-type]
 
 

@@ -25,12 +25,12 @@ from hrockmate.planning.hierarchy import (
     prepare,
 )
 from hrockmate.planning.policy import (
-    IMPROVE_SECONDS,
     MIN_GAIN_TO_RETRY,
     Candidate,
     baseline_schedule,
     check_method,
     improve_seconds,
+    improve_window,
     limited,
     run_method,
     simulate_steps,
@@ -72,7 +72,7 @@ def solve_graph(
     hierarchy: Hierarchy | Sequence[Hierarchy] | None = None,
     solvers: Mapping[str, str] | None = None,
     exact_ops: int = 100,
-    improve_time: float | None = IMPROVE_SECONDS,
+    improve_time: float | str | None = "auto",
 ) -> Plan:
     """Plan one training iteration given as a graph (IR JSON or a node-link file).
 
@@ -92,8 +92,8 @@ def solve_graph(
             ``plan.stats["optimal"] = False``.
         leaf_size: forward ops per leaf block. None: 8, then 9 (graphs of at most 400
             ops: 6, 4, 8, then 9), keeping the fastest plan (``hierarchy.leaf_sizes``;
-            ``plan.stats["leaf_size"]`` says which); the later sizes only within the first
-            9 s of the solve (``IMPROVE_SECONDS``).
+            ``plan.stats["leaf_size"]`` says which); the later sizes only within the
+            improvement window (``improve_time``).
         sub_time_limit: seconds for each memory-limited MILP that makes a block's options
             (None: ``hierarchy.SUB_TIME_LIMIT``, 0.3 s).
         hierarchy: a prepared hierarchy (``with_hierarchy``), or several (one per leaf size;
@@ -105,10 +105,11 @@ def solve_graph(
             op level first, from greedy eviction's plan, also within ``improve_time``.
         improve_time: seconds into the solve after which the work that can only improve a
             plan in hand stops (later leaf sizes, the op-level second try, an op-level or top
-            MILP that has a schedule): 9 s, so that graphs of up to about 1,000 ops plan in
-            about 10 s. None: up to ``time_limit`` (better plans, sometimes, for longer
-            solves: the U-Net-like test graph at 55% with ``flat_ops=0``: +34.5% in 9 s, +17.3%
-            in 25 s).
+            MILP that has a schedule). ``"auto"``: 9 s on graphs of up to 1,000 ops, so that
+            they plan in about 10 s, and 9 s per 1,000 ops on larger ones, at most 20 s
+            (``policy.improve_window``). None: up to ``time_limit`` (better plans, sometimes,
+            for longer solves: the U-Net-like test graph at 55% with ``flat_ops=0``: +34.5% in
+            9 s, +17.3% in 25 s).
         solvers: (method ``"hrockmate"``) the solver of each kind of level:
             ``{"leaves": "ilp" | "rust" | "ilp+rust" | "twremat" | "ilp+twremat",
             "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
@@ -128,9 +129,10 @@ def solve_graph(
                                        and math.isfinite(time_limit) and time_limit > 0):
         raise ValueError(f"time_limit must be a positive number of seconds or None, "
                          f"got {time_limit!r}")
-    if improve_time is not None and not (isinstance(improve_time, (int, float))
-                                         and math.isfinite(improve_time) and improve_time >= 0):
-        raise ValueError(f"improve_time must be a number of seconds >= 0 or None, "
+    if improve_time not in (None, "auto") and not (
+            isinstance(improve_time, (int, float)) and not isinstance(improve_time, bool)
+            and math.isfinite(improve_time) and improve_time >= 0):
+        raise ValueError(f"improve_time must be a number of seconds >= 0, 'auto' or None, "
                          f"got {improve_time!r}")
     from hrockmate.planning.level_solvers import check_solvers
 
@@ -149,8 +151,9 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
                  mip_rel_gap: float, flat_ops: int, leaf_size: int | None, group_size: int,
                  top_size: int, sub_time_limit: float | None, progress: bool,
                  hierarchy: Hierarchy | Sequence[Hierarchy] | None, chosen: Mapping[str, str],
-                 exact_ops: int, improve_time: float | None) -> Plan:
+                 exact_ops: int, improve_time: float | str | None) -> Plan:
     t0 = _time.perf_counter()
+    improve = improve_window(improve_time, graph.num_ops)
     base_steps, base_fl, base_peak, base_time = baseline_schedule(graph)
     budget_bytes = parse_budget(budget, base_peak)
 
@@ -188,7 +191,7 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
               top_size=top_size,
               sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
               deadline=None if time_limit is None else t0 + time_limit,
-              improve_until=None if improve_time is None else t0 + improve_time,
+              improve_until=None if improve is None else t0 + improve,
               baseline_time=base_time)
     cand, lowest = _best_over_leaf_sizes(graph, method, budget_bytes, hierarchy, leaf_size, kw)
     retry = method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
@@ -379,7 +382,8 @@ def with_hierarchy(graph: Graph, options: Mapping[str, Any], *,
             return None if time_limit is None else time_limit - (_time.perf_counter() - t0)
 
         sizes = leaf_sizes(graph, options.get("leaf_size"), kw["flat_ops"])
-        improve = options.get("improve_time", defaults["improve_time"].default)
+        improve = improve_window(options.get("improve_time", defaults["improve_time"].default),
+                                 graph.num_ops)
         until = None if improve is None else t0 + improve
         for size, limit in _improving_tries(sizes, until, left):
             if limit is not None:  # a later leaf size

@@ -84,8 +84,9 @@ GROUP_SIZE = 4
 # planned at +10.3% or +9.0% with 8 depending on the op times a trace measured, +8.6% with 9
 # both times (7: +17.1%). So graphs are planned with each size of ``LEAF_SIZES`` (graphs of up
 # to ``LEAF_PORTFOLIO_MAX_OPS`` ops: ``SMALL_GRAPH_LEAF_SIZES``) in turn, the later ones only
-# within the time ``policy.improve_seconds`` gives them (the first 9 s of the solve: on graphs
-# that take longer only the first size is tried), and the fastest plan is kept. 6 goes first on
+# within the time ``policy.improve_seconds`` gives them (the improvement window: 9 s on graphs
+# of up to 1,000 ops, up to 20 s on larger ones; where the first size takes longer only it is
+# tried), and the fastest plan is kept. 6 goes first on
 # small graphs: 4 took 6-13 s on the DenseNet log at 50%, the resnet-like graph and MobileNet
 # at 30%, 6 at most 9 s.
 LEAF_SIZE = 8
