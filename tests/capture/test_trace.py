@@ -525,10 +525,13 @@ def test_closed_over_tensors_become_constants() -> None:
     assert_reproduces_autograd(copy.deepcopy(model), x, traced, loss_fn=loss_fn)
 
 
-def test_allocator_slack_is_kept_on_cuda_only_where_large_pool_requests_occur() -> None:
+def test_allocator_slack_is_kept_on_cuda_only_where_large_pool_requests_occur(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA allocator may hand a request over 1 MiB a cached block up to 1 MiB larger:
-    that slack is budgeted only on CUDA and only when the graph makes such requests (a tensor
-    or an op's workspace)."""
+    that slack is budgeted only on CUDA, only when the graph makes such requests (a tensor
+    or an op's workspace), and not with expandable segments (every block split)."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
     from graph_builders import training_graph
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -542,3 +545,10 @@ def test_allocator_slack_is_kept_on_cuda_only_where_large_pool_requests_occur() 
     g.tensors[3].bytes = 64
     g.ops[2].workspace = 4 * CUDA_LARGE_POOL_SLACK
     assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(var, "garbage_collection_threshold:0.6, expandable_segments:True")
+        assert allocator_slack_bytes(g, cuda) == 0
+        monkeypatch.setenv(var, "expandable_segments:False")
+        assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK

@@ -69,6 +69,7 @@ import contextlib
 import copy
 import functools
 import operator
+import os
 import threading
 import time
 import types
@@ -637,14 +638,27 @@ def allocated_bytes(nbytes: int, device: torch.device) -> int:
 #: this much larger than it asked for, and ``memory_allocated`` counts the whole block. Which
 #: request gets one depends on what the cache held before, not on the schedule (measured at the
 #: peak of GPT-2 and U-Net steps on H100/H200: 0, 768 KiB or exactly 1 MiB, never more).
-#: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` splits every block.
+#: With expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) it splits
+#: every block, and steps measured the graph's peak to the byte.
 CUDA_LARGE_POOL_SLACK = 1 << 20
 
 
+def _expandable_segments() -> bool:
+    """Whether the environment configures the CUDA allocator with expandable segments (as
+    torch reads it when CUDA starts; a change made later from Python is not seen)."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for item in os.environ.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip() == "True":
+                return True
+    return False
+
+
 def allocator_slack_bytes(graph: Graph, device: torch.device) -> int:
-    """What the allocator may count beyond the graph's tensors at a peak: on CUDA, one large
-    pool block's unsplit remainder when any tensor or workspace is a large pool request."""
-    if device.type != "cuda":
+    """What the allocator may count beyond the graph's tensors at a peak: on CUDA without
+    expandable segments, one large pool block's unsplit remainder when any tensor or workspace
+    is a large pool request."""
+    if device.type != "cuda" or _expandable_segments():
         return 0
     large = any(t.bytes > CUDA_LARGE_POOL_SLACK for t in graph.tensors) or any(
         o.workspace > CUDA_LARGE_POOL_SLACK for o in graph.ops)
