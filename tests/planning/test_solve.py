@@ -611,6 +611,36 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     assert tries == [(60, sizes[0])]
 
 
+def test_each_leaf_sizes_top_milp_ends_at_its_share_of_the_window(
+        monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
+    # the CNN+BN log at 50% is planned with four leaf sizes; each top MILP may run (once it has
+    # a schedule) to its share of what is left of the window, the last one to the window's end
+    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
+    sizes = hierarchy_mod.leaf_sizes(g, None)
+    assert len(sizes) == 4
+    seen: list[tuple[float, float | None]] = []
+    solve_top = policy.solve_top
+
+    def recorded(h, b, **kw):  # type: ignore[no-untyped-def]
+        seen.append((time.perf_counter(), kw.get("soft_deadline")))
+        return solve_top(h, b, **kw)
+
+    monkeypatch.setattr(policy, "solve_top", recorded)
+    from hrockmate.planning import api
+
+    monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
+    t0 = time.perf_counter()
+    hrockmate.solve_graph(g, 0.5, progress=False, improve_time=60, exact_ops=0)
+    until = t0 + 60
+    assert len(seen) == len(sizes)
+    for k, (started, soft) in enumerate(seen):
+        assert soft is not None and started <= soft <= until + 0.01
+        if k + 1 < len(sizes):  # at most its share of what was left when its try began
+            assert soft - started <= (until - started) / (len(sizes) - k) + 0.01
+        else:
+            assert soft == pytest.approx(until, abs=0.05)
+
+
 def test_no_later_leaf_size_runs_once_the_plan_meets_the_lower_bound(
         monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
     # the CNN+BN log at 50%: its plan is far above store-all's time, so later leaf sizes run;

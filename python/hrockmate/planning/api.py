@@ -274,8 +274,15 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
     best_time = math.inf
     lows: list[int] = []
     bound: TimeBound | None = None
-    for (size, h), limit in _improving_tries(tries, kw["improve_until"], lambda: time_left(kw)):
+    tried = _improving_tries(tries, kw["improve_until"], lambda: time_left(kw))
+    for k, ((size, h), limit) in enumerate(tried):
         kw_k = {**kw, "leaf_size": size}
+        until = kw["improve_until"]
+        if until is not None and k + 1 < len(tries):
+            # the sizes after this one get their turns: its top MILP ends, once it has a
+            # schedule, at this try's share of what is left of the window
+            now = _time.perf_counter()
+            kw_k["top_until"] = now + max(0.0, until - now) / (len(tries) - k)
         if limit is not None and best is not None:  # a later try, a plan in hand
             gain = MIN_GAIN_TO_RETRY * kw["baseline_time"]
             if best_time <= kw["baseline_time"] + gain:

@@ -86,7 +86,8 @@ GROUP_SIZE = 4
 # to ``LEAF_PORTFOLIO_MAX_OPS`` ops: ``SMALL_GRAPH_LEAF_SIZES``) in turn, the later ones only
 # within the time ``policy.improve_seconds`` gives them (the improvement window: 9 s on graphs
 # of up to 1,000 ops, up to 20 s on larger ones; where the first size takes longer only it is
-# tried), and the fastest plan is kept. 6 goes first on
+# tried; each size's top MILP stops at its share of the window once it has a schedule), and the
+# fastest plan is kept. 6 goes first on
 # small graphs: 4 took 6-13 s on the DenseNet log at 50%, the resnet-like graph and MobileNet
 # at 30%, 6 at most 9 s.
 LEAF_SIZE = 8

@@ -304,6 +304,8 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 # a schedule (MobileNet at 30%: found at 8.5 s into the solve, then 5 s more of
                 # the stall rule); one that begins later (large graphs) runs on its stall rule
                 soft = until if until is not None and _time.perf_counter() < until else None
+                if soft is not None and kw.get("top_until") is not None:
+                    soft = min(soft, kw["top_until"])  # (its share, when sizes follow it)
                 level = "op-level" if not h.root.children else "top"
                 with elapsed_progress(f"{level} MILP of '{graph.name}'", left, kw["progress"]):
                     steps, fl, optimal, stats = solve_top(
