@@ -303,8 +303,9 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
     """hrockmate and the exact MILP on one traced graph: one plan per budget."""
     from hrockmate.capture.costs import annotate_costs
     from hrockmate.ir.plan import InfeasibleBudget
-    from hrockmate.planning.api import solve_graph, with_hierarchy
+    from hrockmate.planning.api import with_hierarchy
     from hrockmate.runtime import HRockmate
+    from hrockmate.runtime.module import solve_within_budget
 
     t0 = time.perf_counter()
     hmod = HRockmate(h.model, h.sample)  # store-all until a plan is installed
@@ -349,26 +350,19 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
                     kw.update(hierarchy=hierarchy, time_limit=cfg.solve_time_limit)
                 else:
                     kw.update(time_limit=cfg.checkmate_time_limit)
-                # The runtime keeps a few bytes the graph does not show (saved generator
-                # states, ...): solve again below the budget by that much while the installed
-                # plan's predicted peak exceeds it, as HRockmate(budget=...) does.
-                target, solve_s = budget, 0.0
-                for _ in range(4):
-                    try:
-                        with warnings.catch_warnings():
-                            warnings.simplefilter("ignore")
-                            # bytes, and at least 2: a bare 1 would mean 100%
-                            plan = solve_graph(graph, max(target, 2), **kw)
-                    except InfeasibleBudget as exc:
-                        return _failed(method, f"budget {frac:g}", "infeasible", str(exc),
-                                       budget_fraction=frac, budget_bytes=budget,
-                                       min_bytes=int(exc.min_bytes))
-                    solve_s += float(plan.stats.get("solve_seconds", 0.0))
-                    hmod.use_plan(plan)
-                    extra = int(hmod.predicted_peak_bytes) - int(plan.peak_bytes)
-                    if hmod.predicted_peak_bytes <= budget:
-                        break
-                    target = min(target, budget - extra) - 1
+                # the runtime keeps a few bytes the graph does not show (saved generator
+                # states, the CUDA allocator's slack): planned as HRockmate(budget=...) does
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        plan, _, _, solve_s = solve_within_budget(graph, budget, kw,
+                                                                  hmod._compile)
+                except InfeasibleBudget as exc:
+                    return _failed(method, f"budget {frac:g}", "infeasible", str(exc),
+                                   budget_fraction=frac, budget_bytes=budget,
+                                   min_bytes=int(exc.min_bytes))
+                hmod.use_plan(plan)
+                extra = int(hmod.predicted_peak_bytes) - int(plan.peak_bytes)
                 fallback = plan.stats.get("fallback")
                 label = f"budget {frac:g}" + (f", {fallback} fallback" if fallback else "")
                 return h.measure(

@@ -76,12 +76,14 @@ def test_hrockmate_within_budget_with_exact_gradients(report: dict) -> None:
         assert p["peak_bytes"] <= p["budget_bytes"], p
         assert p["grad_match"] == "exact"
     # the benchmark plans as HRockmate does: a hierarchy for each leaf size solve_graph tries
+    # (the later ones within the improvement window: on a loaded machine only the first ones)
     from types import SimpleNamespace
 
     from hrockmate.planning.hierarchy import leaf_sizes
 
     shape = SimpleNamespace(num_ops=res["hrockmate"]["ops"])  # all leaf_sizes reads
-    assert tuple(res["hrockmate"]["leaf_sizes"]) == leaf_sizes(shape, None)  # type: ignore[arg-type]
+    built = tuple(res["hrockmate"]["leaf_sizes"])
+    assert built and built == leaf_sizes(shape, None)[:len(built)]  # type: ignore[arg-type]
     # the 60% plan really recomputes and saves memory against plain autograd
     low = next(p for p in hr if p["budget_fraction"] == 0.6)
     assert low["recomputed_ops"] > 0

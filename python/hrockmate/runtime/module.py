@@ -806,8 +806,7 @@ def _choose_schedule(
     if budget_bytes >= baseline + program.extra_bytes:
         made = _describe(graph, store_all, base, base, budget_bytes, "store-all")
         return store_all, made, baseline, program
-    from hrockmate.ir.plan import InfeasibleBudget
-    from hrockmate.planning.api import solve_graph, with_hierarchy
+    from hrockmate.planning.api import with_hierarchy
     from hrockmate.planning.cache import device_kind, measured_times, open_cache
 
     options = dict(solve_options)
@@ -827,26 +826,40 @@ def _choose_schedule(
                 return cached.schedule, cached, peak, program
     if cost == "measure":  # op times matter for choosing what to recompute
         measured_times(traced, model, sample, store)
-    # The graph does not contain what the runtime keeps besides its tensors (saved generator
-    # states, old buffer values): solve, and if the plan plus that exceeds the budget, solve
-    # again for a budget reduced by it (a few rounds).
+    options = with_hierarchy(graph, options)  # block options are shared by every round
+    new_plan, peak, program, _ = solve_within_budget(graph, budget_bytes, options, compile_fn)
+    if store is not None:
+        store.save_plan(key, new_plan)
+    return new_plan.schedule, new_plan, peak, program
+
+
+def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
+                        compile_fn: Callable[[Any], Program]) -> tuple[Any, int, Program, float]:
+    """The solver's plan for ``graph`` (``solve_graph`` with ``options``) whose predicted peak,
+    the simulated one plus what the runtime keeps beyond the graph's tensors
+    (``Program.extra_bytes``: saved generator states, old buffer values, the CUDA allocator's
+    slack), fits ``budget_bytes``: solved, and while it does not fit solved again for a budget
+    reduced by that (a few rounds). Returns (plan, simulated peak, its compiled program, solve
+    seconds of all rounds); raises InfeasibleBudget when no round fits."""
+    from hrockmate.ir.plan import InfeasibleBudget
+    from hrockmate.ir.schedule import simulate
+    from hrockmate.planning.api import solve_graph
+
     target = budget_bytes
     min_bytes = budget_bytes + 1
-    options = with_hierarchy(graph, options)  # block options are shared by every round
+    seconds = 0.0
     for _ in range(4):
         try:
-            new_plan = solve_graph(graph, target, **options)
+            plan = solve_graph(graph, max(target, 2), **options)  # (a bare 1 would mean 100%)
         except InfeasibleBudget as exc:
             min_bytes = max(min_bytes, exc.min_bytes)
             break
-        new_plan.check_graph(graph)
-        schedule = new_plan.schedule
-        peak = int(simulate(graph, schedule).peak_bytes)
-        program = compile_fn(schedule)
+        seconds += float(plan.stats.get("solve_seconds", 0.0))
+        plan.check_graph(graph)
+        peak = int(simulate(graph, plan.schedule).peak_bytes)
+        program = compile_fn(plan.schedule)
         if peak + program.extra_bytes <= budget_bytes:
-            if store is not None:
-                store.save_plan(key, new_plan)
-            return schedule, new_plan, peak, program
+            return plan, peak, program, seconds
         min_bytes = max(min_bytes, peak + program.extra_bytes)
         target = min(target, budget_bytes - program.extra_bytes) - 1
         if target <= 0:
