@@ -87,9 +87,8 @@ GROUP_SIZE = 4
 # within the time ``policy.improve_seconds`` gives them (the improvement window: 9 s on graphs
 # of up to 1,000 ops, up to 20 s on larger ones; where the first size takes longer only it is
 # tried; each size's top MILP stops at its share of the window once it has a schedule), and the
-# fastest plan is kept. 6 goes first on
-# small graphs: 4 took 6-13 s on the DenseNet log at 50%, the resnet-like graph and MobileNet
-# at 30%, 6 at most 9 s.
+# fastest plan is kept. 6 goes first on small graphs: 4 took 6-13 s on the DenseNet log at 50%,
+# the resnet-like graph and MobileNet at 30%, 6 at most 9 s.
 LEAF_SIZE = 8
 LEAF_SIZES = (LEAF_SIZE, 9)
 SMALL_GRAPH_LEAF_SIZES = (6, 4, 8, 9)

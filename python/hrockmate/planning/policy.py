@@ -103,6 +103,7 @@ def improve_window(improve_time: float | str | None, num_ops: int) -> float | No
         return improve_time  # type: ignore[return-value]
     return min(IMPROVE_MAX_SECONDS, IMPROVE_SECONDS * max(1.0, num_ops / IMPROVE_OPS))
 
+
 # Later leaf sizes and the op-level second try are not tried once a plan costs at most this
 # much over store-all (the most they could gain): at 90% of store-all most plans of the
 # never-costlier benchmark were within 0.1-0.8%, and trying every size took their solves from
