@@ -14,6 +14,7 @@ import hrockmate
 from hrockmate import models
 from hrockmate.capture.tracing import (
     CUDA_LARGE_POOL_SLACK,
+    CUDA_OVERSIZE_SLACK,
     Traced,
     TraceError,
     allocator_slack_bytes,
@@ -552,3 +553,10 @@ def test_allocator_slack_is_kept_on_cuda_only_where_large_pool_requests_occur(
         assert allocator_slack_bytes(g, cuda) == 0
         monkeypatch.setenv(var, "expandable_segments:False")
         assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
+        monkeypatch.delenv(var)
+    # blocks of at least max_split_size_mb are never split: a request that large may get one
+    # up to 20 MiB larger (the largest request here is the 4 MiB workspace)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:4")
+    assert allocator_slack_bytes(g, cuda) == CUDA_OVERSIZE_SLACK == 20 << 20
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:5")
+    assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK

@@ -68,6 +68,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import math
 import operator
 import os
 import threading
@@ -641,28 +642,41 @@ def allocated_bytes(nbytes: int, device: torch.device) -> int:
 #: With expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) it splits
 #: every block, and steps measured the graph's peak to the byte.
 CUDA_LARGE_POOL_SLACK = 1 << 20
+#: With ``max_split_size_mb`` set, blocks of at least that size are never split, and a request
+#: of at least that size may get a cached one up to this much larger (the allocator's rule).
+CUDA_OVERSIZE_SLACK = 20 << 20
 
 
-def _expandable_segments() -> bool:
-    """Whether the environment configures the CUDA allocator with expandable segments (as
-    torch reads it when CUDA starts; a change made later from Python is not seen)."""
+def _allocator_conf() -> dict[str, str]:
+    """The CUDA allocator's settings in the environment (as torch reads them when CUDA starts;
+    a change made later from Python is not seen)."""
+    conf: dict[str, str] = {}
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         for item in os.environ.get(var, "").split(","):
             key, _, value = item.partition(":")
-            if key.strip() == "expandable_segments" and value.strip() == "True":
-                return True
-    return False
+            if key.strip():
+                conf.setdefault(key.strip(), value.strip())
+    return conf
 
 
 def allocator_slack_bytes(graph: Graph, device: torch.device) -> int:
-    """What the allocator may count beyond the graph's tensors at a peak: on CUDA without
-    expandable segments, one large pool block's unsplit remainder when any tensor or workspace
-    is a large pool request."""
-    if device.type != "cuda" or _expandable_segments():
+    """What the allocator may count beyond the graph's tensors at a peak, on CUDA: one large
+    pool block's unsplit remainder when any tensor or workspace is a large pool request, none
+    with expandable segments, and an oversize block's when ``max_split_size_mb`` is set and a
+    request reaches it."""
+    if device.type != "cuda":
         return 0
-    large = any(t.bytes > CUDA_LARGE_POOL_SLACK for t in graph.tensors) or any(
-        o.workspace > CUDA_LARGE_POOL_SLACK for o in graph.ops)
-    return CUDA_LARGE_POOL_SLACK if large else 0
+    conf = _allocator_conf()
+    if conf.get("expandable_segments") == "True":
+        return 0
+    largest = max([t.bytes for t in graph.tensors] + [o.workspace for o in graph.ops], default=0)
+    try:
+        max_split = float(conf["max_split_size_mb"]) * 2**20
+    except (KeyError, ValueError):
+        max_split = math.inf
+    if largest >= max_split:
+        return CUDA_OVERSIZE_SLACK
+    return CUDA_LARGE_POOL_SLACK if largest > CUDA_LARGE_POOL_SLACK else 0
 
 
 def _tensor_members(val: Any) -> list[tuple[int | None, torch.Tensor]]:
