@@ -5,7 +5,7 @@ measured peak of plain autograd, the *store-all* peak), all in one process:
 
 - ``plain``: plain autograd (the store-all reference; gradients are compared with its own);
 - ``hrockmate``: ``HRockmate`` with a plan solved for the budget (one trace, one hierarchy, one
-  plan per budget, switched with ``use_plan``);
+  plan per budget, each installed with ``HRockmate.replan``);
 - ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) around evenly spread subsets of the
   model's blocks (all of them, 3/4, 1/2, 1/4), the manual practice;
 - ``selective``: the same blocks under selective activation checkpointing (torchtitan's
@@ -305,10 +305,10 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
     from hrockmate.ir.plan import InfeasibleBudget
     from hrockmate.planning.api import with_hierarchy
     from hrockmate.runtime import HRockmate
-    from hrockmate.runtime.module import solve_within_budget
 
     t0 = time.perf_counter()
-    hmod = HRockmate(h.model, h.sample)  # store-all until a plan is installed
+    # store-all until a plan is installed; no plan cache: each budget is solved here
+    hmod = HRockmate(h.model, h.sample, cache=False)
     traced = hmod.traced
     graph = traced.graph
     t1 = time.perf_counter()
@@ -352,16 +352,16 @@ def _run_hrockmate(h: _Harness, budgets: list[tuple[float, int]], cfg: BenchConf
                     kw.update(time_limit=cfg.checkmate_time_limit)
                 # the runtime keeps a few bytes the graph does not show (saved generator
                 # states, the CUDA allocator's slack): planned as HRockmate(budget=...) does
+                t_solve = time.perf_counter()
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        plan, _, _, solve_s = solve_within_budget(graph, budget, kw,
-                                                                  hmod._compile)
+                        plan = hmod.replan(budget, **kw)
                 except InfeasibleBudget as exc:
                     return _failed(method, f"budget {frac:g}", "infeasible", str(exc),
                                    budget_fraction=frac, budget_bytes=budget,
                                    min_bytes=int(exc.min_bytes))
-                hmod.use_plan(plan)
+                solve_s = time.perf_counter() - t_solve
                 extra = int(hmod.predicted_peak_bytes) - int(plan.peak_bytes)
                 fallback = plan.stats.get("fallback")
                 label = f"budget {frac:g}" + (f", {fallback} fallback" if fallback else "")

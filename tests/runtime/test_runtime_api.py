@@ -116,3 +116,45 @@ def test_tracing_from_several_threads() -> None:
         t.join()
     assert not errors, errors[0]
     assert hashes == [expected] * 8
+
+
+# ---- replan --------------------------------------------------------------------------------------
+def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    module.zero_grad(set_to_none=True)
+    module(x).square().mean().backward()
+    return [p.grad.clone() for p in module.parameters()]
+
+
+def test_replan_switches_budgets_without_tracing_again() -> None:
+    model, x = _recompute_model()
+    reference = _grads(model, x)
+    h = HRockmate(model, x, cache=False, progress=False)
+    assert h.plan.method == "store-all"
+    traced = h.traced
+    # built for store-all, with measured op times by default: a sample is needed to measure them
+    with pytest.raises(ValueError, match="pass sample="):
+        h.replan(0.6)
+    tight = h.replan(0.6, sample=x)
+    assert h.plan is tight and tight.method == "hrockmate"
+    assert tight.peak_bytes <= tight.budget_bytes
+    assert h.traced is traced  # not traced again
+    assert h.recomputed_ops > 0
+    prepared = next(iter(h._hr_prepared.values()))["hierarchy"]
+    loose = h.replan(0.9)  # times are measured now; the hierarchy is reused
+    assert next(iter(h._hr_prepared.values()))["hierarchy"] is prepared
+    assert loose.budget_bytes > tight.budget_bytes and loose.time <= tight.time
+    for a, b in zip(_grads(h, x), reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert h.replan(None).method == "store-all" and h.recomputed_ops == 0
+
+
+def test_replan_to_an_infeasible_budget_keeps_the_plan_in_use() -> None:
+    from hrockmate import InfeasibleBudget
+
+    model, x = _recompute_model()
+    h = HRockmate(model, x, budget=0.8, cache=False, progress=False)
+    before = h.plan
+    with pytest.raises(InfeasibleBudget):
+        h.replan(1000)  # bytes: far below any op's own inputs and outputs
+    assert h.plan is before
+    assert h._hr_request.budget == 0.8  # a later rebuild still plans for 0.8

@@ -268,7 +268,7 @@ class _PlanRequest:
 
 #: Left out when pickling (rebuilt by tracing again at the first training call).
 _NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_fingerprint", "_hr_snapshot",
-                "_hr_param_slots", "_hr_buffer_slots")
+                "_hr_param_slots", "_hr_buffer_slots", "_hr_prepared")
 _NOT_REBUILT = (
     "HRockmate was unpickled and has not been traced again yet, so {what} is not available: "
     "its first training call traces the model again and compiles the plan"
@@ -499,9 +499,12 @@ class HRockmate(nn.Module):
         self._hr_single_output = self._hr_out_leaves == [None] and self._hr_out_spec.is_leaf()
         self._hr_device = traced.device
 
+        # (hierarchies built for this trace: reused by replan() with the same options)
+        self.__dict__["_hr_prepared"] = {}
         self._install(*_choose_schedule(
             model, sample, traced, request.budget, request.plan if plan is None else plan,
             request.solve_options, self._compile, cache=request.cache,
+            prepared=self.__dict__["_hr_prepared"],
         ))
         self._hr_fingerprint = fingerprint
         self._hr_snapshot = _ModelSnapshot.of(model)
@@ -511,6 +514,26 @@ class HRockmate(nn.Module):
         self._install(*_choose_schedule(
             self.__dict__["_hr_model"], None, self.traced, None, plan, {}, self._compile
         ))
+
+    def replan(self, budget: Any, sample: Any = None, **solve_options: Any) -> Any:
+        """Plan the traced iteration for another ``budget`` (the forms the constructor takes;
+        None: store-all) and switch to that plan, without tracing again; returns the ``Plan``.
+
+        ``solve_options`` update the constructor's. The plan cache is used as the constructor
+        uses it. The hierarchy's block options are built once per set of options and kept, so a
+        sweep over budgets solves only the top levels after the first. ``sample`` (a call's
+        arguments) is needed only when op times must be measured and were not yet (the module
+        was built for store-all, with the default ``cost="measure"``). A budget no plan fits
+        raises ``InfeasibleBudget`` and leaves the plan in use unchanged. Later rebuilds (after
+        a change of trainable parameters, or unpickling) plan for this budget and options."""
+        request: _PlanRequest = self._hr_request
+        options = {**request.solve_options, **solve_options}
+        self._install(*_choose_schedule(
+            self.__dict__["_hr_model"], sample, self.traced, budget, None, options,
+            self._compile, cache=request.cache, prepared=self.__dict__["_hr_prepared"],
+        ))
+        self._hr_request = _PlanRequest(budget, None, request.cache, options, request.loss_fn)
+        return self.plan
 
     def _compile(self, schedule: Any) -> Program:
         return compile_schedule(
@@ -771,12 +794,15 @@ def _choose_schedule(
     solve_options: dict[str, Any],
     compile_fn: Callable[[Any], Program],
     cache: Any = None,
+    prepared: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Any, Any, int, Program]:
     """(schedule, plan, simulated peak, compiled program) for the given arguments. Without a
     solver plan (store-all, or a hand-given schedule) a ``Plan`` describing the schedule is made,
     with ``stats["method"]`` "store-all" or "given". A solver plan comes from the plan cache
     (``hrockmate.planning.cache``) when it holds one for this graph, budget and options; otherwise
-    the op times are measured (or taken from the cache), the graph solved and the plan cached."""
+    the op times are measured (or taken from the cache) unless the graph has measured ones, the
+    graph solved and the plan cached. ``prepared``: solve options with their hierarchies
+    (``with_hierarchy``) by the options they were built for, kept by the caller across calls."""
     from hrockmate.ir.schedule import simulate, store_all_schedule
 
     graph = traced.graph
@@ -824,9 +850,23 @@ def _choose_schedule(
             program = compile_fn(cached.schedule)
             if peak + program.extra_bytes <= budget_bytes:
                 return cached.schedule, cached, peak, program
-    if cost == "measure":  # op times matter for choosing what to recompute
+    measured = graph.meta.get("cost_report", {}).get("mode") == "measure"
+    if cost == "measure" and not measured:  # op times matter for choosing what to recompute
+        if sample is None:
+            raise ValueError(
+                "replanning needs the op times measured, and they were not (the module was "
+                "built for store-all): pass sample= (the arguments of a call), or "
+                "cost='estimate' to plan on estimated times")
         measured_times(traced, model, sample, store)
-    options = with_hierarchy(graph, options)  # block options are shared by every round
+    # block options are shared by every round, and by later calls with the same options
+    key = repr(sorted((k, repr(v)) for k, v in options.items()))
+    if prepared is not None and key in prepared:
+        options = prepared[key]
+    else:
+        options = with_hierarchy(graph, options)
+        if prepared is not None:
+            prepared.clear()  # (one set kept: hierarchies hold much of the graph's size)
+            prepared[key] = options
     new_plan, peak, program, _ = solve_within_budget(graph, budget_bytes, options, compile_fn)
     if store is not None:
         store.save_plan(key, new_plan)
