@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any, Callable
 
 import pytest
@@ -393,6 +394,32 @@ def test_data_dependent_control_flow_names_the_module() -> None:
     model = nn.Sequential(nn.Linear(4, 4), _Branchy())
     with pytest.raises(TraceError, match=r"module '1' \(_Branchy\).*control flow"):
         trace_model(model, torch.randn(2, 4), cost="none")
+
+
+class _Misconfigured(nn.Module):
+    """Fails in plain PyTorch as well: a setting its forward reads is missing (a model built
+    from an incomplete configuration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.config = types.SimpleNamespace()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return h * self.config.start_token_id
+
+
+def test_a_model_that_fails_in_plain_pytorch_is_told_apart_from_a_tracing_limit() -> None:
+    model = _Misconfigured()
+    before = [b.clone() for b in model.buffers()]
+    with pytest.raises(TraceError, match=r"fails in plain PyTorch too.*AttributeError.*"
+                                          r"start_token_id") as info:
+        trace_model(model, torch.randn(8, 4) + 3.0, cost="none")
+    assert "control flow" not in str(info.value)
+    # the eager check left the running statistics as they were
+    for a, b in zip(before, model.buffers()):
+        assert torch.equal(a, b)
 
 
 class _SharedModule(nn.Module):

@@ -596,6 +596,27 @@ def _reads_tensor_values(exc: BaseException) -> bool:
     return False
 
 
+def _eager_failure(step: Callable[..., Any], flat_real: list[torch.Tensor],
+                   buffers: dict[str, torch.Tensor], device: torch.device
+                   ) -> BaseException | None:
+    """The exception the traced step raises when run eagerly on the real tensors (without
+    gradients; buffers and generator states restored after), or None when it runs: tells a
+    model's own error from a limit of tracing. Only called after tracing failed."""
+    saved = {name: b.detach().clone() for name, b in buffers.items()}
+    try:
+        with preserved_rng(device), torch.no_grad():
+            step(*flat_real)
+    except torch.OutOfMemoryError:
+        return None  # (undecided: the tracing error stands)
+    except Exception as exc:  # noqa: BLE001 - the model's own error, returned to be reported
+        return exc
+    finally:
+        with torch.no_grad():
+            for name, b in buffers.items():
+                b.copy_(saved[name])
+    return None
+
+
 _UNTRACEABLE_HINT = (
     "hrockmate traces one training iteration with fake tensors (AOTAutograd), so Python "
     "control flow that depends on tensor values (if/while on a tensor, .item(), .tolist(), "
@@ -1162,6 +1183,13 @@ def trace_model(
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the module and a remedy
+        eager = _eager_failure(step, flat_real, buffers, device)
+        if eager is not None:  # the model's own error, not a limit of tracing
+            first = str(eager).strip().splitlines()[0] if str(eager).strip() else ""
+            raise TraceError(
+                f"the model fails in plain PyTorch too when called with this sample (and "
+                f"loss_fn): {type(eager).__name__}: {first}; fix the model, its configuration "
+                "or the sample (the traceback above shows where)") from eager
         path = module_stack[-1] if module_stack else ""
         raise TraceError(_explain(exc, path, model)) from exc
 

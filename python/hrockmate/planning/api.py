@@ -274,10 +274,10 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
     best_time = math.inf
     lows: list[int] = []
     bound: TimeBound | None = None
-    tried = _improving_tries(tries, kw["improve_until"], lambda: time_left(kw))
+    until = kw["improve_until"]
+    tried = _improving_tries(tries, until, lambda: time_left(kw))
     for k, ((size, h), limit) in enumerate(tried):
         kw_k = {**kw, "leaf_size": size}
-        until = kw["improve_until"]
         if until is not None and k + 1 < len(tries):
             # the sizes after this one get their turns: its top MILP ends, once it has a
             # schedule, at this try's share of what is left of the window
@@ -294,7 +294,7 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
                             "lower bound; no other leaf size tried", graph.name,
                             100 * MIN_GAIN_TO_RETRY)
                 break
-            limit = improve_seconds(kw["improve_until"], time_left(kw))  # (the bound took some)
+            limit = improve_seconds(until, time_left(kw))  # (the bound took some)
             if limit is None:
                 break
         if limit is not None:
