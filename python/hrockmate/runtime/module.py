@@ -859,14 +859,14 @@ def _choose_schedule(
                 "cost='estimate' to plan on estimated times")
         measured_times(traced, model, sample, store)
     # block options are shared by every round, and by later calls with the same options
-    key = repr(sorted((k, repr(v)) for k, v in options.items()))
-    if prepared is not None and key in prepared:
-        options = prepared[key]
+    options_key = repr(sorted((k, repr(v)) for k, v in options.items()))
+    if prepared is not None and options_key in prepared:
+        options = prepared[options_key]
     else:
         options = with_hierarchy(graph, options)
         if prepared is not None:
             prepared.clear()  # (one set kept: hierarchies hold much of the graph's size)
-            prepared[key] = options
+            prepared[options_key] = options
     new_plan, peak, program, _ = solve_within_budget(graph, budget_bytes, options, compile_fn)
     if store is not None:
         store.save_plan(key, new_plan)
