@@ -304,9 +304,11 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 # a top MILP that begins within the improvement window ends with it once it has
                 # a schedule (MobileNet at 30%: found at 8.5 s into the solve, then 5 s more of
                 # the stall rule); one that begins later (large graphs) runs on its stall rule
-                soft = until if until is not None and _time.perf_counter() < until else None
-                if soft is not None and kw.get("top_until") is not None:
-                    soft = min(soft, kw["top_until"])  # (its share, when sizes follow it)
+                now = _time.perf_counter()
+                soft = until if until is not None and now < until else None
+                if soft is not None and kw.get("top_shares"):
+                    # its share of what is left, when other leaf sizes follow it
+                    soft = now + (soft - now) / kw["top_shares"]
                 level = "op-level" if not h.root.children else "top"
                 with elapsed_progress(f"{level} MILP of '{graph.name}'", left, kw["progress"]):
                     steps, fl, optimal, stats = solve_top(
