@@ -4,7 +4,11 @@ pairs, model building and input checks."""
 from __future__ import annotations
 
 import heapq
+import math
+import time
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from graph_builders import training_graph
@@ -249,3 +253,108 @@ def test_past_its_soft_deadline_a_milp_stops_once_it_has_a_schedule(data_graphs:
                          soft_deadline=t0)
     assert sp.stats["stopped"] == "window" and not sp.optimal
     assert sp.stats["solve_seconds"] < 30  # (a bound far from the 60 s it could take)
+
+
+def test_a_block_level_starts_from_its_leanest_schedule(data_graphs: Path) -> None:
+    # the top level of the DenseNet log with leaves of 4 at 50%: every forward block runs once
+    # keeping least; each backward block runs right after its partner, run again with its
+    # option; HiGHS takes seconds to prove the optimum
+    import time
+
+    from hrockmate.planning.hierarchy import prepare
+    from hrockmate.planning.level import block_level
+    from hrockmate.planning.policy import baseline_schedule
+
+    g = Graph.load(data_graphs / "densenet_tiny_oplog.json")
+    budget = int(0.5 * baseline_schedule(g)[2])
+    h = prepare(g, leaf_size=4, progress=False)
+    assert h.root.children
+    p = block_level(h.ctx, h.root).problem
+    stages = ilp.lean_start(p)
+    assert len(stages) == len(p.nodes)
+    for t, stage in enumerate(stages):
+        node, option = stage[-1]
+        assert node == t and all(i < p.n_forward for i, _ in stage[:-1])
+        if t < p.n_forward:
+            assert len(stage) == 1
+            saved = [o.saved for o in p.nodes[t].options]
+            assert saved[option] == min(saved)
+        elif p.nodes[t].pair is not None:
+            assert (p.nodes[t].pair, option) in stage  # its partner, with its option
+    start_time = sum(p.nodes[i].options[o].time for stage in stages for i, o in stage)
+
+    # a start that counts as a schedule in hand: past the window HiGHS stops at its first
+    # poll, on the start (it fits the budget) or on a better one found by then
+    sp = ilp.solve_level(p, budget, start=stages, soft_deadline=time.perf_counter(),
+                         time_limit=60.0)
+    assert sp.stats.get("started_from_schedule") and sp.stats.get("stopped") == "window"
+    assert sp.objective <= start_time * (1 + 1e-9)
+    sp = ilp.solve_level(p, budget, start=stages, time_limit=60.0, last_resort_start=True)
+    assert sp.stats.get("started_from_schedule") and sp.objective < start_time * (1 - 1e-6)
+
+
+class _Event:
+    """What highspy hands a callback: ``data_out`` and ``interrupt()``."""
+
+    def __init__(self, objective: float = math.inf) -> None:
+        self.data_out = types.SimpleNamespace(objective_function_value=objective,
+                                              mip_gap=math.inf)
+        self.interrupted = False
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+
+
+class _Callbacks(list):  # type: ignore[type-arg]
+    """Stands in for a highspy callback list: ``+=`` / ``-=`` attach and detach one."""
+
+    def __iadd__(self, fn: Any) -> "_Callbacks":  # type: ignore[override]
+        self.append(fn)
+        return self
+
+    def __isub__(self, fn: Any) -> "_Callbacks":
+        self.remove(fn)
+        return self
+
+
+class _ReportingHighs:
+    """A HiGHS stand-in that reports schedules ``(seconds after the start, objective)`` and
+    polls its MIP interrupt callbacks every 10 ms until told to stop (or ``seconds`` pass)."""
+
+    def __init__(self, reports: list[tuple[float, float]], seconds: float = 5.0) -> None:
+        self.reports, self.seconds = reports, seconds
+        self.cbSimplexInterrupt = _Callbacks()
+        self.cbIpmInterrupt = _Callbacks()
+        self.cbMipInterrupt = _Callbacks()
+        self.cbMipImprovingSolution = _Callbacks()
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        todo = sorted(self.reports)
+        while time.perf_counter() - t0 < self.seconds:
+            while todo and time.perf_counter() - t0 >= todo[0][0]:
+                for fn in self.cbMipImprovingSolution:
+                    fn(_Event(todo.pop(0)[1]))
+            poll = _Event()
+            for fn in self.cbMipInterrupt:
+                fn(poll)
+            if poll.interrupted:
+                return
+            time.sleep(0.01)
+
+
+def test_a_start_of_last_resort_does_not_end_the_window() -> None:
+    # past its soft deadline a MIP stops on its first schedule; a start of last resort (the
+    # objective 100 reported at once) does not count: it stops on the better one at 0.6 s
+    t0 = time.perf_counter()
+    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0), (0.6, 50.0)]), soft_deadline=t0)
+    assert why == "window" and time.perf_counter() - t0 < 0.5
+    t0 = time.perf_counter()
+    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0), (0.6, 50.0)]), soft_deadline=t0,
+                        count_below=100.0)
+    assert why == "window" and 0.6 <= time.perf_counter() - t0 < 3.0
+    # nor does it start the stall rule's clock
+    t0 = time.perf_counter()
+    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=1.0), stall=0.1,
+                        count_below=100.0)
+    assert why is None and time.perf_counter() - t0 >= 1.0

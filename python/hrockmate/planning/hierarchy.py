@@ -524,12 +524,17 @@ def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip
             logger.info("the top level of '%s' is not a chain; solving it with the ILP",
                         h.graph.name)
     lvl = block_level(h.ctx, h.root)
-    stages = None
+    stages, last_resort = None, False
     if not h.root.children:
         stages = next((st for st in map(partial(op_stages, lvl), starts) if st is not None), None)
+    elif not minimize_peak:
+        # a block level starts from its leanest schedule: a search cut by its time limit
+        # before it found anything returns that rather than nothing (its objective is time,
+        # which tells the start from better schedules; the lowest-peak MILP's is not)
+        stages, last_resort = ilp.lean_start(lvl.problem), True
     sp = ilp.solve_level(lvl.problem, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
                          minimize_peak=minimize_peak, stall=TOP_STALL_SECONDS, start=stages,
-                         soft_deadline=soft_deadline)
+                         soft_deadline=soft_deadline, last_resort_start=last_resort)
     if sp.stats.get("stopped") == "window":
         logger.info("the top MILP of '%s' stopped after %.1f s at the end of the solve's "
                     "improvement window", h.graph.name, sp.stats["solve_seconds"])

@@ -611,7 +611,8 @@ INTERRUPT_GRACE_SECONDS = 0.5
 
 
 def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
-              started_from: bool = False, soft_deadline: float | None = None) -> str | None:
+              started_from: bool = False, soft_deadline: float | None = None,
+              count_below: float = math.inf) -> str | None:
     """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s, and
     ``INTERRUPT_GRACE_SECONDS`` at most (then HiGHS is left to stop on its own thread).
 
@@ -632,6 +633,8 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     anything better on the op-level MILPs of 50-80 ops).
     ``soft_deadline`` (a ``time.perf_counter`` time): past it, a MIP with a schedule in hand
     stops (the solve's improvement window).
+    ``count_below``: schedules count for these rules only with an objective below it (a start
+    of last resort is returned at the deadline, but does not end the search).
     Returns why it stopped HiGHS early: ``"deadline"``, ``"stall"``, ``"window"`` or None.
     """
     cancel: threading.Event | None = getattr(_cancel, "event", None)
@@ -656,7 +659,7 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
 
     def note_better(event: Any) -> None:
         value = event.data_out.objective_function_value
-        if value < best[0] - STALL_IMPROVEMENT * abs(value):
+        if value < count_below and value < best[0] - STALL_IMPROVEMENT * abs(value):
             best[0], best[1] = value, _time.perf_counter()
             found[0] += 1
             logger.debug("MIP: better schedule %.6g after %.1f s", value, best[1] - started)
@@ -733,12 +736,15 @@ def solve_level(
     stall: float | None = None,
     start: Sequence[Sequence[tuple[int, int]]] | None = None,
     soft_deadline: float | None = None,
+    last_resort_start: bool = False,
 ) -> StagePlan:
     """Solve one level at ``budget`` bytes (or for its smallest peak with ``minimize_peak``).
     ``stall``, ``soft_deadline``: stop once the best schedule stops improving, or once past
     ``soft_deadline`` with a schedule in hand (``run_highs``). ``start``: a known
     schedule, per stage the (node, option) pairs it computes, given to HiGHS as a partial
-    solution (``R`` fixed; HiGHS completes the rest or drops it when it does not fit).
+    solution (``R`` fixed; HiGHS completes the rest or drops it when it does not fit);
+    ``last_resort_start``: it is a poor one (``lean_start``), returned at the time limit when
+    nothing better was found, but the stall and window rules wait for a better one.
 
     Raises ``LevelInfeasible`` when proven infeasible and ``LevelNoSolution`` when the time limit
     passed without any feasible schedule.
@@ -759,9 +765,12 @@ def solve_level(
         h.setOptionValue("presolve", "off")
         h.setOptionValue("mip_detect_symmetry", False)
     h.passModel(lp)
-    started_from = start is not None and _set_start(h, p, model, start)
-    stopped = run_highs(h, None if time_limit is None else t0 + time_limit, stall, started_from,
-                        soft_deadline)
+    start_cost = None if start is None else _set_start(h, p, model, start)
+    started_from = start_cost is not None
+    stopped = run_highs(h, None if time_limit is None else t0 + time_limit, stall,
+                        started_from and not last_resort_start, soft_deadline,
+                        count_below=start_cost if started_from and last_resort_start
+                        else math.inf)
     status = h.getModelStatus()
     t_solve = _time.perf_counter() - t0 - t_build
     MS = highspy.HighsModelStatus
@@ -803,14 +812,51 @@ def solve_level(
     return plan
 
 
+def lean_start(p: LevelProblem) -> list[list[tuple[int, int]]]:
+    """A schedule of level ``p`` that keeps as little as the level allows, as per-stage
+    (node, option) pairs (``solve_level``'s ``start``): each forward node runs in its stage
+    with the option that saves least; before each backward node, the forward nodes it needs run
+    again (its partner with the backward's option, the one that leaves the least memory in use,
+    and the ancestors of what both read). Like recompute-all, a schedule of last resort: given
+    as a start it lets a MILP that has found nothing better return it at its time limit."""
+    nodes, n_fwd = p.nodes, p.n_forward
+
+    def leanest(node: LevelNode, partner: LevelNode | None = None) -> int:
+        def cost(o: int) -> tuple[int, int]:
+            mine = node.options[o]
+            if partner is None:
+                return mine.saved, mine.overhead
+            theirs = partner.options[o]
+            return theirs.saved + max(mine.overhead, theirs.overhead), theirs.saved
+        return min(range(len(node.options)), key=cost)
+
+    least = [leanest(node) for node in nodes[:n_fwd]]
+    stages: list[list[tuple[int, int]]] = [[(t, least[t])] for t in range(n_fwd)]
+    for b in range(n_fwd, len(nodes)):
+        node = nodes[b]
+        f = node.pair
+        o = leanest(node, None if f is None else nodes[f])
+        needed: set[int] = set()
+        todo = [p.values[x].producer for x in node.inputs] + ([] if f is None else [f])
+        while todo:  # the forward nodes whose values it reads, its partner, their ancestors
+            j = todo.pop()
+            if j is None or j >= n_fwd or j in needed:
+                continue
+            needed.add(j)
+            todo.extend(p.values[x].producer for x in nodes[j].inputs)
+        stage = [(j, o if j == f else least[j]) for j in sorted(needed)]
+        stages.append(stage + [(b, o)])
+    return stages
+
+
 def _set_start(h: Any, p: LevelProblem, model: _Model,
-               start: Sequence[Sequence[tuple[int, int]]]) -> bool:
+               start: Sequence[Sequence[tuple[int, int]]]) -> float | None:
     """Every ``R`` column of the model set to whether ``start`` computes that (node, option)
-    in that stage; the other columns are left for HiGHS to complete. False when the start does
-    not fit the model."""
+    in that stage; the other columns are left for HiGHS to complete. Returns the objective of
+    those columns, or None when the start does not fit the model."""
     chosen = {(t, i, o) for t, stage in enumerate(start) for i, o in stage}
     if any(t >= len(model.R) or i not in model.R[t] for t, i, _ in chosen):
-        return False  # it computes a node where the model has no column: not a schedule of it
+        return None  # it computes a node where the model has no column: not a schedule of it
     cols: list[int] = []
     vals: list[float] = []
     for t, stage_cols in enumerate(model.R):
@@ -819,7 +865,8 @@ def _set_start(h: Any, p: LevelProblem, model: _Model,
                 cols.append(first + o)
                 vals.append(1.0 if (t, i, o) in chosen else 0.0)
     h.setSolution(len(cols), np.asarray(cols, dtype=np.int32), np.asarray(vals, dtype=np.float64))
-    return True
+    cost = model.builder.cost
+    return float(sum(cost[c] for c, v in zip(cols, vals) if v))
 
 
 def estimated_nonzeros(p: LevelProblem, a: _Analysis) -> int:
