@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from highs_standins import HighsStandIn
 
 import hrockmate
 from hrockmate import _native
@@ -55,7 +56,7 @@ def training_chain(n: int, nbytes: int = 1000) -> Graph:
 # What the Python code run in a subprocess starts with.
 PRELUDE = f"""
 import json, resource, sys, time
-sys.path.insert(0, {str(REPO / "tests" / "planning")!r})
+sys.path[:0] = [{str(REPO / "tests" / "planning")!r}, {str(REPO / "tests")!r}]
 from test_bounds import training_chain
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -294,31 +295,13 @@ def test_ctrl_c_stops_a_highs_solve() -> None:
     assert seconds < 2.0
 
 
-class _Callbacks:
-    """Stands in for a highspy callback list: ``+=`` and ``-=`` record what is attached."""
-
-    def __init__(self) -> None:
-        self.attached: list[object] = []
-
-    def __iadd__(self, fn: object) -> "_Callbacks":
-        self.attached.append(fn)
-        return self
-
-    def __isub__(self, fn: object) -> "_Callbacks":
-        self.attached.remove(fn)
-        return self
-
-
-class _DeafHighs:
+class _DeafHighs(HighsStandIn):
     """A HiGHS stand-in in a phase that polls no interrupt callback (a sub-MIP heuristic):
     ``run`` takes ``seconds`` whatever it is told."""
 
     def __init__(self, seconds: float) -> None:
+        super().__init__()
         self.seconds = seconds
-        self.cbSimplexInterrupt = _Callbacks()
-        self.cbIpmInterrupt = _Callbacks()
-        self.cbMipInterrupt = _Callbacks()
-        self.cbMipImprovingSolution = _Callbacks()
 
     def run(self) -> None:
         time.sleep(self.seconds)

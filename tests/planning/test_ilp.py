@@ -8,10 +8,10 @@ import math
 import time
 import types
 from pathlib import Path
-from typing import Any
 
 import pytest
 from graph_builders import training_graph
+from highs_standins import HighsStandIn
 
 import hrockmate
 from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
@@ -305,28 +305,13 @@ class _Event:
         self.interrupted = True
 
 
-class _Callbacks(list):  # type: ignore[type-arg]
-    """Stands in for a highspy callback list: ``+=`` / ``-=`` attach and detach one."""
-
-    def __iadd__(self, fn: Any) -> "_Callbacks":  # type: ignore[override]
-        self.append(fn)
-        return self
-
-    def __isub__(self, fn: Any) -> "_Callbacks":
-        self.remove(fn)
-        return self
-
-
-class _ReportingHighs:
+class _ReportingHighs(HighsStandIn):
     """A HiGHS stand-in that reports schedules ``(seconds after the start, objective)`` and
     polls its MIP interrupt callbacks every 10 ms until told to stop (or ``seconds`` pass)."""
 
     def __init__(self, reports: list[tuple[float, float]], seconds: float = 5.0) -> None:
+        super().__init__()
         self.reports, self.seconds = reports, seconds
-        self.cbSimplexInterrupt = _Callbacks()
-        self.cbIpmInterrupt = _Callbacks()
-        self.cbMipInterrupt = _Callbacks()
-        self.cbMipImprovingSolution = _Callbacks()
 
     def run(self) -> None:
         t0 = time.perf_counter()

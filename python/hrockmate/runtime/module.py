@@ -867,39 +867,37 @@ def _choose_schedule(
         if prepared is not None:
             prepared.clear()  # (one set kept: hierarchies hold much of the graph's size)
             prepared[options_key] = options
-    new_plan, peak, program, _ = solve_within_budget(graph, budget_bytes, options, compile_fn)
+    new_plan, peak, program = solve_within_budget(graph, budget_bytes, options, compile_fn)
     if store is not None:
         store.save_plan(key, new_plan)
     return new_plan.schedule, new_plan, peak, program
 
 
 def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
-                        compile_fn: Callable[[Any], Program]) -> tuple[Any, int, Program, float]:
+                        compile_fn: Callable[[Any], Program]) -> tuple[Any, int, Program]:
     """The solver's plan for ``graph`` (``solve_graph`` with ``options``) whose predicted peak,
     the simulated one plus what the runtime keeps beyond the graph's tensors
     (``Program.extra_bytes``: saved generator states, old buffer values, the CUDA allocator's
     slack), fits ``budget_bytes``: solved, and while it does not fit solved again for a budget
-    reduced by that (a few rounds). Returns (plan, simulated peak, its compiled program, solve
-    seconds of all rounds); raises InfeasibleBudget when no round fits."""
+    reduced by that (a few rounds). Returns (plan, simulated peak, its compiled program);
+    raises InfeasibleBudget when no round fits."""
     from hrockmate.ir.plan import InfeasibleBudget
     from hrockmate.ir.schedule import simulate
     from hrockmate.planning.api import solve_graph
 
     target = budget_bytes
     min_bytes = budget_bytes + 1
-    seconds = 0.0
     for _ in range(4):
         try:
             plan = solve_graph(graph, max(target, 2), **options)  # (a bare 1 would mean 100%)
         except InfeasibleBudget as exc:
             min_bytes = max(min_bytes, exc.min_bytes)
             break
-        seconds += float(plan.stats.get("solve_seconds", 0.0))
         plan.check_graph(graph)
         peak = int(simulate(graph, plan.schedule).peak_bytes)
         program = compile_fn(plan.schedule)
         if peak + program.extra_bytes <= budget_bytes:
-            return plan, peak, program, seconds
+            return plan, peak, program
         min_bytes = max(min_bytes, peak + program.extra_bytes)
         target = min(target, budget_bytes - program.extra_bytes) - 1
         if target <= 0:
