@@ -158,3 +158,52 @@ def test_replan_to_an_infeasible_budget_keeps_the_plan_in_use() -> None:
         h.replan(1000)  # bytes: far below any op's own inputs and outputs
     assert h.plan is before
     assert h._hr_request.budget == 0.8  # a later rebuild still plans for 0.8
+
+
+# ---- the runtime's extra bytes ------------------------------------------------------------------
+class _Program:
+    """What ``solve_within_budget`` reads of a compiled program: the bytes the runtime adds."""
+
+    def __init__(self, extra_bytes: int) -> None:
+        self.extra_bytes = extra_bytes
+
+
+def test_a_reserve_for_the_runtimes_bytes_solves_a_tight_budget_once(monkeypatch) -> None:
+    from graph_builders import training_graph
+
+    import hrockmate.planning.api as api
+    from hrockmate import InfeasibleBudget
+    from hrockmate.ir.schedule import simulate, store_all_schedule
+    from hrockmate.runtime.module import solve_within_budget
+
+    graph = training_graph(12, seed=3)
+    store_all = int(simulate(graph, store_all_schedule(graph)).peak_bytes)
+    targets: list[int] = []
+    solve = api.solve_graph
+
+    def counting_solve(g, budget, **options):
+        targets.append(budget)
+        return solve(g, budget, **options)
+
+    monkeypatch.setattr(api, "solve_graph", counting_solve)
+    options = {"time_limit": 10, "progress": False}
+    extra = 64  # the runtime adds this to every plan's peak
+    budget = int(0.7 * store_all)
+
+    def compile_fn(schedule):
+        return _Program(extra)
+
+    plan, peak, _ = solve_within_budget(graph, budget, options, compile_fn)
+    assert peak + extra <= budget
+    # without a reserve the first round solves for the whole budget
+    assert targets[0] == budget
+    targets.clear()
+    plan, peak, _ = solve_within_budget(graph, budget, options, compile_fn, reserve_bytes=extra)
+    assert targets == [budget - extra] and peak + extra <= budget
+    # an infeasible budget names a minimum that includes the reserve
+    with pytest.raises(InfeasibleBudget) as info:
+        solve_within_budget(graph, 100, options, compile_fn, reserve_bytes=extra)
+    floor = info.value.min_bytes
+    with pytest.raises(InfeasibleBudget) as info:
+        solve_within_budget(graph, 100, options, compile_fn)
+    assert floor == info.value.min_bytes + extra

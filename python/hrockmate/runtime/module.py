@@ -867,31 +867,38 @@ def _choose_schedule(
         if prepared is not None:
             prepared.clear()  # (one set kept: hierarchies hold much of the graph's size)
             prepared[options_key] = options
-    new_plan, peak, program = solve_within_budget(graph, budget_bytes, options, compile_fn)
+    # store-all's extra bytes (the allocator's slack, mostly) are what most plans add too: the
+    # first round solves for what is left, so that a tight budget is not solved twice
+    new_plan, peak, program = solve_within_budget(graph, budget_bytes, options, compile_fn,
+                                                  reserve_bytes=program.extra_bytes)
     if store is not None:
         store.save_plan(key, new_plan)
     return new_plan.schedule, new_plan, peak, program
 
 
 def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
-                        compile_fn: Callable[[Any], Program]) -> tuple[Any, int, Program]:
+                        compile_fn: Callable[[Any], Program],
+                        reserve_bytes: int = 0) -> tuple[Any, int, Program]:
     """The solver's plan for ``graph`` (``solve_graph`` with ``options``) whose predicted peak,
     the simulated one plus what the runtime keeps beyond the graph's tensors
     (``Program.extra_bytes``: saved generator states, old buffer values, the CUDA allocator's
-    slack), fits ``budget_bytes``: solved, and while it does not fit solved again for a budget
-    reduced by that (a few rounds). Returns (plan, simulated peak, its compiled program);
-    raises InfeasibleBudget when no round fits."""
+    slack), fits ``budget_bytes``: solved for ``budget_bytes - reserve_bytes``, and while it does
+    not fit solved again for a budget reduced by its extra bytes (a few rounds). Returns (plan,
+    simulated peak, its compiled program); raises InfeasibleBudget when no round fits."""
     from hrockmate.ir.plan import InfeasibleBudget
     from hrockmate.ir.schedule import simulate
     from hrockmate.planning.api import solve_graph
 
-    target = budget_bytes
+    reserve_bytes = max(0, int(reserve_bytes))
+    target = budget_bytes - reserve_bytes
     min_bytes = budget_bytes + 1
     for _ in range(4):
+        if target <= 0:
+            break
         try:
             plan = solve_graph(graph, max(target, 2), **options)  # (a bare 1 would mean 100%)
-        except InfeasibleBudget as exc:
-            min_bytes = max(min_bytes, exc.min_bytes)
+        except InfeasibleBudget as exc:  # (its lowest peak needs the runtime's bytes too)
+            min_bytes = max(min_bytes, exc.min_bytes + reserve_bytes)
             break
         plan.check_graph(graph)
         peak = int(simulate(graph, plan.schedule).peak_bytes)
@@ -900,8 +907,6 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
             return plan, peak, program
         min_bytes = max(min_bytes, peak + program.extra_bytes)
         target = min(target, budget_bytes - program.extra_bytes) - 1
-        if target <= 0:
-            break
     raise InfeasibleBudget(budget_bytes, min_bytes, graph.name)
 
 
