@@ -587,3 +587,18 @@ def test_allocator_slack_is_kept_on_cuda_only_where_large_pool_requests_occur(
     assert allocator_slack_bytes(g, cuda) == CUDA_OVERSIZE_SLACK == 20 << 20
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:5")
     assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
+
+
+def test_a_failing_kernel_is_reported_once_without_pytorchs_error_log(caplog) -> None:
+    import logging
+
+    # an input too small for the pooling window: the fake kernel raises while tracing
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AvgPool2d(8), nn.Flatten())
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    with caplog.at_level(logging.ERROR):
+        with pytest.raises(TraceError, match=r"fails in plain PyTorch too.*Output size is too "
+                                             r"small"):
+            trace_model(model, torch.randn(1, 3, 5, 5), cost="none")
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+    assert fake_log.level == level  # restored

@@ -203,7 +203,9 @@ def test_a_reserve_for_the_runtimes_bytes_solves_a_tight_budget_once(monkeypatch
     # an infeasible budget names a minimum that includes the reserve
     with pytest.raises(InfeasibleBudget) as info:
         solve_within_budget(graph, 100, options, compile_fn, reserve_bytes=extra)
-    floor = info.value.min_bytes
+    floor, why = info.value.min_bytes, info.value.why
     with pytest.raises(InfeasibleBudget) as info:
         solve_within_budget(graph, 100, options, compile_fn)
     assert floor == info.value.min_bytes + extra
+    # far below any op's own needs: the solver's proven floor and its reason reach the caller
+    assert info.value.why and why.startswith(info.value.why) and "the runtime keeps" in why

@@ -68,6 +68,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import logging
 import math
 import operator
 import os
@@ -101,6 +102,21 @@ COST_MODES = ("measure", "estimate", "none")
 #: the model, the global random generators), so traces and cost measurements run one at a time:
 #: a thread that starts one while another runs waits for it.
 _TRACE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernel_errors() -> Iterator[None]:
+    """PyTorch logs an error with a traceback whenever a fake (meta) kernel raises, before the
+    exception reaches us; it then reaches the caller as a TraceError (naming the model's own
+    error where the model fails in plain PyTorch too), so while we trace that log is noise.
+    (Traces run one at a time, under ``_TRACE_LOCK``.)"""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def one_trace_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -1163,7 +1179,7 @@ def trace_model(
         # targets, plain tensor attributes) are accepted; they become constants of the graph.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with preserved_rng(device), torch.enable_grad(), _eager_faithful_dispatch(), \
-                _module_annotations(model, module_stack), \
+                _quiet_fake_kernel_errors(), _module_annotations(model, module_stack), \
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
             return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])
 

@@ -885,20 +885,26 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
     slack), fits ``budget_bytes``: solved for ``budget_bytes - reserve_bytes``, and while it does
     not fit solved again for a budget reduced by its extra bytes (a few rounds). Returns (plan,
     simulated peak, its compiled program); raises InfeasibleBudget when no round fits."""
+    from hrockmate.ir.budget import format_bytes
     from hrockmate.ir.plan import InfeasibleBudget
     from hrockmate.ir.schedule import simulate
     from hrockmate.planning.api import solve_graph
 
     reserve_bytes = max(0, int(reserve_bytes))
     target = budget_bytes - reserve_bytes
-    min_bytes = budget_bytes + 1
+    min_bytes, why = budget_bytes + 1, ""
     for _ in range(4):
         if target <= 0:
             break
         try:
             plan = solve_graph(graph, max(target, 2), **options)  # (a bare 1 would mean 100%)
         except InfeasibleBudget as exc:  # (its lowest peak needs the runtime's bytes too)
-            min_bytes = max(min_bytes, exc.min_bytes + reserve_bytes)
+            if exc.min_bytes + reserve_bytes >= min_bytes:
+                min_bytes = exc.min_bytes + reserve_bytes
+                # a proven floor stays one: store-all's extra bytes are the fewest a plan has
+                why = exc.why and exc.why + (
+                    f", and the runtime keeps {format_bytes(reserve_bytes)} beside the graph's "
+                    "tensors" if reserve_bytes else "")
             break
         plan.check_graph(graph)
         peak = int(simulate(graph, plan.schedule).peak_bytes)
@@ -907,7 +913,7 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
             return plan, peak, program
         min_bytes = max(min_bytes, peak + program.extra_bytes)
         target = min(target, budget_bytes - program.extra_bytes) - 1
-    raise InfeasibleBudget(budget_bytes, min_bytes, graph.name)
+    raise InfeasibleBudget(budget_bytes, min_bytes, graph.name, why=why)
 
 
 def _describe(graph: Any, schedule: Any, sim: Any, base: Any, budget_bytes: int,
