@@ -1,5 +1,5 @@
-"""Third-party models with HRockmate, as a user gets them: Hugging Face GPT-2, BERT, T5 and
-Llama, timm's ViT, torchvision's ResNet18 and MobileNetV3 (``hrockmate.thirdparty``, random
+"""Third-party models with HRockmate, as a user gets them: Hugging Face GPT-2, BERT, T5,
+Llama and CLIP, timm's ViT and EfficientNet-B0, torchvision's ResNet18 and MobileNetV3 (``hrockmate.thirdparty``, random
 weights, library defaults), each at a few budgets.
 
 Per model and budget, in one process:

@@ -1,6 +1,6 @@
 """Models nobody here wrote, built from configs with random weights (nothing downloaded):
-Hugging Face transformers GPT-2, BERT, T5 and Llama, timm's ViT, torchvision's ResNet18 and
-MobileNetV3. They serve the third-party tests (``tiny``) and ``benches/thirdparty.py``
+Hugging Face transformers GPT-2, BERT, T5, Llama and CLIP, timm's ViT and EfficientNet-B0,
+torchvision's ResNet18 and MobileNetV3. They serve the third-party tests (``tiny``) and ``benches/thirdparty.py``
 (``small``, sized so that activations, not parameter gradients, make most of the peak).
 
 The transformers models run at their library defaults (``use_cache=True``, ``ModelOutput``
@@ -96,6 +96,26 @@ def llama(size: str = "tiny") -> _Built:
     return tf.LlamaForCausalLM(cfg), _text_sample(size), "loss"
 
 
+def clip(size: str = "tiny") -> _Built:
+    """A text and an image tower trained against each other (``return_loss=True``): two
+    inputs of different kinds and a contrastive loss over the batch."""
+    tf = _require("transformers")
+    vocab, batch, seq, layers, width = _pick(size, _TEXT)
+    image, _ = _pick(size, _VISION)
+    tower = dict(hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 32,
+                 intermediate_size=2 * width)
+    cfg = tf.CLIPConfig(
+        text_config=dict(tower, vocab_size=vocab, max_position_embeddings=seq, bos_token_id=0,
+                         eos_token_id=2, pad_token_id=1),
+        vision_config=dict(tower, image_size=image, patch_size=8), projection_dim=width // 2)
+    sample = _text_sample(size)
+    del sample["labels"]
+    gen = torch.Generator().manual_seed(1)
+    sample["pixel_values"] = torch.randn(batch, 3, image, image, generator=gen)
+    sample["return_loss"] = True
+    return tf.CLIPModel(cfg), sample, "loss"
+
+
 class Classifier(nn.Module):
     """A vision model and its loss in one module: the targets are an argument of every call
     (what a loss_fn closing over them could not give)."""
@@ -129,6 +149,14 @@ def vit(size: str = "tiny") -> _Built:
         num_classes=10), size)
 
 
+def efficientnet_b0(size: str = "tiny") -> _Built:
+    """With stochastic depth and dropout: random ops whose draws the runtime replays."""
+    timm = _require("timm")
+    return _image_classifier(timm.create_model(
+        "efficientnet_b0", pretrained=False, num_classes=10, drop_rate=0.2,
+        drop_path_rate=0.1), size)
+
+
 def resnet18(size: str = "tiny") -> _Built:
     return _image_classifier(_require("torchvision").models.resnet18(num_classes=10), size)
 
@@ -143,7 +171,9 @@ BUILDERS: dict[str, Callable[[str], _Built]] = {
     "bert": bert,
     "t5": t5,
     "llama": llama,
+    "clip": clip,
     "vit": vit,
+    "efficientnet_b0": efficientnet_b0,
     "resnet18": resnet18,
     "mobilenet_v3_small": mobilenet_v3_small,
 }

@@ -4,8 +4,9 @@ PyTorch's and the measured peak within the budget.
 
 The transformers models run at their default settings (``use_cache=True``, ``ModelOutput``
 outputs, sdpa attention), with a padded ``attention_mask`` and the loss computed inside the
-model from ``labels`` (``loss_fn="loss"``); the vision models are wrapped with their loss in a
-module that takes the targets as an argument.
+model (from ``labels``; CLIP's contrastive loss with ``return_loss=True``; ``loss_fn="loss"``);
+the vision models are wrapped with their loss in a module that takes the targets as an argument
+(timm's EfficientNet-B0 with stochastic depth and dropout).
 The models are ``hrockmate.thirdparty``'s, at size ``tiny``. These tests need the ``models``
 extra (``pip install ".[test,models]"``).
 """
@@ -39,7 +40,9 @@ BUDGETS: dict[str, tuple[float, float]] = {
     "bert": (0.7, 0.4),
     "t5": (0.7, 0.4),
     "llama": (0.7, 0.4),
+    "clip": (0.7, 0.4),
     "vit": (0.7, 0.4),
+    "efficientnet_b0": (0.7, 0.4),
     "resnet18": (0.8, 0.6),
     "mobilenet_v3_small": (0.7, 0.4),
 }
@@ -62,8 +65,8 @@ def _another_batch(sample: Any) -> Any:
     def other(t: torch.Tensor) -> torch.Tensor:
         return torch.randn(t.shape, generator=gen) if t.is_floating_point() else t.flip(0)
 
-    if isinstance(sample, dict):
-        return {k: other(v) for k, v in sample.items()}
+    if isinstance(sample, dict):  # (flags such as CLIP's return_loss stay)
+        return {k: other(v) if isinstance(v, torch.Tensor) else v for k, v in sample.items()}
     return tuple(other(t) for t in sample)
 
 
@@ -164,7 +167,7 @@ def test_trains_exactly_within_two_budgets(name: str) -> None:
     model.train()
     budgets = _feasible(model, sample, loss_fn, BUDGETS[name])
     if isinstance(loss_fn, str):  # transformers at its defaults: sdpa where the model has it
-        assert model.config.use_cache and model.config.use_return_dict
+        assert getattr(model.config, "use_cache", True) and model.config.use_return_dict
         assert model.config._attn_implementation == (
             "sdpa" if type(model)._supports_sdpa else "eager")
     reference = copy.deepcopy(model)
