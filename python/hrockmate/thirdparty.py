@@ -1,11 +1,13 @@
 """Models nobody here wrote, built from configs with random weights (nothing downloaded):
 Hugging Face transformers GPT-2, BERT, T5, Llama and CLIP, timm's ViT and EfficientNet-B0,
-torchvision's ResNet18 and MobileNetV3. They serve the third-party tests (``tiny``) and ``benches/thirdparty.py``
-(``small``, sized so that activations, not parameter gradients, make most of the peak).
+torchvision's ResNet18 and MobileNetV3. They serve the third-party tests (``tiny``) and
+``benches/thirdparty.py`` (``small``, sized so that activations, not parameter gradients, make
+most of the peak).
 
 The transformers models run at their library defaults (``use_cache=True``, ``ModelOutput``
 outputs, sdpa attention where the model has it), with a padded ``attention_mask`` and the loss
-computed inside the model from ``labels``: their loss is the output member ``"loss"``. The
+computed inside the model (from ``labels``; CLIP's contrastive loss with ``return_loss=True``):
+their loss is the output member ``"loss"``. The
 vision models come wrapped with their loss in a module that takes the targets as an argument.
 They need the ``models`` extra (``pip install "hrockmate[models]"``).
 
