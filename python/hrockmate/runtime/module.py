@@ -734,7 +734,8 @@ class HRockmate(nn.Module):
                     self._mismatch(args, kwargs, j, "a non-tensor value", "a tensor")
                 shape, dtype, device = want
                 if tuple(leaf.shape) != tuple(shape):
-                    self._mismatch(args, kwargs, j, f"shape {tuple(shape)}", f"shape {tuple(leaf.shape)}")
+                    self._mismatch(args, kwargs, j, f"shape {tuple(shape)}",
+                                   f"shape {tuple(leaf.shape)}")
                 if leaf.dtype != dtype:
                     self._mismatch(args, kwargs, j, f"dtype {dtype}", f"dtype {leaf.dtype}")
                 if leaf.device != torch.device(device):
