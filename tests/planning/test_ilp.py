@@ -235,8 +235,6 @@ def test_the_op_level_milp_starts_from_a_known_schedule() -> None:
 def test_past_its_soft_deadline_a_milp_stops_once_it_has_a_schedule(data_graphs: Path) -> None:
     # the U-Net-like graph's op-level MILP at 50%: HiGHS proves nothing for many seconds; past
     # the solve's improvement window it returns its start at the first poll
-    import time
-
     from hrockmate.planning.hierarchy import prepare
     from hrockmate.planning.level import block_level, op_stages
     from hrockmate.planning.policy import baseline_schedule
@@ -259,8 +257,6 @@ def test_a_block_level_starts_from_its_leanest_schedule(data_graphs: Path) -> No
     # the top level of the DenseNet log with leaves of 4 at 50%: every forward block runs once
     # keeping least; each backward block runs right after its partner, run again with its
     # option; HiGHS takes seconds to prove the optimum
-    import time
-
     from hrockmate.planning.hierarchy import prepare
     from hrockmate.planning.level import block_level
     from hrockmate.planning.policy import baseline_schedule
@@ -337,6 +333,11 @@ def test_a_start_of_last_resort_does_not_end_the_window() -> None:
     t0 = time.perf_counter()
     why = ilp.run_highs(_ReportingHighs([(0.0, 100.0), (0.6, 50.0)]), soft_deadline=t0,
                         count_below=100.0)
+    assert why == "window" and 0.6 <= time.perf_counter() - t0 < 3.0
+    # the start reported with rounding below its own cost is still the start
+    t0 = time.perf_counter()
+    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0 * (1 - 1e-12)), (0.6, 50.0)]),
+                        soft_deadline=t0, count_below=100.0)
     assert why == "window" and 0.6 <= time.perf_counter() - t0 < 3.0
     # nor does it start the stall rule's clock
     t0 = time.perf_counter()

@@ -659,7 +659,9 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
 
     def note_better(event: Any) -> None:
         value = event.data_out.objective_function_value
-        if value < count_below and value < best[0] - STALL_IMPROVEMENT * abs(value):
+        # (a start of last resort is the best so far without counting: the same improvement
+        # rule then tells a better schedule from HiGHS reporting the start with rounding)
+        if value < min(best[0], count_below) - STALL_IMPROVEMENT * abs(value):
             best[0], best[1] = value, _time.perf_counter()
             found[0] += 1
             logger.debug("MIP: better schedule %.6g after %.1f s", value, best[1] - started)
