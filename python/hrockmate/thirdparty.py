@@ -7,9 +7,9 @@ most of the peak).
 The transformers models run at their library defaults (``use_cache=True``, ``ModelOutput``
 outputs, sdpa attention where the model has it), with a padded ``attention_mask`` and the loss
 computed inside the model (from ``labels``; CLIP's contrastive loss with ``return_loss=True``):
-their loss is the output member ``"loss"``. The
-vision models come wrapped with their loss in a module that takes the targets as an argument.
-They need the ``models`` extra (``pip install "hrockmate[models]"``).
+their loss is the output member ``"loss"``. The vision models come wrapped with their loss in a
+module that takes the targets as an argument. They need the ``models`` extra (``pip install
+"hrockmate[models]"``).
 
     from hrockmate.thirdparty import BUILDERS
     model, sample, loss_fn = BUILDERS["gpt2"]("small")
