@@ -650,6 +650,46 @@ def test_each_leaf_sizes_top_milp_ends_at_its_share_of_the_window(
             assert soft == pytest.approx(until, abs=0.05)
 
 
+def test_a_later_leaf_size_that_runs_out_of_window_keeps_the_plan_in_hand(
+        monkeypatch: pytest.MonkeyPatch, data_graphs: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # the CNN+BN log at 50%: the later leaf sizes' blocks do not finish within the window;
+    # the first size's plan stands, without "using <fallback>" messages for the later ones
+    # and without their weighing the fallbacks the first try weighed already
+    from hrockmate.planning import api
+    from hrockmate.planning.hierarchy import HierarchyTimeout
+
+    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
+    sizes = hierarchy_mod.leaf_sizes(g, None)
+    assert len(sizes) > 1
+    prepare, simple = policy.prepare, policy._simple_strategies
+    simple_calls: list[int] = []
+
+    def out_of_time(graph, **kw):  # type: ignore[no-untyped-def]
+        if kw["leaf_size"] != sizes[0]:
+            raise HierarchyTimeout(f"the time limit ran out while solving the blocks of "
+                                   f"'{graph.name}'")
+        return prepare(graph, **kw)
+
+    def counted_simple(*args, **kw):  # type: ignore[no-untyped-def]
+        simple_calls.append(1)
+        return simple(*args, **kw)
+
+    monkeypatch.setattr(policy, "prepare", out_of_time)
+    monkeypatch.setattr(policy, "_simple_strategies", counted_simple)
+    monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
+    with caplog.at_level(logging.INFO, logger="hrockmate"):
+        plan = hrockmate.solve_graph(g, 0.5, progress=False, improve_time=None, exact_ops=0)
+    _check(plan, g)
+    assert len(simple_calls) == 1  # the first try's
+    first = hrockmate.solve_graph(g, 0.5, progress=False, leaf_size=sizes[0], exact_ops=0)
+    assert plan.stats["leaf_size"] == sizes[0] and plan.time == pytest.approx(first.time)
+    kept = [r.getMessage() for r in caplog.records if "plan in hand is kept" in r.getMessage()]
+    assert len(kept) == len(sizes) - 1 and f"leaves of {sizes[1]} ops" in kept[0]
+    assert not [r for r in caplog.records if "using" in r.getMessage()
+                or "raise time_limit" in r.getMessage()]
+
+
 def test_no_later_leaf_size_runs_once_the_plan_meets_the_lower_bound(
         monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
     # the CNN+BN log at 50%: its plan is far above store-all's time, so later leaf sizes run;

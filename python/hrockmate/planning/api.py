@@ -299,7 +299,8 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
             if limit is None:
                 break
         if limit is not None:
-            kw_k = limited(kw_k, limit, log_level=logging.INFO)
+            # (with a plan in hand, a try that finds nothing returns nothing: no fallbacks)
+            kw_k = limited(kw_k, limit, log_level=logging.INFO, plan_in_hand=best is not None)
         cand, low = run_method(graph, method, budget, h, kw_k)
         if cand is None:
             lows.append(low)

@@ -275,6 +275,13 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 time_limit=time_left(kw), sub_time_limit=kw["sub_time_limit"],
                 mip_rel_gap=kw["mip_rel_gap"], progress=kw["progress"], solvers=kw["solvers"])
         except HierarchyTimeout as exc:
+            if kw.get("plan_in_hand"):
+                # a later try (another leaf size) whose blocks did not fit the window: the
+                # fallbacks were weighed by the first try at this budget already
+                logger.info("the blocks of '%s' with leaves of %d ops were not all solved "
+                            "within the improvement window; the plan in hand is kept",
+                            graph.name, kw["leaf_size"])
+                return None, 0
             logger.log(kw.get("log_level", logging.WARNING), "%s; using the simple strategies "
                        "(raise time_limit to let the hierarchy finish)", exc)
             h = None
@@ -332,7 +339,8 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                             simulate_steps(graph, alt.steps, alt.forward_len)[1]
                             < simulate_steps(graph, cand.steps, cand.forward_len)[1]):
                         return alt, 0
-                if h.root.children:
+                if h.root.children and not kw.get("plan_in_hand"):
+                    # (with a plan in hand the first try weighed these at this budget already)
                     # the hierarchy's memory model is conservative; near its lowest budgets block
                     # checkpointing, or Rotor on a chain-shaped graph, can be faster, and both cost
                     # little to check
@@ -352,8 +360,11 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     return best, 0
                 return cand, 0
             except ilp.LevelInfeasible:
-                pass
+                if kw.get("plan_in_hand"):
+                    return None, 0
             except ilp.LevelNoSolution:
+                if kw.get("plan_in_hand"):
+                    return None, 0
                 if flat and kw.get("hierarchy_retry", True):
                     logger.info("no op-level schedule for '%s' in %s s; solving hierarchically",
                                 graph.name, kw["time_limit"])
