@@ -200,3 +200,56 @@ def test_edits_in_eval_mode_run_the_model_as_it_is() -> None:
     model.act = nn.ReLU()
     h.eval()
     assert torch.equal(h(x), model.head(F.relu(model.fc(x))))
+
+
+# ---- a model that edits itself in its forward -----------------------------------------------
+class _SwitchesOnShortInputs(nn.Module):
+    """Like transformers' BigBird: on its first short input the forward replaces its attention
+    module by another kind holding the same submodules (and parameters), then runs it."""
+
+    class _Sparse(nn.Module):
+        def __init__(self, proj: nn.Linear) -> None:
+            super().__init__()
+            self.proj = proj
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.proj(x))
+
+    class _Full(_Sparse):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.gelu(self.proj(x)) * x
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = self._Sparse(nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.attn, self._Full):
+            self.attn = self._Full(self.attn.proj)
+        return self.head(self.attn(x) + x).square().mean()
+
+
+def test_a_model_that_edits_itself_once_in_its_forward_is_followed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model, x = _SwitchesOnShortInputs(), torch.randn(16, 8)
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="hrockmate"):
+        h = HRockmate(model, x, cache=False)
+    assert "the model changed itself while it was traced (module 'attn' was replaced " \
+           "(_Sparse -> _Full))" in caplog.text
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):  # (the first call used to raise ModelChangedError)
+        batch = torch.randn(16, 8) if step else x
+        loss, ref_loss = h(batch), reference(batch)
+        assert torch.equal(loss, ref_loss)
+        loss.backward()
+        ref_loss.backward()
+        _assert_same_grads(model, reference)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+

@@ -460,7 +460,7 @@ class HRockmate(nn.Module):
         request: _PlanRequest = self._hr_request
         from hrockmate.capture.tracing import split_sample, trace_model
 
-        fingerprint = _model_fingerprint(model)
+        before = _ModelSnapshot.of(model)
         args, kwargs = split_sample(sample)
         if _on_cpu(model, pytree.tree_leaves((args, kwargs))):
             keep_freed_cpu_memory()  # before tracing: op times are measured as they will run
@@ -506,8 +506,15 @@ class HRockmate(nn.Module):
             request.solve_options, self._compile, cache=request.cache,
             prepared=self.__dict__["_hr_prepared"],
         ))
-        self._hr_fingerprint = fingerprint
+        # Taken after the trace: a model may edit itself in its forward (transformers' BigBird
+        # swaps its attention modules for full attention on short inputs), and the trace and
+        # the slots above are of the model as that call left it.
+        self._hr_fingerprint = _model_fingerprint(model)
         self._hr_snapshot = _ModelSnapshot.of(model)
+        edits, modes = _model_changes(before, self._hr_snapshot)
+        if edits or modes:
+            logger.warning("HRockmate: the model changed itself while it was traced (%s); the "
+                           "plan is for the model as that call left it", _listed(edits + modes))
 
     def use_plan(self, plan: Any) -> None:
         """Switch to another ``Plan`` or ``Schedule`` for the same traced graph (no re-tracing)."""
