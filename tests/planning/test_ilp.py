@@ -344,3 +344,16 @@ def test_a_start_of_last_resort_does_not_end_the_window() -> None:
     why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=1.0), stall=0.1,
                         count_below=100.0)
     assert why is None and time.perf_counter() - t0 >= 1.0
+
+
+def test_a_barren_search_stops_at_its_deadline_only_without_a_schedule() -> None:
+    # nothing found (the start of last resort aside): it stops at the barren deadline
+    t0 = time.perf_counter()
+    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=5.0), barren_deadline=t0 + 0.3,
+                        count_below=100.0)
+    assert why == "barren" and 0.3 <= time.perf_counter() - t0 < 2.0
+    # a schedule found before it: the search goes on (here to the stand-in's own end)
+    t0 = time.perf_counter()
+    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0), (0.1, 50.0)], seconds=1.0),
+                        barren_deadline=t0 + 0.3, count_below=100.0)
+    assert why is None and time.perf_counter() - t0 >= 1.0

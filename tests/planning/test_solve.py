@@ -19,7 +19,7 @@ import hrockmate
 from hrockmate.ir.graph import Graph, Op, Tensor
 from hrockmate.ir.plan import InfeasibleBudget, Plan
 from hrockmate.ir.schedule import peak_lower_bound
-from hrockmate.planning import clusters, policy, strategies
+from hrockmate.planning import clusters, ilp, policy, strategies
 from hrockmate.planning.blocks import Block
 
 solve_mod = importlib.import_module("hrockmate.planning.api")
@@ -690,6 +690,37 @@ def test_a_later_leaf_size_that_runs_out_of_window_keeps_the_plan_in_hand(
                 or "raise time_limit" in r.getMessage()]
 
 
+def test_a_top_milp_without_a_schedule_stops_early_when_a_simple_strategy_fits(
+        monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
+    # the CNN+BN log at 50%: simple strategies fit, so the top MILP gets a barren deadline (the
+    # window's end, TOP_BARREN_SECONDS at least); when its search finds nothing, the fastest
+    # simple strategy is the plan and no lowest-peak MILP runs
+    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
+    calls: list[dict[str, Any]] = []
+    solve_top = policy.solve_top
+
+    def recorded(h, b, **kw):  # type: ignore[no-untyped-def]
+        calls.append({"budget": b, "at": time.perf_counter(), **kw})
+        if b is not None:  # the search at the budget finds nothing
+            raise ilp.LevelNoSolution("no schedule (stand-in)")
+        return solve_top(h, b, **kw)
+
+    monkeypatch.setattr(policy, "solve_top", recorded)
+    opts = dict(progress=False, exact_ops=0, leaf_size=8)
+    plan = hrockmate.solve_graph(g, 0.5, **opts)
+    _check(plan, g)
+    assert len(calls) == 1 and calls[0]["budget"] is not None
+    assert calls[0]["barren_deadline"] >= calls[0]["at"] + policy.TOP_BARREN_SECONDS - 0.5
+    assert plan.stats["fallback"] in ("checkpoint", "selective", "rotor", "greedy")
+    # nothing simple fits: no barren deadline (the search has the solve's time limit), and the
+    # lowest-peak MILP is a spare again
+    calls.clear()
+    monkeypatch.setattr(policy, "_simple_strategies", lambda *a, **k: ([], {}))
+    hrockmate.solve_graph(g, 0.5, **opts)
+    assert calls[0]["barren_deadline"] is None
+    assert len(calls) == 2 and calls[1]["budget"] is None and calls[1]["minimize_peak"]
+
+
 def test_no_later_leaf_size_runs_once_the_plan_meets_the_lower_bound(
         monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
     # the CNN+BN log at 50%: its plan is far above store-all's time, so later leaf sizes run;
@@ -811,7 +842,6 @@ def test_block_limits_go_loosest_first_and_skip_those_already_met(
     """A block's capped solves run from the loosest cap down; a cap that the schedule found
     under a looser one already meets is not solved again (its fastest is that schedule)."""
     from hrockmate import models
-    from hrockmate.planning import ilp
 
     model, sample = models.gpt2_tiny(n_layer=2)
     g = hrockmate.trace(model, sample)

@@ -499,14 +499,15 @@ TOP_STALL_SECONDS = 5.0
 
 def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip_rel_gap: float,
               minimize_peak: bool = False, starts: Sequence[list[Step]] = (),
-              soft_deadline: float | None = None
+              soft_deadline: float | None = None, barren_deadline: float | None = None
               ) -> tuple[list[Step], int, bool, dict[str, Any]]:
     """The top level at ``budget`` (None: no limit, or the least peak with ``minimize_peak``):
     (steps, forward length, proven optimal, statistics). Raises ``ilp.LevelInfeasible`` or
     ``ilp.LevelNoSolution`` when it finds nothing. ``starts``: schedules within the budget; when
     the top is the op level the MILP starts from the first that fits its stage structure (it
     then has a schedule at once, and the stall rule ends a search that finds nothing better).
-    ``soft_deadline``: past it, the top MILP stops once it has a schedule (``ilp.run_highs``)."""
+    ``soft_deadline``: past it, the top MILP stops once it has a schedule; ``barren_deadline``:
+    past it, it stops if it has found none (``ilp.run_highs``)."""
     if h.solvers.get("top") == "rotor":
         chain = level_solvers.chain_level(h.ctx, h.root)
         if chain is not None:
@@ -534,10 +535,14 @@ def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip
         stages, last_resort = ilp.lean_start(lvl.problem), True
     sp = ilp.solve_level(lvl.problem, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
                          minimize_peak=minimize_peak, stall=TOP_STALL_SECONDS, start=stages,
-                         soft_deadline=soft_deadline, last_resort_start=last_resort)
+                         soft_deadline=soft_deadline, last_resort_start=last_resort,
+                         barren_deadline=barren_deadline)
     if sp.stats.get("stopped") == "window":
         logger.info("the top MILP of '%s' stopped after %.1f s at the end of the solve's "
                     "improvement window", h.graph.name, sp.stats["solve_seconds"])
+    if sp.stats.get("stopped") == "barren":
+        logger.info("the top MILP of '%s' stopped after %.1f s without a schedule of its own: "
+                    "a simple strategy fits the budget", h.graph.name, sp.stats["solve_seconds"])
     if sp.stats.get("stopped") == "stall":
         gap = sp.stats.get("mip_gap")
         logger.info("the top MILP of '%s' stopped after %.1f s: its best schedule had stopped "

@@ -612,7 +612,8 @@ INTERRUPT_GRACE_SECONDS = 0.5
 
 def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
               started_from: bool = False, soft_deadline: float | None = None,
-              count_below: float = math.inf) -> str | None:
+              count_below: float = math.inf, barren_deadline: float | None = None
+              ) -> str | None:
     """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s, and
     ``INTERRUPT_GRACE_SECONDS`` at most (then HiGHS is left to stop on its own thread).
 
@@ -635,7 +636,10 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     stops (the solve's improvement window).
     ``count_below``: schedules count for these rules only with an objective below it (a start
     of last resort is returned at the deadline, but does not end the search).
-    Returns why it stopped HiGHS early: ``"deadline"``, ``"stall"``, ``"window"`` or None.
+    ``barren_deadline`` (a ``time.perf_counter`` time): past it, a MIP that has found no
+    schedule that counts stops (the caller has another plan within the budget).
+    Returns why it stopped HiGHS early: ``"deadline"``, ``"stall"``, ``"window"``,
+    ``"barren"`` or None.
     """
     cancel: threading.Event | None = getattr(_cancel, "event", None)
     if cancel is not None and cancel.is_set():
@@ -708,6 +712,9 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
                     why = "window"
                 elif stalled():
                     why = "stall"
+                elif (barren_deadline is not None and now > barren_deadline
+                      and not math.isfinite(best[0])):
+                    why = "barren"
                 if why is not None:
                     stop.set()
     except KeyboardInterrupt:
@@ -739,6 +746,7 @@ def solve_level(
     start: Sequence[Sequence[tuple[int, int]]] | None = None,
     soft_deadline: float | None = None,
     last_resort_start: bool = False,
+    barren_deadline: float | None = None,
 ) -> StagePlan:
     """Solve one level at ``budget`` bytes (or for its smallest peak with ``minimize_peak``).
     ``stall``, ``soft_deadline``: stop once the best schedule stops improving, or once past
@@ -747,6 +755,8 @@ def solve_level(
     solution (``R`` fixed; HiGHS completes the rest or drops it when it does not fit);
     ``last_resort_start``: it is a poor one (``lean_start``), returned at the time limit when
     nothing better was found, but the stall and window rules wait for a better one.
+    ``barren_deadline``: past it, a search that found no schedule (the start of last resort
+    aside) stops (``run_highs``).
 
     Raises ``LevelInfeasible`` when proven infeasible and ``LevelNoSolution`` when the time limit
     passed without any feasible schedule.
@@ -772,7 +782,7 @@ def solve_level(
     stopped = run_highs(h, None if time_limit is None else t0 + time_limit, stall,
                         started_from and not last_resort_start, soft_deadline,
                         count_below=start_cost if started_from and last_resort_start
-                        else math.inf)
+                        else math.inf, barren_deadline=barren_deadline)
     status = h.getModelStatus()
     t_solve = _time.perf_counter() - t0 - t_build
     MS = highspy.HighsModelStatus
@@ -795,6 +805,11 @@ def solve_level(
         raise LevelInfeasible(f"level '{p.name}' has no schedule within {budget} bytes")
     has_solution = info.primal_solution_status == 2  # feasible point available
     if not has_solution:
+        if stopped == "barren":
+            raise LevelNoSolution(
+                f"level '{p.name}': no schedule found in {t_solve:.1f} s, and a simpler plan "
+                "fits the budget"
+            )
         if status in (MS.kTimeLimit, MS.kInterrupt, MS.kIterationLimit, MS.kSolutionLimit):
             raise LevelNoSolution(
                 f"level '{p.name}': no schedule found within the time limit ({time_limit} s)"

@@ -206,6 +206,14 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
     from hrockmate.ir.schedule import recompute_all_schedule
 
     spares: list[tuple[Candidate, int, float]] = []  # (candidate, peak, time)
+    simple_memo: list[tuple[list[tuple[Candidate, int, float]], dict[str, int]]] = []
+
+    def simple_strategies() -> tuple[list[tuple[Candidate, int, float]], dict[str, int]]:
+        # once per call: before a block level's top MILP (whether one fits bounds how long that
+        # MILP may search without finding a schedule), then as the plans it must beat
+        if not simple_memo:
+            simple_memo.append(_simple_strategies(graph, budget, method, time_left(kw)))
+        return simple_memo[0]
 
     def spare(label: str, steps: list[Step], fl: int, **stats: Any) -> None:
         peak, t = simulate_steps(graph, steps, fl)
@@ -311,6 +319,13 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 # a top MILP that begins within the improvement window ends with it once it has
                 # a schedule (MobileNet at 30%: found at 8.5 s into the solve, then 5 s more of
                 # the stall rule); one that begins later (large graphs) runs on its stall rule
+                barren = None
+                if h.root.children and not kw.get("plan_in_hand") and simple_strategies()[0]:
+                    # a simple strategy fits: a top MILP that has found no schedule of its own
+                    # by the window's end, and TOP_BARREN_SECONDS at least, stops there
+                    # (transformers' Mamba at 50%: 240 s without one, then greedy's plan)
+                    now = _time.perf_counter()
+                    barren = max(now if until is None else until, now + TOP_BARREN_SECONDS)
                 now = _time.perf_counter()
                 soft = until if until is not None and now < until else None
                 if soft is not None and kw.get("top_shares"):
@@ -320,7 +335,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 with elapsed_progress(f"{level} MILP of '{graph.name}'", left, kw["progress"]):
                     steps, fl, optimal, stats = solve_top(
                         h, b, time_limit=left, mip_rel_gap=kw["mip_rel_gap"], starts=starts,
-                        soft_deadline=soft)
+                        soft_deadline=soft, barren_deadline=barren)
                 return reference.SolverResult(steps, fl, optimal, stats)
 
             # an op-level MILP cut short by the time limit may lose to the hierarchy
@@ -346,7 +361,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     # little to check
                     best, best_time = cand, simulate_steps(graph, cand.steps, cand.forward_len)[1]
                     own_time = best_time
-                    simple, _ = _simple_strategies(graph, budget, method, time_left(kw))
+                    simple, _ = simple_strategies()
                     for alt, _peak, alt_time in simple:
                         if alt_time < best_time:
                             # the hierarchy's figures stay (top_solver, ...): what it did, its
@@ -362,15 +377,18 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
             except ilp.LevelInfeasible:
                 if kw.get("plan_in_hand"):
                     return None, 0
-            except ilp.LevelNoSolution:
+            except ilp.LevelNoSolution as exc:
                 if kw.get("plan_in_hand"):
                     return None, 0
+                logger.info("%s", exc)
                 if flat and kw.get("hierarchy_retry", True):
                     logger.info("no op-level schedule for '%s' in %s s; solving hierarchically",
                                 graph.name, kw["time_limit"])
                     return run_method(graph, method, budget, None, {**kw, "flat_ops": 0})
             try:
-                if kw.get("lowest_peak", True):
+                # (a spare, and the lowest peak to report when nothing fits: not needed when a
+                # simple strategy fits, which is nearly always faster than a lowest-peak plan)
+                if kw.get("lowest_peak", True) and not simple_strategies()[0]:
                     with elapsed_progress(f"lowest-peak MILP of '{graph.name}'", time_left(kw),
                                           kw["progress"]):
                         steps, fl, _, _ = solve_top(h, None, time_limit=time_left(kw),
@@ -379,7 +397,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
             except (ilp.LevelInfeasible, ilp.LevelNoSolution):
                 pass
     add_recompute_all()
-    simple, minima = _simple_strategies(graph, budget, method, time_left(kw))
+    simple, minima = simple_strategies()
     spares.extend(simple)
     cand, lowest = _pick(spares, budget, method, graph)
     if cand is not None and method == "hrockmate":
@@ -401,6 +419,11 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                    "%d bytes; using %s", method, graph.name, budget, cand.stats["fallback"])
     return cand, lowest
 
+
+# A block level's top MILP that has found no schedule of its own (its start of last resort
+# aside) stops at the end of the improvement window, and no sooner than this many seconds after
+# it started, when a simple strategy already fits the budget.
+TOP_BARREN_SECONDS = 30.0
 
 # Greedy eviction gets at least this long even when the time limit has run out: it takes
 # milliseconds on graphs of a few thousand ops (30 ms on 327 ops), and without it a solve whose
