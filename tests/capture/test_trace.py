@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import random
 import types
+import warnings
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -392,8 +395,77 @@ class _Branchy(nn.Module):
 
 def test_data_dependent_control_flow_names_the_module() -> None:
     model = nn.Sequential(nn.Linear(4, 4), _Branchy())
-    with pytest.raises(TraceError, match=r"module '1' \(_Branchy\).*control flow"):
+    with pytest.raises(TraceError, match=r"module '1' \(_Branchy\).*control flow") as info:
         trace_model(model, torch.randn(2, 4), cost="none")
+    # and the line of the model's code that read the value
+    line = _Branchy.forward.__code__.co_firstlineno + 2
+    assert f"called at {__file__}:{line} in forward (`if h.sum() > 0:  # data-dependent " \
+           "control flow`)" in str(info.value)
+
+
+class _MaskedAssign(nn.Module):
+    """Assigns through a boolean mask (as transformers' Wav2Vec2 applies SpecAugment): the
+    forward traces, the gradient of that assignment needs the mask's nonzero count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fill = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h[mask] = self.fill.to(h.dtype)
+        return h.square().mean()
+
+
+def test_a_failure_in_the_backward_says_so(recwarn: pytest.WarningsRecorder) -> None:
+    mask = torch.tensor([True, False, True])
+    with pytest.raises(TraceError, match=r"cannot trace the backward pass .*nonzero.*"
+                                          r"boolean mask.*torch\.where") as info:
+        trace_model(_MaskedAssign(), (torch.randn(3, 4), mask), cost="none")
+    assert "called at" not in str(info.value)  # (no line of the model's code runs there)
+    # autograd's own warning of an error in a backward node (with an empty traceback) is not
+    # shown beside it
+    assert not [w for w in recwarn if "Error detected in" in str(w.message)]
+
+
+class _HostRandom(nn.Module):
+    """Draws on the host: a numpy time mask (as SpecAugment in transformers) and a Python
+    random LayerDrop decision."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.use = use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.use == "numpy":
+            h = h * torch.from_numpy(np.random.rand(*h.shape) > 0.5).to(h.dtype)
+        elif self.use == "python" and random.random() < 0.5:
+            h = torch.relu(h)
+        return h.square().mean()
+
+
+@pytest.mark.parametrize("use, named", [("numpy", "numpy.random"), ("python", "Python's random"),
+                                        ("none", None)])
+def test_random_draws_on_the_host_are_reported_and_undone(use: str, named: str | None) -> None:
+    np.random.seed(7)
+    random.seed(7)
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trace_model(_HostRandom(use), torch.randn(3, 4), cost="none")
+    drawn = [str(w.message) for w in seen if "drew random numbers" in str(w.message)]
+    if named is None:
+        assert drawn == []
+    else:
+        assert len(drawn) == 1 and f"from {named} while it was traced" in drawn[0]
+        assert "every training call repeats them" in drawn[0]
+    # the user's host generators are where they were
+    assert random.getstate() == py_state
+    now = np.random.get_state()
+    assert np.array_equal(now[1], np_state[1]) and now[2:] == np_state[2:]
 
 
 class _Misconfigured(nn.Module):

@@ -72,9 +72,12 @@ import logging
 import math
 import operator
 import os
+import sysconfig
 import threading
 import time
+import traceback
 import types
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -108,13 +111,18 @@ _TRACE_LOCK = threading.RLock()
 def _quiet_fake_kernel_errors() -> Iterator[None]:
     """PyTorch logs an error with a traceback whenever a fake (meta) kernel raises, before the
     exception reaches us; it then reaches the caller as a TraceError (naming the model's own
-    error where the model fails in plain PyTorch too), so while we trace that log is noise.
+    error where the model fails in plain PyTorch too), so while we trace that log is noise, as
+    is autograd's warning of an error in a backward node (whose "traceback of forward call" is
+    empty under the tracer; the TraceError says it failed in the backward).
     (Traces run one at a time, under ``_TRACE_LOCK``.)"""
     log = logging.getLogger("torch._subclasses.fake_tensor")
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Error detected in \w+\. Traceback of "
+                                    "forward call")
+            yield
     finally:
         log.setLevel(level)
 
@@ -420,6 +428,28 @@ def preserved_rng(device: torch.device) -> Iterator[None]:
             torch.cuda.set_rng_state(cuda, device)
 
 
+@contextlib.contextmanager
+def host_draws_recorded(drawn: set[str]) -> Iterator[None]:
+    """Adds to ``drawn`` the host generators (Python's ``random``, numpy's global one) that the
+    body drew from, and restores their states on exit. A traced call's host draws are fixed in
+    the graph: the runtime replays torch's generators at every call, not these."""
+    import random
+
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        if random.getstate() != py:
+            drawn.add("Python's random")
+        now = np.random.get_state()
+        if now[2:] != npy[2:] or not np.array_equal(now[1], npy[1]):
+            drawn.add("numpy.random")
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
 # ---- eager-faithful dispatch ---------------------------------------------------------------------
 # Ops whose Python tracing override picks a different implementation than eager PyTorch on the
 # same device. ``aten.dropout`` is overridden to ``native_dropout`` (a bool mask) while eager CPU
@@ -620,7 +650,7 @@ def _eager_failure(step: Callable[..., Any], flat_real: list[torch.Tensor],
     model's own error from a limit of tracing. Only called after tracing failed."""
     saved = {name: b.detach().clone() for name, b in buffers.items()}
     try:
-        with preserved_rng(device), torch.no_grad():
+        with preserved_rng(device), host_draws_recorded(set()), torch.no_grad():
             step(*flat_real)
     except torch.OutOfMemoryError:
         return None  # (undecided: the tracing error stands)
@@ -645,17 +675,55 @@ _UNTRACEABLE_HINT = (
 )
 
 
+_AUTOGRAD_ENTRIES = frozenset({"grad", "backward", "_engine_run_backward"})
+
+
+def _failing_code(exc: BaseException) -> tuple[str | None, bool]:
+    """Where tracing failed in the model's code: the innermost frame outside torch, hrockmate
+    and Python's standard library, as ``file:line in function: source``, or None; and whether
+    it failed while autograd computed gradients (past the forward's frames, with no model code,
+    such as a custom Function's backward, below)."""
+    skipped = tuple(os.path.dirname(m.__file__ or "") + os.sep
+                    for m in (torch, __import__("hrockmate")))
+    stdlib = sysconfig.get_paths()["stdlib"] + os.sep
+    user: traceback.FrameSummary | None = None
+    in_backward = False
+    for fs in traceback.extract_tb(exc.__traceback__):
+        path = os.path.abspath(fs.filename)
+        if path.startswith(skipped) or path.startswith(stdlib) or fs.filename.startswith("<"):
+            if path.startswith(skipped[0]) and fs.name in _AUTOGRAD_ENTRIES and \
+                    f"{os.sep}autograd{os.sep}" in path:
+                in_backward = True
+            continue
+        user, in_backward = fs, False
+    if user is None:
+        return None, in_backward
+    code = f" (`{user.line.strip()}`)" if user.line and user.line.strip() else ""
+    return f"{user.filename}:{user.lineno} in {user.name}{code}", in_backward
+
+
 def _explain(exc: BaseException, module_path: str, model: nn.Module) -> str:
-    where = "the model's top level" if not module_path else f"module {module_path!r}"
-    if module_path:
-        try:
-            where += f" ({type(model.get_submodule(module_path)).__name__})"
-        except AttributeError:
-            pass
+    code, in_backward = _failing_code(exc)
+    if in_backward:
+        # (the module stack is the forward's: empty or stale while gradients are traced)
+        where = "the backward pass (the gradient of an op of the forward)"
+    else:
+        where = "the model's top level" if not module_path else f"module {module_path!r}"
+        if module_path:
+            try:
+                where += f" ({type(model.get_submodule(module_path)).__name__})"
+            except AttributeError:
+                pass
     op = getattr(exc, "func", None) or getattr(exc, "op", None)
     op_txt = f" at op {op}" if op is not None else ""
+    code_txt = f", called at {code}" if code and not in_backward else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"cannot trace {where}{op_txt}: {type(exc).__name__}: {first}. {_UNTRACEABLE_HINT}"
+    hint = _UNTRACEABLE_HINT
+    if in_backward:
+        hint += (". In the backward, this is typically an op whose gradient has a "
+                 "data-dependent shape, such as assigning through a boolean mask "
+                 "(x[mask] = v): use torch.where(mask, v, x) instead")
+    return (f"cannot trace {where}{op_txt}{code_txt}: {type(exc).__name__}: {first}. {hint}")
 
 
 # ---- IR construction ----------------------------------------------------------------------------
@@ -1172,14 +1240,16 @@ def trace_model(
     flat_real: list[torch.Tensor] = [*params.values(), *buffers.values()]
     flat_real += [leaves[i] for i in tensor_leaf_pos]
     module_stack: list[str] = []
+    host_draws: set[str] = set()
 
     def capture(compiling_paths: bool) -> fx.GraphModule:
         module_stack.clear()
         # Our own fake mode, so that real tensors the model or loss_fn closes over (e.g.
         # targets, plain tensor attributes) are accepted; they become constants of the graph.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with preserved_rng(device), torch.enable_grad(), _eager_faithful_dispatch(), \
-                _quiet_fake_kernel_errors(), _module_annotations(model, module_stack), \
+        with preserved_rng(device), host_draws_recorded(host_draws), torch.enable_grad(), \
+                _eager_faithful_dispatch(), _quiet_fake_kernel_errors(), \
+                _module_annotations(model, module_stack), \
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
             return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])
 
@@ -1211,6 +1281,14 @@ def trace_model(
 
     if out_box["count"] == 0:
         raise TraceError("the model's output contains no tensor; return a tensor or a loss")
+    if host_draws:
+        warnings.warn(
+            f"the model drew random numbers from {' and '.join(sorted(host_draws))} while it "
+            "was traced: those draws (a SpecAugment mask, a LayerDrop decision, ...) are now "
+            "fixed in the traced graph, so every training call repeats them where plain "
+            "PyTorch would draw new ones. Draw them with torch's generators (torch.rand, "
+            "torch.bernoulli), whose draws hrockmate replays at every call, or turn that "
+            "randomness off", stacklevel=2)
     _match_random_layouts(joint)
     _compact_random_masks(joint)
     traced = _build(joint, flat_kinds, flat_real, out_box["count"], name or type(model).__name__,
