@@ -55,6 +55,7 @@ def test_plan_fields(plan_and_graph: tuple[Plan, hrockmate.Graph]) -> None:
     assert 0 < plan.memory_ratio < 1
     assert plan.overhead == pytest.approx(plan.time / plan.baseline_time - 1)
     assert "plan for" in plan.summary() and plan.method in plan.summary()
+    assert plan.made_by == plan.method  # (no fallback)
 
 
 def test_saved_file_is_versioned_json(tmp_path: Path,

@@ -711,7 +711,9 @@ def test_a_top_milp_without_a_schedule_stops_early_when_a_simple_strategy_fits(
     _check(plan, g)
     assert len(calls) == 1 and calls[0]["budget"] is not None
     assert calls[0]["barren_deadline"] >= calls[0]["at"] + policy.TOP_BARREN_SECONDS - 0.5
-    assert plan.stats["fallback"] in ("checkpoint", "selective", "rotor", "greedy")
+    assert plan.made_by == plan.stats["fallback"] in ("checkpoint", "selective", "rotor",
+                                                      "greedy")
+    assert f"the {plan.made_by} schedule (the method found none" in plan.summary()
     # nothing simple fits: no barren deadline (the search has the solve's time limit), and the
     # lowest-peak MILP is a spare again
     calls.clear()

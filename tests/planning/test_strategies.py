@@ -152,6 +152,7 @@ def test_a_simple_strategy_that_beats_the_hierarchy_says_by_how_much(data_graphs
     own = plan.stats["hierarchy_plan_time"]
     assert plan.time < own < 1.1 * plan.baseline_time
     assert "beat the hierarchy's own" in plan.summary()
+    assert plan.made_by == plan.stats["fallback"] != plan.method == "hrockmate"
     assert plan.shortfall(60) is None  # not a fallback for want of a plan
 
 

@@ -86,6 +86,12 @@ class Plan:
         return str(self.stats.get("method", ""))
 
     @property
+    def made_by(self) -> str:
+        """What made the schedule: the fallback used (``stats["fallback"]``: ``"greedy"``,
+        ``"checkpoint"``, ``"rotor"``, ...) where there was one, else ``method``."""
+        return str(self.stats.get("fallback") or self.method)
+
+    @property
     def optimal(self) -> bool:
         return bool(self.stats.get("optimal", False))
 
@@ -153,6 +159,8 @@ class Plan:
         if self.stats.get("beats_hierarchy_plan") and own is not None and self.baseline_time > 0:
             beaten = (f"; the {self.stats.get('fallback')} plan beat the hierarchy's own "
                       f"(+{100 * (own / self.baseline_time - 1):.2f}%)")
+        elif self.made_by != self.method:
+            beaten = f"; the {self.made_by} schedule (the method found none within the budget)"
         return (
             f"plan for '{self.graph_name}': peak {format_bytes(self.peak_bytes)} of budget "
             f"{format_bytes(self.budget_bytes)} (store-all {format_bytes(self.baseline_peak_bytes)}),"
