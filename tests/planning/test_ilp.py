@@ -8,6 +8,7 @@ import math
 import time
 import types
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from graph_builders import training_graph
@@ -305,9 +306,10 @@ class _ReportingHighs(HighsStandIn):
     """A HiGHS stand-in that reports schedules ``(seconds after the start, objective)`` and
     polls its MIP interrupt callbacks every 10 ms until told to stop (or ``seconds`` pass)."""
 
-    def __init__(self, reports: list[tuple[float, float]], seconds: float = 5.0) -> None:
+    def __init__(self, reports: list[tuple[float, float]], seconds: float = 5.0,
+                 gap: Callable[[float], float] = lambda t: 0.1) -> None:
         super().__init__()
-        self.reports, self.seconds = reports, seconds
+        self.reports, self.seconds, self.gap = reports, seconds, gap
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -317,6 +319,7 @@ class _ReportingHighs(HighsStandIn):
                 for fn in self.cbMipImprovingSolution:
                     fn(_Event(todo.pop(0)[1]))
             poll = _Event()
+            poll.data_out.mip_gap = self.gap(time.perf_counter() - t0)  # (HiGHS's relative gap)
             for fn in self.cbMipInterrupt:
                 fn(poll)
             if poll.interrupted:
@@ -357,3 +360,24 @@ def test_a_barren_search_stops_at_its_deadline_only_without_a_schedule() -> None
     why = ilp.run_highs(_ReportingHighs([(0.0, 100.0), (0.1, 50.0)], seconds=1.0),
                         barren_deadline=t0 + 0.3, count_below=100.0)
     assert why is None and time.perf_counter() - t0 >= 1.0
+
+
+def test_the_window_ends_a_search_only_within_its_gap() -> None:
+    # a schedule in hand past the soft deadline, but HiGHS's gap still 60%: the search goes on
+    # until the gap is within WINDOW_MAX_GAP (here at 0.5 s)
+    t0 = time.perf_counter()
+    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=3.0,
+                                        gap=lambda t: 0.6 if t < 0.5 else 0.1),
+                        soft_deadline=t0, window_gap=ilp.WINDOW_MAX_GAP)
+    assert why == "window" and 0.5 <= time.perf_counter() - t0 < 2.0
+    assert ilp.CLOSE_GAP < 0.1 <= ilp.WINDOW_MAX_GAP < 0.6
+    # a gap HiGHS never closes: the stall rule ends it
+    t0 = time.perf_counter()
+    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=3.0, gap=lambda t: 0.6),
+                        soft_deadline=t0, stall=0.3, window_gap=ilp.WINDOW_MAX_GAP)
+    assert why == "stall" and 0.3 <= time.perf_counter() - t0 < 2.0
+    # without a gap to wait for (op levels), the window ends it at once
+    t0 = time.perf_counter()
+    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=3.0, gap=lambda t: 0.6),
+                        soft_deadline=t0)
+    assert why == "window" and time.perf_counter() - t0 < 0.5

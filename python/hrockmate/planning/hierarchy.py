@@ -536,7 +536,8 @@ def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip
     sp = ilp.solve_level(lvl.problem, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
                          minimize_peak=minimize_peak, stall=TOP_STALL_SECONDS, start=stages,
                          soft_deadline=soft_deadline, last_resort_start=last_resort,
-                         barren_deadline=barren_deadline)
+                         barren_deadline=barren_deadline,
+                         window_gap=ilp.WINDOW_MAX_GAP if h.root.children else math.inf)
     if sp.stats.get("stopped") == "window":
         logger.info("the top MILP of '%s' stopped after %.1f s at the end of the solve's "
                     "improvement window", h.graph.name, sp.stats["solve_seconds"])

@@ -603,6 +603,12 @@ START_STALL_FACTOR = 2.0
 # more for nothing).
 CLOSE_GAP = 5e-3
 CLOSE_GAP_STALL_SECONDS = 1.0
+# The improvement window (``soft_deadline``) ends a block level's top search only once HiGHS's
+# relative gap is at most this: a schedule that may be this much slower than the optimum of
+# the level is worth the stall rule's time (op-level MILPs, whose LP bounds are weak, stop at
+# the window whatever their gap). transformers' XLNet (742 ops) at 50%: its top MILP stopped at the window
+# with a 64% gap (+54.7%); on its stall rule +26.9%, 15 s later.
+WINDOW_MAX_GAP = 0.2
 # HiGHS polls the interrupt callbacks in its simplex, IPM and MIP loops but not inside its
 # sub-MIP heuristics (RINS, RENS, root reduced cost): on the U-Net-like graph's op-level MILP a
 # stop came 5.5 s late. On Ctrl-C or cancellation ``run_highs`` waits this long, then returns
@@ -612,8 +618,8 @@ INTERRUPT_GRACE_SECONDS = 0.5
 
 def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
               started_from: bool = False, soft_deadline: float | None = None,
-              count_below: float = math.inf, barren_deadline: float | None = None
-              ) -> str | None:
+              count_below: float = math.inf, barren_deadline: float | None = None,
+              window_gap: float = math.inf) -> str | None:
     """``h.run()`` that Ctrl-C (or the ``cancelled_by`` event) stops within about 0.1 s, and
     ``INTERRUPT_GRACE_SECONDS`` at most (then HiGHS is left to stop on its own thread).
 
@@ -633,7 +639,8 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
     is kept for ``START_STALL_FACTOR x stall`` (HiGHS's own heuristics take that long to find
     anything better on the op-level MILPs of 50-80 ops).
     ``soft_deadline`` (a ``time.perf_counter`` time): past it, a MIP with a schedule in hand
-    stops (the solve's improvement window).
+    stops (the solve's improvement window) once HiGHS's relative gap is within ``window_gap``
+    (block levels pass ``WINDOW_MAX_GAP``).
     ``count_below``: schedules count for these rules only with an objective below it (a start
     of last resort is returned at the deadline, but does not end the search).
     ``barren_deadline`` (a ``time.perf_counter`` time): past it, a MIP that has found no
@@ -708,7 +715,7 @@ def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
                 if deadline is not None and now > deadline:
                     why = "deadline"
                 elif (soft_deadline is not None and now > soft_deadline
-                      and math.isfinite(best[0])):
+                      and math.isfinite(best[0]) and gap[0] <= window_gap):
                     why = "window"
                 elif stalled():
                     why = "stall"
@@ -747,6 +754,7 @@ def solve_level(
     soft_deadline: float | None = None,
     last_resort_start: bool = False,
     barren_deadline: float | None = None,
+    window_gap: float = math.inf,
 ) -> StagePlan:
     """Solve one level at ``budget`` bytes (or for its smallest peak with ``minimize_peak``).
     ``stall``, ``soft_deadline``: stop once the best schedule stops improving, or once past
@@ -756,7 +764,8 @@ def solve_level(
     ``last_resort_start``: it is a poor one (``lean_start``), returned at the time limit when
     nothing better was found, but the stall and window rules wait for a better one.
     ``barren_deadline``: past it, a search that found no schedule (the start of last resort
-    aside) stops (``run_highs``).
+    aside) stops; ``window_gap``: the gap within which ``soft_deadline`` ends it
+    (``run_highs``).
 
     Raises ``LevelInfeasible`` when proven infeasible and ``LevelNoSolution`` when the time limit
     passed without any feasible schedule.
@@ -782,7 +791,8 @@ def solve_level(
     stopped = run_highs(h, None if time_limit is None else t0 + time_limit, stall,
                         started_from and not last_resort_start, soft_deadline,
                         count_below=start_cost if started_from and last_resort_start
-                        else math.inf, barren_deadline=barren_deadline)
+                        else math.inf, barren_deadline=barren_deadline,
+                        window_gap=window_gap)
     status = h.getModelStatus()
     t_solve = _time.perf_counter() - t0 - t_build
     MS = highspy.HighsModelStatus
