@@ -706,7 +706,7 @@ def test_a_top_milp_without_a_schedule_stops_early_when_a_simple_strategy_fits(
         return solve_top(h, b, **kw)
 
     monkeypatch.setattr(policy, "solve_top", recorded)
-    opts = dict(progress=False, exact_ops=0, leaf_size=8)
+    opts: dict[str, Any] = dict(progress=False, exact_ops=0, leaf_size=8)
     plan = hrockmate.solve_graph(g, 0.5, **opts)
     _check(plan, g)
     assert len(calls) == 1 and calls[0]["budget"] is not None
@@ -714,6 +714,10 @@ def test_a_top_milp_without_a_schedule_stops_early_when_a_simple_strategy_fits(
     assert plan.made_by == plan.stats["fallback"] in ("checkpoint", "selective", "rotor",
                                                       "greedy")
     assert f"the {plan.made_by} schedule (the method found none" in plan.summary()
+    # no window asked for (improve_time=None): the search may run to the time limit
+    calls.clear()
+    hrockmate.solve_graph(g, 0.5, improve_time=None, **opts)
+    assert calls[0]["barren_deadline"] is None
     # nothing simple fits: no barren deadline (the search has the solve's time limit), and the
     # lowest-peak MILP is a spare again
     calls.clear()

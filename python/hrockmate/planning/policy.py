@@ -320,12 +320,14 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 # a schedule (MobileNet at 30%: found at 8.5 s into the solve, then 5 s more of
                 # the stall rule); one that begins later (large graphs) runs on its stall rule
                 barren = None
-                if h.root.children and not kw.get("plan_in_hand") and simple_strategies()[0]:
+                if (h.root.children and until is not None and not kw.get("plan_in_hand")
+                        and simple_strategies()[0]):
                     # a simple strategy fits: a top MILP that has found no schedule of its own
                     # by the window's end, and TOP_BARREN_SECONDS at least, stops there
-                    # (transformers' Mamba at 50%: 240 s without one, then greedy's plan)
+                    # (transformers' Mamba at 50%: 240 s without one, then greedy's plan);
+                    # improve_time=None asks for searches to the time limit
                     now = _time.perf_counter()
-                    barren = max(now if until is None else until, now + TOP_BARREN_SECONDS)
+                    barren = max(until, now + TOP_BARREN_SECONDS)
                 now = _time.perf_counter()
                 soft = until if until is not None and now < until else None
                 if soft is not None and kw.get("top_shares"):
