@@ -302,6 +302,9 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
             until = kw.get("improve_until")
 
             def top(b: int) -> reference.SolverResult:
+                # (first: whether a simple strategy fits bounds a search that finds nothing)
+                fallback_fits = bool(h.root.children and until is not None
+                                     and not kw.get("plan_in_hand") and simple_strategies()[0])
                 left = time_left(kw)
                 if left is not None and h.root.children:  # (a flat level is the whole solve)
                     left *= TOP_TIME_SHARE
@@ -319,20 +322,17 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 # a top MILP that begins within the improvement window ends with it once it has
                 # a schedule (MobileNet at 30%: found at 8.5 s into the solve, then 5 s more of
                 # the stall rule); one that begins later (large graphs) runs on its stall rule
-                barren = None
-                if (h.root.children and until is not None and not kw.get("plan_in_hand")
-                        and simple_strategies()[0]):
-                    # a simple strategy fits: a top MILP that has found no schedule of its own
-                    # by the window's end, and TOP_BARREN_SECONDS at least, stops there
-                    # (transformers' Mamba at 50%: 240 s without one, then greedy's plan);
-                    # improve_time=None asks for searches to the time limit
-                    now = _time.perf_counter()
-                    barren = max(until, now + TOP_BARREN_SECONDS)
                 now = _time.perf_counter()
                 soft = until if until is not None and now < until else None
                 if soft is not None and kw.get("top_shares"):
                     # its share of what is left, when other leaf sizes follow it
                     soft = now + (soft - now) / kw["top_shares"]
+                # when a simple strategy fits, a block level's top MILP that has found no
+                # schedule of its own by the window's end, and TOP_BARREN_SECONDS at least,
+                # stops there (transformers' Mamba at 50%: 240 s without one, then greedy's
+                # plan); improve_time=None asks for searches to the time limit
+                barren = (max(until, now + TOP_BARREN_SECONDS)
+                          if fallback_fits and until is not None else None)
                 level = "op-level" if not h.root.children else "top"
                 with elapsed_progress(f"{level} MILP of '{graph.name}'", left, kw["progress"]):
                     steps, fl, optimal, stats = solve_top(
