@@ -108,7 +108,7 @@ _TRACE_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def _quiet_fake_kernel_errors() -> Iterator[None]:
+def _quiet_tracing_noise() -> Iterator[None]:
     """PyTorch logs an error with a traceback whenever a fake (meta) kernel raises, before the
     exception reaches us; it then reaches the caller as a TraceError (naming the model's own
     error where the model fails in plain PyTorch too), so while we trace that log is noise, as
@@ -683,8 +683,9 @@ def _failing_code(exc: BaseException) -> tuple[str | None, bool]:
     and Python's standard library, as ``file:line in function: source``, or None; and whether
     it failed while autograd computed gradients (past the forward's frames, with no model code,
     such as a custom Function's backward, below)."""
-    skipped = tuple(os.path.dirname(m.__file__ or "") + os.sep
-                    for m in (torch, __import__("hrockmate")))
+    # torch's package, then ours (this file is in hrockmate/capture/)
+    skipped = (os.path.dirname(torch.__file__ or "") + os.sep,
+               os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
     stdlib = sysconfig.get_paths()["stdlib"] + os.sep
     user: traceback.FrameSummary | None = None
     in_backward = False
@@ -1248,7 +1249,7 @@ def trace_model(
         # targets, plain tensor attributes) are accepted; they become constants of the graph.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with preserved_rng(device), host_draws_recorded(host_draws), torch.enable_grad(), \
-                _eager_faithful_dispatch(), _quiet_fake_kernel_errors(), \
+                _eager_faithful_dispatch(), _quiet_tracing_noise(), \
                 _module_annotations(model, module_stack), \
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
             return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])

@@ -606,8 +606,8 @@ CLOSE_GAP_STALL_SECONDS = 1.0
 # The improvement window (``soft_deadline``) ends a block level's top search only once HiGHS's
 # relative gap is at most this: a schedule that may be this much slower than the optimum of
 # the level is worth the stall rule's time (op-level MILPs, whose LP bounds are weak, stop at
-# the window whatever their gap). transformers' XLNet (742 ops) at 50%: its top MILP stopped at the window
-# with a 64% gap (+54.7%); on its stall rule +26.9%, 15 s later.
+# the window whatever their gap). transformers' XLNet (742 ops) at 50%: its top MILP stopped
+# at the window with a 64% gap (+54.7%); on its stall rule +26.9%, 15 s later.
 WINDOW_MAX_GAP = 0.2
 # HiGHS polls the interrupt callbacks in its simplex, IPM and MIP loops but not inside its
 # sub-MIP heuristics (RINS, RENS, root reduced cost): on the U-Net-like graph's op-level MILP a
