@@ -204,6 +204,83 @@ def test_training_matches_plain_pytorch(name: str) -> None:
         assert bn and all(int(b) == len(schedules) for b in bn)  # one update per iteration
 
 
+class _CountedScale(nn.Module):
+    """A buffer read through a view, then counted up in place, then read through the same view
+    (eager sees the new value through it), beside a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.ones(1))
+        self.bn = nn.BatchNorm1d(3)
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seen = self.count.view(1)
+        y = self.lin(self.bn(x) + seen)
+        self.count.add_(1)
+        return (y + seen).square().sum()
+
+
+def test_buffer_updates_are_written_in_place_only_where_unobservable() -> None:
+    """Store-all computes BatchNorm's running statistics and its step counter straight into the
+    buffers (no copy over; eager does the same); a schedule that recomputes BatchNorm after the
+    update, or a buffer viewed by the graph, keeps the old value and copies. Buffers, outputs
+    and gradients equal plain autograd's either way."""
+    model, sample = models.cnn_bn(batch=2, image=4, width=4)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample)
+    code = hm.generated_code()
+    assert ".copy_(" not in code and "_native_batch_norm_legit.default" not in code
+    bn_ops = [k for k, n in enumerate(hm.traced.op_nodes)
+              if "batch_norm_legit_functional" in str(n.target)]
+    assert bn_ops and all(f"W{k}(" in code for k in bn_ops)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    _train_step_both(hm, ref, sample, opt, ref_opt, seed=1, what="store-all")
+    hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+    code = hm.generated_code()
+    assert ".copy_(" in code  # recomputations read the old statistics: copied over
+    _train_step_both(hm, ref, sample, opt, ref_opt, seed=2, what="recompute-all")
+
+    model = _CountedScale()
+    ref = copy.deepcopy(model)
+    sample = (torch.randn(4, 3),)
+    hm = HRockmate(model, sample)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    # the old count is viewed by the graph: copied over in every schedule
+    schedules = [None, hrockmate.recompute_all_schedule(hm.traced.graph)]
+    for step, sched in enumerate(schedules):
+        if sched is not None:
+            hm.use_plan(sched)
+        assert ".copy_(" in hm.generated_code()
+        _train_step_both(hm, ref, sample, opt, ref_opt, seed=step, what=f"counter {step}")
+    assert float(model.count) == 3.0
+
+
+def test_in_place_kernels_write_the_arguments_their_functional_results_return() -> None:
+    """``in_place_kernel``: BatchNorm's functional op maps to the op that writes its running
+    statistics, ``add`` to ``add_``; ops without such a variant have none. The in-place call
+    returns what the functional op returns, bitwise."""
+    from hrockmate.capture.kernels import in_place_kernel
+
+    aten = torch.ops.aten
+    assert in_place_kernel(aten.mm.default, "cpu") is None
+    assert in_place_kernel(aten.add.Tensor, "cpu")[1] == (0,)
+    fn, written = in_place_kernel(aten._native_batch_norm_legit_functional.default, "cpu")
+    assert written == (3, 4)
+    x, w, b = torch.randn(4, 3), torch.randn(3), torch.randn(3)
+    mean, var = torch.randn(3), torch.rand(3)
+    want = aten._native_batch_norm_legit_functional.default(x, w, b, mean, var, True, 0.1, 1e-5)
+    got = fn(x, w, b, mean, var, True, 0.1, 1e-5)
+    assert got[3] is mean and got[4] is var  # written in place, returned as the new values
+    for a, c in zip(got, want):
+        assert torch.equal(a, c)
+    counter = torch.zeros(1, dtype=torch.long)
+    add_, _ = in_place_kernel(aten.add.Tensor, "cpu")
+    assert add_(counter, 1) is counter and int(counter) == 1
+
+
 def _train_step_both(
     hm: nn.Module, ref: nn.Module, sample: Any, opt: Any, ref_opt: Any, seed: int, what: str
 ) -> None:

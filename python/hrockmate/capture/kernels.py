@@ -21,10 +21,25 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["kernel"]
+__all__ = ["in_place_kernel", "kernel"]
 
 _aten = torch.ops.aten
 _RESERVE = "_hrockmate_cudnn_reserve"  # attribute of the saved mean: cuDNN's reserve space
+
+
+def _batch_norm_as_eager_in_place(input: torch.Tensor, weight: torch.Tensor | None,
+                                  bias: torch.Tensor | None, running_mean: torch.Tensor,
+                                  running_var: torch.Tensor, training: bool, momentum: float,
+                                  eps: float) -> tuple[torch.Tensor, ...]:
+    """Eager's BatchNorm path, updating the running statistics in place (as eager does); returns
+    what ``_native_batch_norm_legit_functional`` returns, the statistics being the same tensors."""
+    out, save_mean, save_invstd, reserve, impl = _aten._batch_norm_impl_index(
+        input, weight, bias, running_mean, running_var, training, momentum, eps,
+        torch.backends.cudnn.enabled,
+    )
+    if impl == 1:  # cuDNN: its backward needs the reserve space
+        setattr(save_mean, _RESERVE, reserve)
+    return out, save_mean, save_invstd, running_mean, running_var
 
 
 def _batch_norm_as_eager(input: torch.Tensor, weight: torch.Tensor | None,
@@ -32,14 +47,8 @@ def _batch_norm_as_eager(input: torch.Tensor, weight: torch.Tensor | None,
                          running_var: torch.Tensor, training: bool, momentum: float,
                          eps: float) -> tuple[torch.Tensor, ...]:
     """``_native_batch_norm_legit_functional`` computed by eager's BatchNorm path."""
-    new_mean, new_var = running_mean.clone(), running_var.clone()
-    out, save_mean, save_invstd, reserve, impl = _aten._batch_norm_impl_index(
-        input, weight, bias, new_mean, new_var, training, momentum, eps,
-        torch.backends.cudnn.enabled,
-    )
-    if impl == 1:  # cuDNN: its backward needs the reserve space
-        setattr(save_mean, _RESERVE, reserve)
-    return out, save_mean, save_invstd, new_mean, new_var
+    return _batch_norm_as_eager_in_place(input, weight, bias, running_mean.clone(),
+                                         running_var.clone(), training, momentum, eps)
 
 
 def _suggested_memory_format(t: torch.Tensor) -> torch.memory_format:
@@ -83,3 +92,60 @@ def kernel(target: Any, device_type: str) -> Callable[..., Any]:
         return _EAGER_CUDA[target]
     # OpOverload.__call__ only forwards to the C++ op; calling that directly saves a frame.
     return getattr(target, "_op", target)
+
+
+_EAGER_CUDA_IN_PLACE: dict[Any, Callable[..., Any]] = {
+    _aten._native_batch_norm_legit_functional.default: _batch_norm_as_eager_in_place,
+}
+
+
+def _returning(op: Any, mutated: tuple[int, ...]) -> Callable[..., Any]:
+    """``op`` (which writes its arguments at ``mutated``), returning what its functional variant
+    returns: the op's own results, then those arguments."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        result = op(*args, **kwargs)
+        own = result if isinstance(result, tuple) else (result,)
+        return (*own, *(args[i] for i in mutated))
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def in_place_kernel(target: Any,
+                    device_type: str) -> tuple[Callable[..., Any], tuple[int, ...]] | None:
+    """A callable computing ``target`` by writing its results into some of its tensor arguments,
+    and the positions of those arguments; None when the op has no such variant.
+
+    The runtime uses it to write a buffer's new value (BatchNorm's running statistics, a step
+    counter) straight into the buffer, as eager PyTorch does, instead of computing it into a new
+    tensor and copying it over. Two forms: a functional op ``X_functional`` (whose results end
+    with the new values of the arguments ``X`` writes; e.g. BatchNorm) and an out-of-place op
+    with an in-place sibling ``X_`` of the same overload (``add`` -> ``add_``, which writes its
+    first argument and returns it). The caller checks that the results have the arguments'
+    shapes and dtypes, and that the old values are read nowhere else."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    packet, overload = target._schema.name.split("::")[1], target._overloadname
+    if packet.endswith("_functional"):
+        if device_type == "cuda" and target in _EAGER_CUDA_IN_PLACE:
+            fn = _EAGER_CUDA_IN_PLACE[target]
+            return fn, _written_arguments(
+                getattr(getattr(_aten, packet[: -len("_functional")]), overload))
+        mutating = getattr(getattr(_aten, packet[: -len("_functional")], None), overload, None)
+        if mutating is None:
+            return None
+        written = _written_arguments(mutating)
+        n_own = len(mutating._schema.returns)
+        if not written or n_own + len(written) != len(target._schema.returns):
+            return None
+        return _returning(kernel(mutating, device_type), written), written
+    sibling = getattr(getattr(_aten, packet + "_", None), overload, None)
+    if sibling is None or _written_arguments(sibling) != (0,) or len(
+            sibling._schema.returns) != 1 or len(target._schema.returns) != 1:
+        return None
+    return kernel(sibling, device_type), (0,)
+
+
+def _written_arguments(op: Any) -> tuple[int, ...]:
+    """Positions of the arguments ``op`` writes into (``Tensor(a!)`` in its schema)."""
+    return tuple(i for i, a in enumerate(op._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from hrockmate.capture.kernels import kernel
+from hrockmate.capture.kernels import in_place_kernel, kernel
 from hrockmate.capture.tracing import allocator_slack_bytes
 
 __all__ = ["Program", "RuntimeScheduleError", "compile_schedule"]
@@ -168,14 +168,51 @@ class _Compiler:
             return repr(a)
         return self._const(a)
 
-    def _call(self, op_id: int, reads: list[int]) -> str:
+    def _call(self, op_id: int, reads: list[int], in_place: Callable[..., Any] | None = None
+              ) -> str:
+        """The call of op ``op_id`` (its arguments read from ``E``; the tensors it reads are
+        added to ``reads``), by its kernel, or by ``in_place``, its variant that writes its
+        results into some of its arguments."""
         node = self.traced.op_nodes[op_id]
-        name = f"F{op_id}"
+        name = f"F{op_id}" if in_place is None else f"W{op_id}"
         if name not in self.namespace:
-            self.namespace[name] = kernel(node.target, self.traced.device.type)
+            self.namespace[name] = in_place or kernel(node.target, self.traced.device.type)
         parts = [self._expr(a, node.name, reads) for a in node.args]
         parts += [f"{k}={self._expr(v, node.name, reads)}" for k, v in node.kwargs.items()]
         return f"{name}({', '.join(parts)})"
+
+    def _in_place_write_back(self, op_id: int, pos: int, buffer_of_update: dict[int, str],
+                             buffer_tensor: dict[str, int], last_read: dict[int, int],
+                             viewed: set[int]) -> str | None:
+        """The call computing op ``op_id`` (its first run, at step ``pos``) straight into the
+        buffers it updates, as eager does (``kernels.in_place_kernel``), when that is
+        unobservable: every argument it writes is a buffer's traced value whose result is that
+        buffer's update, of the same shape and dtype, read by no later step and viewed by no
+        tensor. None otherwise (the op then runs out of place and its result is copied over)."""
+        node = self.traced.op_nodes[op_id]
+        found = in_place_kernel(node.target, self.traced.device.type)
+        if found is None:
+            return None
+        _, written = found
+        if any(i >= len(node.args) or not isinstance(node.args[i], torch.fx.Node)
+               for i in written):
+            return None
+        # the written arguments' new values are the op's last results, in the order written
+        n_results = len(node.target._schema.returns)
+        result_of = {i: t for t, i in self._output_slots(op_id)}
+        outputs = set(self.traced.output_ids)
+        for j, i in enumerate(written):
+            t = result_of.get(n_results - len(written) + j if n_results > 1 else None)
+            if t is None:
+                return None
+            bt = self._tensor_of(node.args[i], node.name)
+            buffer = buffer_of_update.get(t)
+            if (buffer is None or buffer_tensor.get(buffer) != bt or t in outputs or bt in viewed
+                    or last_read.get(bt, -1) > pos):
+                return None
+            if not _same_layout(node.args[i], self.traced.tensor_nodes[t]):
+                return None
+        return self._call(op_id, [], in_place=found[0])
 
     def _output_slots(self, op_id: int) -> list[tuple[int, int | None]]:
         """(tensor id, position in the op's tuple result or None) for each IR output."""
@@ -344,6 +381,7 @@ class _Compiler:
         alive = list(preexisting)
         done = [0] * g.num_ops
         written_back: set[int] = set()
+        viewed = {g.storage_root(t) for t in range(n_t) if g.tensors[t].alias_of is not None}
         fwd_body: list[str] = []
         chunk_bodies: list[list[str]] = [list(head_bwd)]
         pending: list[int] = []  # gradients stashed since the last cut
@@ -368,6 +406,12 @@ class _Compiler:
             fresh = [(t, i) for t, i in self._output_slots(k) if not alive[t]]
             call = calls[pos]
             assert call is not None
+            if done[k] == 0:
+                in_place = self._in_place_write_back(k, pos, buffer_of_update, buffer_tensor,
+                                                     last_read, viewed)
+                if in_place is not None:
+                    call = in_place
+                    written_back.update(t for t, _ in fresh if t in buffer_of_update)
             lines: list[str] = []
             if pos in aliased or mask_of_pack.get(k, -1) in aliased_masks_only:
                 # a compact mask's restoration while its float mask is alive: the same bits,
@@ -538,6 +582,18 @@ class _Compiler:
         scope = dict(self.namespace)
         exec(code, scope)  # generated from the traced graph only; no user strings are inlined
         return scope[name]
+
+
+def _same_layout(arg: torch.fx.Node, result: tuple[torch.fx.Node, Any]) -> bool:
+    """Whether the traced value ``arg`` and the traced result ``result`` (its fx node and tuple
+    position) have the same shape, strides and dtype."""
+    a = arg.meta.get("val")
+    node, index = result
+    r = node.meta.get("val")
+    if index is not None and isinstance(r, (tuple, list)):
+        r = r[index]
+    return (isinstance(a, torch.Tensor) and isinstance(r, torch.Tensor) and a.shape == r.shape
+            and a.stride() == r.stride() and a.dtype == r.dtype)
 
 
 def _accumulate(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
