@@ -122,10 +122,12 @@ def checkpoint_points(
     are dropped once it has passed."""
 
 def greedy_eviction(
-    budget_bytes: int, time_limit: float | None = None, **graph: _GraphArg
+    budget_bytes: int, time_limit: float | None = None, score: str = "staleness",
+    **graph: _GraphArg
 ) -> _ScheduleArrays | None:
-    """Greedy eviction (DTR-style) within ``budget_bytes``; None when it gets stuck or the time
-    limit passes."""
+    """Greedy eviction (DTR-style) within ``budget_bytes``, evicting by ``score``
+    (``"staleness"``: DTR's, ``"next_use"``: the ops until the next use); None when it gets
+    stuck or the time limit passes."""
 
 # ---- literature_api.rs -----------------------------------------------------------------------
 

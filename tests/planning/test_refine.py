@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from graph_builders import training_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 import hrockmate
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.schedule import recompute_all_schedule
+from hrockmate.planning import strategies
 from hrockmate.planning.refine import refine
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "graphs"
@@ -82,9 +84,10 @@ def test_refined_schedules_are_valid_within_budget_and_faster(n: int, seed: int,
         _checked(g, r.steps, r.forward_len, budget, before.time)
 
 
-def test_solve_graph_refines_the_hierarchy_plan() -> None:
+def test_solve_graph_refines_the_hierarchy_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     # with leaves of 6 ops the hierarchy's own plan at 50% leaves memory unused (+23.8% before
-    # refinement)
+    # refinement); greedy eviction, refined, beats it there, so it is kept out
+    monkeypatch.setattr(strategies, "greedy_eviction_schedule", lambda *a, **k: None)
     g = Graph.load(DATA / "gpt2_tiny_oplog.json")
     plan = hrockmate.solve_graph(g, 0.5, progress=False, time_limit=120, leaf_size=6)
     refined = plan.stats["refined"]

@@ -306,7 +306,10 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
             lows.append(low)
             continue
         t = simulate_steps(graph, cand.steps, cand.forward_len)[1]
-        if t < best_time:
+        # (the hierarchy's own plan also replaces a fallback's that is no faster: greedy
+        # eviction refined can tie it, and a plan made by a fallback asks for more search)
+        if t < best_time or (best is not None and best.stats.get("fallback")
+                             and not cand.stats.get("fallback") and t <= best_time):
             if best is not None:
                 logger.info("leaves of %d ops planned '%s' faster than leaves of %d", size,
                             graph.name, best.stats.get("leaf_size"))

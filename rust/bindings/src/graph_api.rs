@@ -13,7 +13,7 @@ use hrockmate_core::arrays::{
 };
 use hrockmate_core::checkpointing::{block_checkpoint, checkpoint_points as core_points, CheckpointFacts};
 use hrockmate_core::graph::Graph;
-use hrockmate_core::greedy::greedy_eviction as core_greedy;
+use hrockmate_core::greedy::{greedy_eviction_scored as core_greedy, EvictionScore};
 use hrockmate_core::limits::Stop;
 use hrockmate_core::io::{graph_to_json, parse_graph_json, parse_schedule_json, GraphError};
 use hrockmate_core::schedule::Schedule;
@@ -310,21 +310,33 @@ fn checkpoint_points<'py>(
     Ok(list)
 }
 
-/// Greedy eviction (DTR-style, `greedy::greedy_eviction`) within `budget_bytes`: (step_kind,
-/// step_id, forward_len), or None when it gets stuck or `time_limit` (seconds) passes.
+/// Greedy eviction (DTR-style, `greedy::greedy_eviction_scored`) within `budget_bytes`, evicting
+/// by `score` ("staleness" or "next_use"): (step_kind, step_id, forward_len), or None when it
+/// gets stuck or `time_limit` (seconds) passes.
 #[pyfunction]
-#[pyo3(signature = (budget_bytes, time_limit=None, **graph))]
+#[pyo3(signature = (budget_bytes, time_limit=None, score="staleness", **graph))]
 fn greedy_eviction<'py>(
     py: Python<'py>,
     budget_bytes: u64,
     time_limit: Option<f64>,
+    score: &str,
     graph: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Option<ScheduleArrays<'py>>> {
+    let score = match score {
+        "staleness" => EvictionScore::Staleness,
+        "next_use" => EvictionScore::NextUse,
+        other => {
+            return Err(Failure::InvalidArgument(format!(
+                "unknown eviction score {other:?}; use \"staleness\" or \"next_use\""
+            ))
+            .into_pyerr(py))
+        }
+    };
     let input = graph_input(graph)?;
     Stop::new(None, time_limit).map_err(|m| Failure::InvalidArgument(m).into_pyerr(py))?;
     let s = run_native(py, None, |stop| {
         let g = input.build()?;
-        Ok(core_greedy(&g, budget_bytes, time_limit, stop)?)
+        Ok(core_greedy(&g, budget_bytes, score, time_limit, stop)?)
     })?;
     Ok(s.map(|s| schedule_arrays(py, s)))
 }

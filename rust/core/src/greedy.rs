@@ -1,7 +1,7 @@
 //! Greedy eviction planned ahead, in the style of dynamic tensor rematerialization (DTR,
 //! Kirisame et al., ICLR 2021): run the ops in [`execution_order`]; before an op whose new
-//! storages would pass the budget, evict the alive storage with the smallest recompute time /
-//! (bytes x staleness); a value needed again after its eviction is recomputed from what is
+//! storages would pass the budget, evict the alive storage with the smallest score (its
+//! [`EvictionScore`]); a value needed again after its eviction is recomputed from what is
 //! alive, recursively. It needs no structure (no pairing, no chain, no blocks), so it serves
 //! graphs with long skips that the block strategies cannot cut.
 //!
@@ -18,8 +18,24 @@ use crate::memory::{Memory, NOT_ALIVE, UNCOUNTED};
 use crate::schedule::{Schedule, Step};
 use crate::schedules::execution_order;
 
+/// Which alive storage greedy eviction gives up first: the one with the smallest recompute
+/// time / (bytes x a distance), the distance being
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvictionScore {
+    /// the ops run since its last use (DTR's staleness: all an online method knows);
+    Staleness,
+    /// the ops until its next use in the op order (known ahead of time: a storage not read
+    /// again until the backward goes before one read by the next op, as in Belady's rule).
+    NextUse,
+}
+
 struct State<'g> {
     g: &'g Graph,
+    score: EvictionScore,
+    /// Per tensor, the positions in the op order of the ops that read it (ascending).
+    reads_at: Vec<Vec<u32>>,
+    /// The position in the op order of the op being made ready.
+    pos: u32,
     roots: Vec<TensorId>,
     producer: Vec<Option<OpId>>,
     evictable: Vec<bool>,
@@ -39,6 +55,14 @@ struct State<'g> {
 impl State<'_> {
     fn alive(&self, x: TensorId) -> bool {
         self.mem.is_alive(x)
+    }
+
+    /// The position in the op order of the next op at or after the current one that reads
+    /// `x` (u32::MAX when none does).
+    fn next_read(&self, x: TensorId) -> u32 {
+        let reads = &self.reads_at[x];
+        let k = reads.partition_point(|&p| p < self.pos);
+        reads.get(k).copied().unwrap_or(u32::MAX)
     }
 
     fn free(&mut self, x: TensorId) {
@@ -66,10 +90,18 @@ impl State<'_> {
             if bytes == 0 || xs.iter().any(|&x| !self.evictable[x] || self.locked[x]) {
                 continue;
             }
-            let newest = xs.iter().map(|&x| self.last_access[x]).max().unwrap_or(0);
-            let stale = (self.clock - newest + 1) as f64;
+            let distance = match self.score {
+                EvictionScore::Staleness => {
+                    let newest = xs.iter().map(|&x| self.last_access[x]).max().unwrap_or(0);
+                    (self.clock - newest + 1) as f64
+                }
+                EvictionScore::NextUse => {
+                    let next = xs.iter().map(|&x| self.next_read(x)).min().unwrap_or(u32::MAX);
+                    (next.saturating_sub(self.pos) as f64) + 1.0
+                }
+            };
             let redo: f64 = xs.iter().filter_map(|&x| self.producer[x]).map(|p| self.g.ops[p].time).sum();
-            let score = (redo + 1e-12) / (bytes as f64 * stale);
+            let score = (redo + 1e-12) / (bytes as f64 * distance);
             let first = xs.iter().copied().min().unwrap_or(usize::MAX);
             if best.is_none_or(|(s, f, _)| score < s || (score == s && first < f)) {
                 best = Some((score, first, inst));
@@ -159,13 +191,25 @@ impl State<'_> {
     }
 }
 
-/// The greedy eviction schedule of `g` within `budget` bytes; None when it gets stuck (nothing
-/// left to evict), when `time_limit` (seconds) passes, or when the schedule grows past
-/// [`MAX_SCHEDULE_STEPS`] (chains recomputed over and over under a tight budget grow as n^2).
-/// `stop` is polled for cancellation.
+/// The greedy eviction schedule of `g` within `budget` bytes, by DTR's staleness score; see
+/// [`greedy_eviction_scored`].
 pub fn greedy_eviction(
     g: &Graph,
     budget: u64,
+    time_limit: Option<f64>,
+    stop: &Stop,
+) -> Result<Option<Schedule>, Stopped> {
+    greedy_eviction_scored(g, budget, EvictionScore::Staleness, time_limit, stop)
+}
+
+/// The greedy eviction schedule of `g` within `budget` bytes, evicting by `score`; None when it
+/// gets stuck (nothing left to evict), when `time_limit` (seconds) passes, or when the schedule
+/// grows past [`MAX_SCHEDULE_STEPS`] (chains recomputed over and over under a tight budget grow
+/// as n^2). `stop` is polled for cancellation.
+pub fn greedy_eviction_scored(
+    g: &Graph,
+    budget: u64,
+    score: EvictionScore,
     time_limit: Option<f64>,
     stop: &Stop,
 ) -> Result<Option<Schedule>, Stopped> {
@@ -180,14 +224,18 @@ pub fn greedy_eviction(
         .collect();
     // reads still to come in the op order (an op reading a tensor twice counts once)
     let mut uses = vec![0usize; nt];
+    let mut reads_at: Vec<Vec<u32>> = vec![Vec::new(); if score == EvictionScore::NextUse { nt } else { 0 }];
     let mut buf: Vec<TensorId> = Vec::new();
-    for &o in &order {
+    for (n, &o) in order.iter().enumerate() {
         buf.clear();
         buf.extend_from_slice(&g.ops[o].inputs);
         buf.sort_unstable();
         buf.dedup();
         for &x in &buf {
             uses[x] += 1;
+            if let Some(r) = reads_at.get_mut(x) {
+                r.push(n as u32);
+            }
         }
     }
     let mut mem = Memory::new(vec![NOT_ALIVE; nt]);
@@ -198,6 +246,9 @@ pub fn greedy_eviction(
     }
     let mut st = State {
         g,
+        score,
+        reads_at,
+        pos: 0,
         roots: g.storage_roots(),
         producer,
         evictable,
@@ -221,6 +272,7 @@ pub fn greedy_eviction(
         if g.ops[o].phase == Phase::Backward && forward_len.is_none() {
             forward_len = Some(st.steps.len());
         }
+        st.pos = n as u32;
         if !st.ensure(o, order.len()) || !st.run(o, &[]) || st.steps.len() > MAX_SCHEDULE_STEPS {
             return Ok(None);
         }
