@@ -126,8 +126,9 @@ def greedy_eviction(
     **graph: _GraphArg
 ) -> _ScheduleArrays | None:
     """Greedy eviction (DTR-style) within ``budget_bytes``, evicting by ``score``
-    (``"staleness"``: DTR's, ``"next_use"``: the ops until the next use); None when it gets
-    stuck or the time limit passes."""
+    (``"staleness"``: DTR's, ``"next_use"``: the ops until the next use; either with
+    ``"+inputs"``: the recompute time counts the producers of inputs that are not alive);
+    None when it gets stuck or the time limit passes."""
 
 # ---- literature_api.rs -----------------------------------------------------------------------
 

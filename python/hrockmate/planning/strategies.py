@@ -103,9 +103,9 @@ def block_checkpoint_schedule(graph: Graph, blocks: int,
     return Schedule.from_arrays(kind, ids, fl).steps, int(fl)
 
 
-#: The core's eviction scores (``greedy::EvictionScore``), each tried by
+#: The core's eviction scores (``greedy::EvictionScore::NAMES``), each tried by
 #: ``greedy_eviction_schedule``
-EVICTION_SCORES = ("staleness", "next_use")
+EVICTION_SCORES = ("staleness", "next_use", "staleness+inputs", "next_use+inputs")
 
 
 def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None = None, *,
@@ -119,12 +119,15 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     rules, so a schedule it returns is within ``budget``; None when it gets stuck (nothing left
     to evict) or out of time.
 
-    The core evicts by one of two scores, recompute time / (bytes x a distance): DTR's
+    The core evicts by a score, recompute time / (bytes x a distance): the distance is DTR's
     staleness (ops since the last use) or the ops until the next use, which a planner knows
-    ahead. Neither wins everywhere (milliseconds each on a few hundred ops), so both run and the
-    faster schedule is returned; with ``refined``, each after ``refine`` (evictions leave slack,
-    and which refines better is not which was faster before: the bench's U-Net at 50%, +60.3%
-    -> +26.2% by staleness, +59.6% -> +42.5% by next use). ``time_limit`` covers it all."""
+    ahead; the recompute time is the value's producer's, or with ``+inputs`` also that of the
+    producers of its inputs that are not alive. None wins everywhere (milliseconds each on a few
+    hundred ops; on the 10k-op LSTM 0.3 s for all four, 2.4 s refined), so all run and the
+    faster schedule is returned;
+    with ``refined``, each after ``refine`` (evictions leave slack, and which refines better is
+    not which was faster before: the bench's U-Net at 50%, +60.3% -> +26.2% by staleness,
+    +59.6% -> +42.5% by next use). ``time_limit`` covers it all."""
     from hrockmate import _native
     from hrockmate.planning.refine import refine
 

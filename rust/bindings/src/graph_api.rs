@@ -311,8 +311,8 @@ fn checkpoint_points<'py>(
 }
 
 /// Greedy eviction (DTR-style, `greedy::greedy_eviction_scored`) within `budget_bytes`, evicting
-/// by `score` ("staleness" or "next_use"): (step_kind, step_id, forward_len), or None when it
-/// gets stuck or `time_limit` (seconds) passes.
+/// by `score` (a name of `EvictionScore::NAMES`): (step_kind, step_id, forward_len), or None
+/// when it gets stuck or `time_limit` (seconds) passes.
 #[pyfunction]
 #[pyo3(signature = (budget_bytes, time_limit=None, score="staleness", **graph))]
 fn greedy_eviction<'py>(
@@ -322,15 +322,10 @@ fn greedy_eviction<'py>(
     score: &str,
     graph: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Option<ScheduleArrays<'py>>> {
-    let score = match score {
-        "staleness" => EvictionScore::Staleness,
-        "next_use" => EvictionScore::NextUse,
-        other => {
-            return Err(Failure::InvalidArgument(format!(
-                "unknown eviction score {other:?}; use \"staleness\" or \"next_use\""
-            ))
-            .into_pyerr(py))
-        }
+    let Some(score) = EvictionScore::from_name(score) else {
+        let names = EvictionScore::NAMES.join(", ");
+        return Err(Failure::InvalidArgument(format!("unknown eviction score {score:?}; use one of {names}"))
+            .into_pyerr(py));
     };
     let input = graph_input(graph)?;
     Stop::new(None, time_limit).map_err(|m| Failure::InvalidArgument(m).into_pyerr(py))?;

@@ -19,14 +19,46 @@ use crate::schedule::{Schedule, Step};
 use crate::schedules::execution_order;
 
 /// Which alive storage greedy eviction gives up first: the one with the smallest recompute
-/// time / (bytes x a distance), the distance being
+/// time / (bytes x a [`Distance`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EvictionScore {
-    /// the ops run since its last use (DTR's staleness: all an online method knows);
+pub struct EvictionScore {
+    pub distance: Distance,
+    /// Whether the recompute time also counts the producers of the value's inputs that are
+    /// not alive (one level of what undoing the eviction would recompute, as DTR's evicted
+    /// neighbourhood does); else only the value's own producer.
+    pub with_inputs: bool,
+}
+
+/// The distance in an [`EvictionScore`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Distance {
+    /// The ops run since the storage's last use (DTR's staleness: all an online method knows).
     Staleness,
-    /// the ops until its next use in the op order (known ahead of time: a storage not read
+    /// The ops until its next use in the op order (known ahead of time: a storage not read
     /// again until the backward goes before one read by the next op, as in Belady's rule).
     NextUse,
+}
+
+impl EvictionScore {
+    /// DTR's score: staleness, the value's own producer.
+    pub const DTR: EvictionScore = EvictionScore { distance: Distance::Staleness, with_inputs: false };
+
+    /// Every score, by name: `staleness` or `next_use`, with `+inputs` for `with_inputs`.
+    pub const NAMES: [&'static str; 4] = ["staleness", "next_use", "staleness+inputs", "next_use+inputs"];
+
+    /// The score a name of [`Self::NAMES`] stands for.
+    pub fn from_name(name: &str) -> Option<EvictionScore> {
+        let (base, with_inputs) = match name.strip_suffix("+inputs") {
+            Some(base) => (base, true),
+            None => (name, false),
+        };
+        let distance = match base {
+            "staleness" => Distance::Staleness,
+            "next_use" => Distance::NextUse,
+            _ => return None,
+        };
+        Some(EvictionScore { distance, with_inputs })
+    }
 }
 
 struct State<'g> {
@@ -90,17 +122,27 @@ impl State<'_> {
             if bytes == 0 || xs.iter().any(|&x| !self.evictable[x] || self.locked[x]) {
                 continue;
             }
-            let distance = match self.score {
-                EvictionScore::Staleness => {
+            let distance = match self.score.distance {
+                Distance::Staleness => {
                     let newest = xs.iter().map(|&x| self.last_access[x]).max().unwrap_or(0);
                     (self.clock - newest + 1) as f64
                 }
-                EvictionScore::NextUse => {
+                Distance::NextUse => {
                     let next = xs.iter().map(|&x| self.next_read(x)).min().unwrap_or(u32::MAX);
                     (next.saturating_sub(self.pos) as f64) + 1.0
                 }
             };
-            let redo: f64 = xs.iter().filter_map(|&x| self.producer[x]).map(|p| self.g.ops[p].time).sum();
+            let mut redo = 0.0;
+            for p in xs.iter().filter_map(|&x| self.producer[x]) {
+                redo += self.g.ops[p].time;
+                if self.score.with_inputs {
+                    for &y in &self.g.ops[p].inputs {
+                        if !self.alive(y) {
+                            redo += self.producer[y].map_or(0.0, |q| self.g.ops[q].time);
+                        }
+                    }
+                }
+            }
             let score = (redo + 1e-12) / (bytes as f64 * distance);
             let first = xs.iter().copied().min().unwrap_or(usize::MAX);
             if best.is_none_or(|(s, f, _)| score < s || (score == s && first < f)) {
@@ -191,7 +233,7 @@ impl State<'_> {
     }
 }
 
-/// The greedy eviction schedule of `g` within `budget` bytes, by DTR's staleness score; see
+/// The greedy eviction schedule of `g` within `budget` bytes, by DTR's score; see
 /// [`greedy_eviction_scored`].
 pub fn greedy_eviction(
     g: &Graph,
@@ -199,7 +241,7 @@ pub fn greedy_eviction(
     time_limit: Option<f64>,
     stop: &Stop,
 ) -> Result<Option<Schedule>, Stopped> {
-    greedy_eviction_scored(g, budget, EvictionScore::Staleness, time_limit, stop)
+    greedy_eviction_scored(g, budget, EvictionScore::DTR, time_limit, stop)
 }
 
 /// The greedy eviction schedule of `g` within `budget` bytes, evicting by `score`; None when it
@@ -224,7 +266,7 @@ pub fn greedy_eviction_scored(
         .collect();
     // reads still to come in the op order (an op reading a tensor twice counts once)
     let mut uses = vec![0usize; nt];
-    let mut reads_at: Vec<Vec<u32>> = vec![Vec::new(); if score == EvictionScore::NextUse { nt } else { 0 }];
+    let mut reads_at: Vec<Vec<u32>> = vec![Vec::new(); if score.distance == Distance::NextUse { nt } else { 0 }];
     let mut buf: Vec<TensorId> = Vec::new();
     for (n, &o) in order.iter().enumerate() {
         buf.clear();
