@@ -123,37 +123,50 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     staleness (ops since the last use) or the ops until the next use, which a planner knows
     ahead; the recompute time is the value's producer's, or with ``+inputs`` also that of the
     producers of its inputs that are not alive. None wins everywhere (milliseconds each on a few
-    hundred ops; on the 10k-op LSTM 0.3 s for all four, 2.4 s refined), so all run and the
-    faster schedule is returned;
-    with ``refined``, each after ``refine`` (evictions leave slack, and which refines better is
-    not which was faster before: the bench's U-Net at 50%, +60.3% -> +26.2% by staleness,
-    +59.6% -> +42.5% by next use). ``time_limit`` covers it all."""
+    hundred ops; on the 10k-op LSTM 0.3 s for all four), so all run and the fastest schedule
+    is returned; with ``refined``, after ``refine`` (evictions leave slack, and which refines
+    better is not which was faster before: the bench's U-Net at 50%, +60.3% -> +26.2% by
+    staleness, +59.6% -> +42.5% by next use). ``time_limit`` covers it all."""
     from hrockmate import _native
     from hrockmate.planning.refine import refine
 
     deadline = None if time_limit is None else _time.perf_counter() + time_limit
-    best: tuple[float, list[Step], int] | None = None
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - _time.perf_counter())
+
+    runs: list[tuple[float, list[Step], int]] = []  # (simulated time, steps, forward length)
     for score in EVICTION_SCORES:
-        left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
-        if left == 0.0 and best is not None:
+        if left() == 0.0 and runs:
             break
         found = call_native(_native.greedy_eviction, graph, budget_bytes=int(budget),
-                            time_limit=left, score=score)
-        if found is None:
-            continue
-        steps, fl = Schedule.from_arrays(*found).steps, int(found[2])
-        r = None
-        if refined:
-            # (a quarter of the time left: the next score's run and refinement follow)
-            r = refine(graph, steps, fl, budget, deadline=None if deadline is None else
-                       _time.perf_counter() + max(0.0, deadline - _time.perf_counter()) / 4)
-        if r is not None:
-            steps, fl, t = r.steps, r.forward_len, r.time
-        else:
-            t = float(simulate(graph, Schedule(steps, fl)).time)
-        if best is None or t < best[0]:
-            best = (t, steps, fl)
-    return None if best is None else (best[1], best[2])
+                            time_limit=left(), score=score)
+        if found is not None:
+            steps, fl = Schedule.from_arrays(*found).steps, int(found[2])
+            runs.append((float(simulate(graph, Schedule(steps, fl)).time), steps, fl))
+    runs.sort(key=lambda r: r[0])
+    if refined:
+        # each refinement takes 0.3-0.6 s on graphs of 10k ops: there only the two fastest
+        # schedules are refined (the refinement's winner was among them on the 10k-op LSTM and
+        # the 24-layer encoder-decoder); on smaller graphs all, since the order can change
+        # (the bench's U-Net at 50%: the second slowest became the fastest)
+        for k, (t, steps, fl) in enumerate(runs[:2 if graph.num_ops > REFINE_ALL_OPS else None]):
+            budget_left = left()
+            if budget_left == 0.0:
+                break
+            # (a share of the time left: the other refinements follow)
+            r = refine(graph, steps, fl, budget, deadline=None if budget_left is None
+                       else _time.perf_counter() + budget_left / (len(runs) - k + 1))
+            if r is not None:
+                runs[k] = (r.time, r.steps, r.forward_len)
+    if not runs:
+        return None
+    _, steps, fl = min(runs, key=lambda r: r[0])
+    return steps, fl
+
+
+#: Graphs with more ops than this have only their two fastest greedy schedules refined.
+REFINE_ALL_OPS = 2000
 
 
 class CheckpointPoint(NamedTuple):
