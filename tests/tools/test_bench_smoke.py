@@ -134,3 +134,26 @@ def test_zoo_entries_build_or_explain() -> None:
             assert len(zoo[name].blocks(model)) >= 1
     with pytest.raises(ValueError, match="unknown size"):
         zoo["gpt2"].build("huge")
+
+
+def test_runtime_overhead_bench_on_the_zoo(tmp_path: Path) -> None:
+    """``benches/runtime_overhead.py --zoo``: hrockmate at 100% of store-all against eager on
+    a zoo model, with the forward call's host time of each."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benches" / "runtime_overhead.py"
+    spec = importlib.util.spec_from_file_location("runtime_overhead", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "ro.json"
+    assert bench.main(["--zoo", "tiny", "--models", "resnet_bn", "--iters", "2", "--warmup", "1",
+                       "--threads", "1", "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["model"] == "resnet_bn" and r["ops"] > 0
+    for key in ("eager_median_s", "hrockmate_median_s", "eager_forward_host_median_s",
+                "hrockmate_forward_host_median_s"):
+        assert r[key] > 0, key
+    assert r["hrockmate_forward_host_median_s"] < r["hrockmate_median_s"]
+    with pytest.raises(SystemExit):
+        bench.main(["--zoo", "tiny", "--models", "no_such_model", "--out", str(out)])
