@@ -12,8 +12,8 @@ validates every result with the simulator and picks among them with ``method=``:
   fastest one that fits the budget;
 - ``selective``: the same, but also keeping the outputs of matmuls, convolutions and attention
   (torchtitan-style selective checkpointing);
-- ``greedy``: greedy eviction in the op order, DTR-style (``greedy_eviction_schedule``; two
-  eviction scores, the faster refined schedule): needs no structure, so it serves graphs with
+- ``greedy``: greedy eviction in the op order, DTR-style (``greedy_eviction_schedule``; four
+  eviction scores, the fastest refined schedule): needs no structure, so it serves graphs with
   long skips that the block strategies cannot cut;
 - ``checkmate``: Checkmate's exact MILP over the whole op graph (only for small graphs: HiGHS
   stalls around 75 ops, so it runs under a time limit).
@@ -150,13 +150,13 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
         # schedules are refined (the refinement's winner was among them on the 10k-op LSTM and
         # the 24-layer encoder-decoder); on smaller graphs all, since the order can change
         # (the bench's U-Net at 50%: the second slowest became the fastest)
-        for k, (t, steps, fl) in enumerate(runs[:2 if graph.num_ops > REFINE_ALL_OPS else None]):
-            budget_left = left()
-            if budget_left == 0.0:
+        for k, (_, steps, fl) in enumerate(runs[:2 if graph.num_ops > REFINE_ALL_OPS else None]):
+            remaining = left()
+            if remaining == 0.0:
                 break
             # (a share of the time left: the other refinements follow)
-            r = refine(graph, steps, fl, budget, deadline=None if budget_left is None
-                       else _time.perf_counter() + budget_left / (len(runs) - k + 1))
+            r = refine(graph, steps, fl, budget, deadline=None if remaining is None
+                       else _time.perf_counter() + remaining / (len(runs) - k + 1))
             if r is not None:
                 runs[k] = (r.time, r.steps, r.forward_len)
     if not runs:
