@@ -315,8 +315,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     # once, and a search that finds nothing better stops on the stall rule
                     # instead of the time limit
                     starts += kw.get("starts", [])
-                    # (unrefined: a start fits the op level's stage structure as made)
-                    found = reference.greedy_eviction_schedule(graph, b, left, refined=False)
+                    found = reference.greedy_eviction_schedule(graph, b, left)
                     starts += [found[0]] if found is not None else []
                     if starts and until is not None:  # a plan in hand: HiGHS only improves it
                         left = improve_seconds(until, left) or 1.0

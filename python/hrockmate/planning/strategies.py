@@ -108,8 +108,8 @@ def block_checkpoint_schedule(graph: Graph, blocks: int,
 EVICTION_SCORES = ("staleness", "next_use", "staleness+inputs", "next_use+inputs")
 
 
-def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None = None, *,
-                             refined: bool = True) -> tuple[list[Step], int] | None:
+def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None = None
+                             ) -> tuple[list[Step], int] | None:
     """A dynamic-tensor-rematerialization-style greedy (Kirisame et al., ICLR 2021), planned
     ahead: run the ops in order; before an op whose inputs and outputs would pass ``budget``,
     evict forward values; a value needed again after its eviction is recomputed from what is
@@ -124,9 +124,9 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     ahead; the recompute time is the value's producer's, or with ``+inputs`` also that of the
     producers of its inputs that are not alive. None wins everywhere (milliseconds each on a few
     hundred ops; on the 10k-op LSTM 0.3 s for all four), so all run and the fastest schedule
-    is returned; with ``refined``, after ``refine`` (evictions leave slack, and which refines
-    better is not which was faster before: the bench's U-Net at 50%, +60.3% -> +26.2% by
-    staleness, +59.6% -> +42.5% by next use). ``time_limit`` covers it all."""
+    after ``refine`` is returned (evictions leave slack, and which refines better is not which
+    was faster before: the bench's U-Net at 50%, +60.3% -> +26.2% by staleness, +59.6% ->
+    +42.5% by next use). ``time_limit`` covers it all."""
     from hrockmate import _native
     from hrockmate.planning.refine import refine
 
@@ -145,20 +145,19 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
             steps, fl = Schedule.from_arrays(*found).steps, int(found[2])
             runs.append((float(simulate(graph, Schedule(steps, fl)).time), steps, fl))
     runs.sort(key=lambda r: r[0])
-    if refined:
-        # each refinement takes 0.3-0.6 s on graphs of 10k ops: there only the two fastest
-        # schedules are refined (the refinement's winner was among them on the 10k-op LSTM and
-        # the 24-layer encoder-decoder); on smaller graphs all, since the order can change
-        # (the bench's U-Net at 50%: the second slowest became the fastest)
-        for k, (_, steps, fl) in enumerate(runs[:2 if graph.num_ops > REFINE_ALL_OPS else None]):
-            remaining = left()
-            if remaining == 0.0:
-                break
-            # (a share of the time left: the other refinements follow)
-            r = refine(graph, steps, fl, budget, deadline=None if remaining is None
-                       else _time.perf_counter() + remaining / (len(runs) - k + 1))
-            if r is not None:
-                runs[k] = (r.time, r.steps, r.forward_len)
+    # each refinement takes 0.3-0.6 s on graphs of 10k ops: there only the two fastest
+    # schedules are refined (the refinement's winner was among them on the 10k-op LSTM and the
+    # 24-layer encoder-decoder); on smaller graphs all, since the order can change (the
+    # bench's U-Net at 50%: the second slowest became the fastest)
+    for k, (_, steps, fl) in enumerate(runs[:2 if graph.num_ops > REFINE_ALL_OPS else None]):
+        remaining = left()
+        if remaining == 0.0:
+            break
+        # (a share of the time left: the other refinements follow)
+        r = refine(graph, steps, fl, budget, deadline=None if remaining is None
+                   else _time.perf_counter() + remaining / (len(runs) - k + 1))
+        if r is not None:
+            runs[k] = (r.time, r.steps, r.forward_len)
     if not runs:
         return None
     _, steps, fl = min(runs, key=lambda r: r[0])
