@@ -121,6 +121,9 @@ def checkpoint_points(
     keeps its schedule; with ``time_limit`` the counts nearest sqrt(n) come first and the rest
     are dropped once it has passed."""
 
+#: The names ``greedy_eviction`` takes as ``score`` (``greedy::EvictionScore::NAMES``).
+EVICTION_SCORES: list[str]
+
 def greedy_eviction(
     budget_bytes: int, time_limit: float | None = None, score: str = "staleness",
     **graph: _GraphArg

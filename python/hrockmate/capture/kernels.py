@@ -126,10 +126,6 @@ def in_place_kernel(target: Any,
         return None
     packet, overload = target._schema.name.split("::")[1], target._overloadname
     if packet.endswith("_functional"):
-        if device_type == "cuda" and target in _EAGER_CUDA_IN_PLACE:
-            fn = _EAGER_CUDA_IN_PLACE[target]
-            return fn, _written_arguments(
-                getattr(getattr(_aten, packet[: -len("_functional")]), overload))
         mutating = getattr(getattr(_aten, packet[: -len("_functional")], None), overload, None)
         if mutating is None:
             return None
@@ -137,6 +133,8 @@ def in_place_kernel(target: Any,
         n_own = len(mutating._schema.returns)
         if not written or n_own + len(written) != len(target._schema.returns):
             return None
+        if device_type == "cuda" and target in _EAGER_CUDA_IN_PLACE:
+            return _EAGER_CUDA_IN_PLACE[target], written
         return _returning(kernel(mutating, device_type), written), written
     sibling = getattr(getattr(_aten, packet + "_", None), overload, None)
     if sibling is None or _written_arguments(sibling) != (0,) or len(

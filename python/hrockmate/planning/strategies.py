@@ -103,11 +103,6 @@ def block_checkpoint_schedule(graph: Graph, blocks: int,
     return Schedule.from_arrays(kind, ids, fl).steps, int(fl)
 
 
-#: The core's eviction scores (``greedy::EvictionScore::NAMES``), each tried by
-#: ``greedy_eviction_schedule``
-EVICTION_SCORES = ("staleness", "next_use", "staleness+inputs", "next_use+inputs")
-
-
 def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None = None
                              ) -> tuple[list[Step], int] | None:
     """A dynamic-tensor-rematerialization-style greedy (Kirisame et al., ICLR 2021), planned
@@ -122,11 +117,11 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     The core evicts by a score, recompute time / (bytes x a distance): the distance is DTR's
     staleness (ops since the last use) or the ops until the next use, which a planner knows
     ahead; the recompute time is the value's producer's, or with ``+inputs`` also that of the
-    producers of its inputs that are not alive. None wins everywhere (milliseconds each on a few
-    hundred ops; on the 10k-op LSTM 0.3 s for all four), so all run and the fastest schedule
-    after ``refine`` is returned (evictions leave slack, and which refines better is not which
-    was faster before: the bench's U-Net at 50%, +60.3% -> +26.2% by staleness, +59.6% ->
-    +42.5% by next use). ``time_limit`` covers it all."""
+    producers of its inputs that are not alive (the names: ``_native.EVICTION_SCORES``). None
+    wins everywhere (milliseconds each on a few hundred ops; on the 10k-op LSTM 0.3 s for all
+    four), so all run and the fastest schedule after ``refine`` is returned (evictions leave
+    slack, and which refines better is not which was faster before: the bench's U-Net at 50%,
+    +60.3% -> +26.2% by staleness, +59.6% -> +42.5% by next use). ``time_limit`` covers it all."""
     from hrockmate import _native
     from hrockmate.planning.refine import refine
 
@@ -136,7 +131,7 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
         return None if deadline is None else max(0.0, deadline - _time.perf_counter())
 
     runs: list[tuple[float, list[Step], int]] = []  # (simulated time, steps, forward length)
-    for score in EVICTION_SCORES:
+    for score in _native.EVICTION_SCORES:
         if left() == 0.0 and runs:
             break
         found = call_native(_native.greedy_eviction, graph, budget_bytes=int(budget),

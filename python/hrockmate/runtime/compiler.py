@@ -406,7 +406,7 @@ class _Compiler:
             fresh = [(t, i) for t, i in self._output_slots(k) if not alive[t]]
             call = calls[pos]
             assert call is not None
-            if done[k] == 0:
+            if done[k] == 0 and any(t in buffer_of_update for t, _ in fresh):
                 in_place = self._in_place_write_back(k, pos, buffer_of_update, buffer_tensor,
                                                      last_read, viewed)
                 if in_place is not None:

@@ -346,5 +346,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_checkpoint_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_points, m)?)?;
     m.add_function(wrap_pyfunction!(greedy_eviction, m)?)?;
+    m.add("EVICTION_SCORES", EvictionScore::NAMES.to_vec())?;
     Ok(())
 }
