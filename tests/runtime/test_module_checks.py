@@ -253,3 +253,59 @@ def test_a_model_that_edits_itself_once_in_its_forward_is_followed(
         opt.zero_grad()
         ref_opt.zero_grad()
 
+
+
+# ---- the per-call check itself ---------------------------------------------------------------
+def _tied_net() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _Net()
+    model.register_buffer("steps", torch.zeros(3))
+    model.fc2 = nn.Linear(8, 8)
+    model.fc2.weight = model.fc.weight  # tied: appears twice in the module tree
+    return model, torch.randn(4, 8)
+
+
+_EDITS = {
+    "nothing": lambda m: None,
+    "train flag": lambda m: m.act.eval(),
+    "requires_grad": lambda m: m.fc.bias.requires_grad_(False),
+    "data reshaped in place": lambda m: setattr(m.head.weight, "data", torch.zeros(2, 9)),
+    "data cast in place": lambda m: setattr(m.head.bias, "data", m.head.bias.data.double()),
+    "data strided in place": lambda m: setattr(m.fc.weight, "data", torch.zeros(8, 8).t()),
+    "same-shaped parameter": lambda m: setattr(m.head, "weight", nn.Parameter(torch.ones(2, 8))),
+    "same-shaped buffer": lambda m: setattr(m, "steps", torch.ones(3)),
+    "untied": lambda m: setattr(m.fc2, "weight", nn.Parameter(torch.ones(8, 8))),
+    "module replaced": lambda m: setattr(m, "act", nn.GELU()),
+    "buffer added": lambda m: m.act.register_buffer("x", torch.ones(1)),
+    "child renamed": lambda m: setattr(m, "_modules",
+                                       {("tail" if k == "head" else k): v
+                                        for k, v in m._modules.items()}),
+}
+
+
+@pytest.mark.parametrize("without_guard", [False, True], ids=["fast path", "fingerprint only"])
+@pytest.mark.parametrize("edit", list(_EDITS))
+def test_the_per_call_check_agrees_with_the_fingerprint(
+        edit: str, without_guard: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_ModelCheck`` answers the common case (nothing changed) from C-level loops and
+    TorchDynamo's tensor guard; whatever the edit, its answer is the full fingerprint's, and after
+    a change the fingerprint accepts (a same-shaped replacement) the fast path answers again."""
+    from hrockmate.runtime import module as runtime_module
+
+    if without_guard:  # (a torch without the guard class: the fingerprint decides every call)
+        monkeypatch.setattr(runtime_module, "_TensorGuards", None)
+    model, _ = _tied_net()
+    check = runtime_module._ModelCheck(model)
+    if not without_guard and runtime_module._TensorGuards is not None:
+        assert check._fast()
+    assert check.matches(model)
+    _EDITS[edit](model)
+    same = runtime_module._model_fingerprint(model) == check.fingerprint
+    assert check.matches(model) == same
+    # (strides are not part of the fingerprint: a transposed copy of the same shape is no edit)
+    assert same == (edit in ("nothing", "same-shaped parameter", "same-shaped buffer",
+                             "data strided in place"))
+    if same and not without_guard and runtime_module._TensorGuards is not None:
+        assert check._fast()  # the accepted state is the new reference
+    if not same:
+        assert not check.matches(model)  # (and stays refused: no reference was taken)

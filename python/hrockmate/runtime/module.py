@@ -25,7 +25,7 @@ Semantics kept from eager PyTorch:
 A call whose inputs differ from the traced sample (structure, shape, dtype or device of a tensor,
 or the value of a non-tensor argument) raises ``InputMismatchError``; build a new ``HRockmate``
 for the new input (its plan depends on the shapes). Each call also compares the model with the
-model as traced (``_model_fingerprint``, no tensor data read): a changed ``requires_grad`` or
+model as traced (``_ModelCheck``, no tensor data read): a changed ``requires_grad`` or
 training flag makes it trace and plan again; an edit (modules or tensors added, removed,
 replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times are cached on disk
 (``hrockmate.planning.cache``). Pickling keeps the model and the plan and rebuilds the trace and
@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -275,6 +276,18 @@ _NOT_REBUILT = (
 )
 
 
+def _modules_in_order(model: nn.Module) -> list[nn.Module]:
+    """The module tree in depth-first pre-order, children in registration order (the order
+    ``_model_fingerprint`` lists them in)."""
+    out: list[nn.Module] = []
+    stack = [model]
+    while stack:
+        mod = stack.pop()
+        out.append(mod)
+        stack.extend(c for c in reversed(mod._modules.values()) if c is not None)
+    return out
+
+
 def _model_fingerprint(model: nn.Module) -> list[Any]:
     """What the traced iteration depends on in the model, as far as it can be checked at every
     call without reading tensor data (one flat list, cheap to build and compare): the module
@@ -286,9 +299,7 @@ def _model_fingerprint(model: nn.Module) -> list[Any]:
     first_use: dict[int, int] = {}
     out: list[Any] = []
     add = out.append
-    stack = [model]
-    while stack:
-        mod = stack.pop()
+    for mod in _modules_in_order(model):
         children = mod._modules
         add(id(mod))
         add(mod.training)
@@ -308,8 +319,87 @@ def _model_fingerprint(model: nn.Module) -> list[Any]:
                 add(b.shape)
                 add(b.dtype)
                 add(b.device)
-        stack.extend(c for c in reversed(children.values()) if c is not None)
     return out
+
+
+try:  # TorchDynamo's guard on tensor metadata, checked in C++ (private API: used when present)
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - depends on the torch build
+    _TensorGuards = None
+
+_TRAINING = operator.attrgetter("training")
+_CONTAINERS = operator.attrgetter("_modules", "_parameters", "_buffers")
+_chain = itertools.chain.from_iterable
+
+
+def _picker(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A function taking the items at ``positions`` of a sequence, as a tuple."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)  # (one item: itemgetter returns it bare)
+    return lambda seq: tuple(seq[i] for i in positions)
+
+
+class _ModelCheck:
+    """Whether the model is still as traced, asked at every training call.
+
+    ``_model_fingerprint`` decides; it reads each tensor's metadata in Python, which on a slow
+    host costs a few hundred microseconds per call, all before the first kernel of the step is
+    launched. The common case, nothing changed since the last call, is answered first by a
+    fast path of C-level loops: the same modules with the same training flags, the same names
+    and the same objects in their child, parameter and buffer dicts, and the tensors' metadata
+    unchanged (TorchDynamo's ``TensorGuards``: shape, strides, dtype, device,
+    ``requires_grad``). When the fast path sees any difference the fingerprint decides, and a
+    model that still matches (a parameter replaced by a same-shaped one, a changed dispatch
+    context) is taken as the new reference for the fast path."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.fingerprint = _model_fingerprint(model)
+        self._reference(model)
+
+    def _reference(self, model: nn.Module) -> None:
+        self._modules = _modules_in_order(model)
+        self._training = list(map(_TRAINING, self._modules))
+        containers = list(_chain(map(_CONTAINERS, self._modules)))
+        # most child and buffer dicts are empty: their sizes are compared, their contents not
+        self._sizes = list(map(len, containers))
+        self._filled = _picker([i for i, n in enumerate(self._sizes) if n])
+        filled = self._filled(containers)
+        self._names = list(_chain(filled))
+        values = list(_chain(map(dict.values, filled)))
+        # (module identities cannot be reused while this holds the modules; a tensor's id can,
+        # but the guard below checks the metadata of whatever tensor is there now)
+        self._ids = list(map(id, values))
+        seen: set[int] = set()  # (the guard takes each tensor once: tied weights appear twice)
+        self._tensors = _picker([i for i, v in enumerate(values) if isinstance(v, torch.Tensor)
+                                 and not (id(v) in seen or seen.add(id(v)))])
+        self._guard = None
+        if _TensorGuards is not None:
+            try:
+                self._guard = _TensorGuards(*self._tensors(values), dynamic_dims_sizes=None,
+                                            dynamic_dims_strides=None)
+            except Exception:  # (another torch's signature: the fingerprint alone decides)
+                self._guard = None
+
+    def _fast(self) -> bool:
+        if self._guard is None or list(map(_TRAINING, self._modules)) != self._training:
+            return False
+        containers = list(_chain(map(_CONTAINERS, self._modules)))
+        if list(map(len, containers)) != self._sizes:
+            return False
+        filled = self._filled(containers)
+        if list(_chain(filled)) != self._names:
+            return False
+        values = list(_chain(map(dict.values, filled)))
+        return list(map(id, values)) == self._ids and self._guard.check(*self._tensors(values))
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether ``model`` (the traced model object) is as traced."""
+        if self._fast():
+            return True
+        if _model_fingerprint(model) != self.fingerprint:
+            return False
+        self._reference(model)
+        return True
 
 
 @dataclass
@@ -488,7 +578,9 @@ class HRockmate(nn.Module):
         self._hr_input_slot = {flat: s for s, flat in enumerate(tensor_leaf)}
         self._hr_tensor_leaf = tensor_leaf
         self._hr_input_spec = traced.input_spec
-        self._hr_input_meta = list(traced.input_meta)
+        self._hr_input_meta = [  # (a torch.device, so that calls compare without converting)
+            (m[0], m[1], torch.device(m[2])) if _is_tensor_meta(m) else m
+            for m in traced.input_meta]
         self._hr_positional_tensors = (
             not kwargs
             and len(tensor_leaf) == len(leaves)
@@ -509,7 +601,7 @@ class HRockmate(nn.Module):
         # Taken after the trace: a model may edit itself in its forward (transformers' BigBird
         # swaps its attention modules for full attention on short inputs), and the trace and
         # the slots above are of the model as that call left it.
-        self._hr_fingerprint = _model_fingerprint(model)
+        self._hr_fingerprint = _ModelCheck(model)
         self._hr_snapshot = _ModelSnapshot.of(model)
         edits, modes = _model_changes(before, self._hr_snapshot)
         if edits or modes:
@@ -646,7 +738,8 @@ class HRockmate(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return model(*args, **kwargs)
         leaves = self._check_inputs(args, kwargs)
-        if _model_fingerprint(model) != self.__dict__.get("_hr_fingerprint"):
+        check: _ModelCheck | None = self.__dict__.get("_hr_fingerprint")
+        if check is None or not check.matches(model):
             if not _needs_grad(model, leaves):
                 return model(*args, **kwargs)  # nothing to differentiate: plain forward
             self._follow_model(args, kwargs)
@@ -740,12 +833,12 @@ class HRockmate(nn.Module):
                 if not (isinstance(want, tuple) and len(want) == 3):
                     self._mismatch(args, kwargs, j, "a non-tensor value", "a tensor")
                 shape, dtype, device = want
-                if tuple(leaf.shape) != tuple(shape):
+                if leaf.shape != shape:  # (torch.Size is a tuple)
                     self._mismatch(args, kwargs, j, f"shape {tuple(shape)}",
                                    f"shape {tuple(leaf.shape)}")
                 if leaf.dtype != dtype:
                     self._mismatch(args, kwargs, j, f"dtype {dtype}", f"dtype {leaf.dtype}")
-                if leaf.device != torch.device(device):
+                if leaf.device != device:
                     self._mismatch(args, kwargs, j, f"device {device}", f"device {leaf.device}")
                 if leaf.requires_grad and j not in self._hr_input_grad_leaves:
                     name = _leaf_names(args, kwargs)[j]
@@ -754,7 +847,7 @@ class HRockmate(nn.Module):
                         "gradient for it was planned; build HRockmate with a sample whose "
                         f"{name} requires grad"
                     )
-            elif isinstance(want, tuple) and len(want) == 3 and isinstance(want[1], torch.dtype):
+            elif _is_tensor_meta(want):
                 self._mismatch(args, kwargs, j, "a tensor", f"{type(leaf).__name__} {leaf!r}")
             elif not _same_value(leaf, want):
                 self._mismatch(args, kwargs, j, f"value {want!r}", f"value {leaf!r}")
@@ -774,6 +867,11 @@ class HRockmate(nn.Module):
             f"argument {name} differs from the traced sample: traced with {traced}, called with "
             f"{got}; the plan is specific to the sample, so build a new HRockmate for this input"
         )
+
+
+def _is_tensor_meta(meta: Any) -> bool:
+    """Whether a traced input leaf's entry describes a tensor (shape, dtype, device)."""
+    return isinstance(meta, tuple) and len(meta) == 3 and isinstance(meta[1], torch.dtype)
 
 
 def _same_value(a: Any, b: Any) -> bool:
