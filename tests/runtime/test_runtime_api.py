@@ -209,3 +209,70 @@ def test_a_reserve_for_the_runtimes_bytes_solves_a_tight_budget_once(monkeypatch
     assert floor == info.value.min_bytes + extra
     # far below any op's own needs: the solver's proven floor and its reason reach the caller
     assert info.value.why and why.startswith(info.value.why) and "the runtime keeps" in why
+
+
+def test_the_first_round_reserves_what_a_plan_may_add(monkeypatch) -> None:
+    """The bytes a plan may add at runtime (a generator state per replayed random op, an old
+    value per recomputed buffer update) are set aside in the first round when they are a small
+    share of the budget, and given back when they alone make the budget infeasible."""
+    from graph_builders import training_graph
+
+    import hrockmate.planning.api as api
+    from hrockmate import InfeasibleBudget
+    from hrockmate.ir.schedule import simulate, store_all_schedule
+    from hrockmate.runtime.module import POSSIBLE_RESERVE_SHARE, solve_within_budget
+
+    graph = training_graph(12, seed=3)
+    store_all = int(simulate(graph, store_all_schedule(graph)).peak_bytes)
+    targets: list[int] = []
+    solve = api.solve_graph
+
+    def counting_solve(g, budget, **options):
+        targets.append(budget)
+        return solve(g, budget, **options)
+
+    monkeypatch.setattr(api, "solve_graph", counting_solve)
+    options = {"time_limit": 10, "progress": False}
+    extra = 64
+    budget = int(0.7 * store_all)
+    possible = int(POSSIBLE_RESERVE_SHARE * budget)
+    assert possible > 0
+
+    def compile_fn(schedule):
+        return _Program(extra + possible)  # the plan replays everything it could
+
+    plan, peak, _ = solve_within_budget(graph, budget, options, compile_fn, reserve_bytes=extra,
+                                        possible_reserve_bytes=possible)
+    assert targets == [budget - extra - possible]  # one round: it fits as compiled
+    assert peak + extra + possible <= budget
+    # more than the share: not reserved up front (the rounds find out)
+    targets.clear()
+    solve_within_budget(graph, budget, options, lambda s: _Program(extra), reserve_bytes=extra,
+                        possible_reserve_bytes=budget // 2)
+    assert targets == [budget - extra]
+    # reserved, it would make a budget infeasible that the reserve alone allows: given back
+    # (a solver whose lowest peak is a known plan's, so that the floor is exact)
+    known = solve(graph, budget, **options)
+    lowest = known.peak_bytes
+
+    def floored_solve(g, budget, **options):
+        targets.append(budget)
+        if budget < lowest:
+            raise InfeasibleBudget(budget, lowest, g.name)
+        return known
+
+    monkeypatch.setattr(api, "solve_graph", floored_solve)
+    tight = lowest + extra
+    small = max(1, int(POSSIBLE_RESERVE_SHARE * tight))
+    targets.clear()
+    plan, peak, _ = solve_within_budget(graph, tight, options, lambda s: _Program(extra),
+                                        reserve_bytes=extra, possible_reserve_bytes=small)
+    assert targets == [tight - extra - small, tight - extra]
+    assert plan is known and peak + extra <= tight
+    # an infeasible budget is still one, with the reserve in its minimum, and is not solved
+    # again when giving the possible bytes back cannot make it feasible
+    targets.clear()
+    with pytest.raises(InfeasibleBudget) as info:
+        solve_within_budget(graph, tight - 1, options, lambda s: _Program(extra),
+                            reserve_bytes=extra, possible_reserve_bytes=small)
+    assert info.value.min_bytes == tight and len(targets) == 1

@@ -73,6 +73,10 @@ class Program:
     #: recomputations read after write-back (at most), and on CUDA the caching allocator's
     #: unsplit block remainder (``capture.tracing.allocator_slack_bytes``)
     extra_bytes: int
+    #: the most ``extra_bytes`` of any schedule of this graph exceeds this program's: a saved
+    #: state for every random op not replayed here, an old value for every updated buffer not
+    #: kept here (what a planner reserves so that its first plan fits with the runtime's bytes)
+    possible_extra_bytes: int = 0
 
 
 def _resolve_generator(node: torch.fx.Node) -> torch.Generator:
@@ -95,6 +99,15 @@ def _resolve_generator(node: torch.fx.Node) -> torch.Generator:
 def _state_nbytes(gen: torch.Generator) -> int:
     """Bytes of one saved state of ``gen`` (5056 for the CPU Mersenne twister, 16 on CUDA)."""
     return int(gen.get_state().nbytes)
+
+
+def _replay_state_nbytes(node: torch.fx.Node) -> int:
+    """Bytes of the generator state a replay of random op ``node`` would save (0 where replays
+    are not supported: compiling a schedule that replays it fails with the reason)."""
+    try:
+        return _state_nbytes(_resolve_generator(node))
+    except RuntimeScheduleError:
+        return 0
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -373,6 +386,8 @@ class _Compiler:
                 state_bytes[k] = _state_nbytes(gen)
 
         cuts, rng_bytes = self._chunk_cuts(grad_slot, state_bytes)
+        unreplayed_state_bytes = sum(_replay_state_nbytes(tr.op_nodes[k])
+                                     for k in random_ops if k not in rng_slot)
 
         aliased_masks_only = set(mask_of_pack.values()) - packed_needed
         dropped_at = {to: deferred_free_pos for deferred_free_pos, to in deferred_free.items()}
@@ -381,6 +396,7 @@ class _Compiler:
         alive = list(preexisting)
         done = [0] * g.num_ops
         written_back: set[int] = set()
+        kept_old_values: set[int] = set()  # buffers whose old value is kept for recomputations
         viewed = {g.storage_root(t) for t in range(n_t) if g.tensors[t].alias_of is not None}
         fwd_body: list[str] = []
         chunk_bodies: list[list[str]] = [list(head_bwd)]
@@ -449,6 +465,7 @@ class _Compiler:
                         # a later recomputation reads the buffer: keep its old value for it
                         lines.append(f"E[{bt}] = E[{bt}].clone()")
                         extra_bytes += g.tensors[bt].bytes
+                        kept_old_values.add(bt)
                     lines.append(f"B[{self.buffer_slot[b]}].copy_(E[{t}])")
             out.extend(lines)
         tail = []
@@ -511,6 +528,9 @@ class _Compiler:
             recomputed_ops=sum(max(0, r - 1) for r in runs),
             modelled_peak_bytes=self._modelled_peak,
             extra_bytes=rng_bytes + extra_bytes + allocator_slack_bytes(g, tr.device),
+            possible_extra_bytes=unreplayed_state_bytes + sum(
+                g.tensors[bt].bytes for b, bt in buffer_tensor.items()
+                if b in tr.buffer_updates and bt not in kept_old_values),
         )
 
     def _compact_masks(self) -> tuple[dict[int, int], dict[int, int]]:

@@ -975,29 +975,46 @@ def _choose_schedule(
             prepared[options_key] = options
     # store-all's extra bytes (the allocator's slack, mostly) are what most plans add too: the
     # first round solves for what is left, so that a tight budget is not solved twice
-    new_plan, peak, program = solve_within_budget(graph, budget_bytes, options, compile_fn,
-                                                  reserve_bytes=program.extra_bytes)
+    new_plan, peak, program = solve_within_budget(
+        graph, budget_bytes, options, compile_fn, reserve_bytes=program.extra_bytes,
+        possible_reserve_bytes=program.possible_extra_bytes)
     if store is not None:
         store.save_plan(key, new_plan)
     return new_plan.schedule, new_plan, peak, program
 
 
+#: The largest share of the budget that ``solve_within_budget`` sets aside in its first round for
+#: bytes a plan may add at runtime (generator states of random ops it replays, old values of
+#: buffers it recomputes); above it the rounds find out instead.
+POSSIBLE_RESERVE_SHARE = 0.01
+
+
 def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                         compile_fn: Callable[[Any], Program],
-                        reserve_bytes: int = 0) -> tuple[Any, int, Program]:
+                        reserve_bytes: int = 0, possible_reserve_bytes: int = 0,
+                        ) -> tuple[Any, int, Program]:
     """The solver's plan for ``graph`` (``solve_graph`` with ``options``) whose predicted peak,
     the simulated one plus what the runtime keeps beyond the graph's tensors
     (``Program.extra_bytes``: saved generator states, old buffer values, the CUDA allocator's
-    slack), fits ``budget_bytes``: solved for ``budget_bytes - reserve_bytes``, and while it does
-    not fit solved again for a budget reduced by its extra bytes (a few rounds). Returns (plan,
-    simulated peak, its compiled program); raises InfeasibleBudget when no round fits."""
+    slack), fits ``budget_bytes``.
+
+    The first round solves for ``budget_bytes - reserve_bytes - possible_reserve_bytes`` (the
+    latter, the most a plan's runtime bytes can exceed the reserve's, only while it is at most
+    ``POSSIBLE_RESERVE_SHARE`` of the budget, and dropped again when that makes the budget
+    infeasible where the reserve alone would not), so that its plan fits as compiled; while a
+    plan does not fit, the next round solves for a budget reduced by its extra bytes (a few
+    rounds). Returns (plan, simulated peak, its compiled program); raises InfeasibleBudget when
+    no round fits."""
     from hrockmate.ir.budget import format_bytes
     from hrockmate.ir.plan import InfeasibleBudget
     from hrockmate.ir.schedule import simulate
     from hrockmate.planning.api import solve_graph
 
     reserve_bytes = max(0, int(reserve_bytes))
-    target = budget_bytes - reserve_bytes
+    possible = max(0, int(possible_reserve_bytes))
+    if possible > POSSIBLE_RESERVE_SHARE * budget_bytes:
+        possible = 0
+    target = budget_bytes - reserve_bytes - possible
     min_bytes, why = budget_bytes + 1, ""
     for _ in range(4):
         if target <= 0:
@@ -1005,6 +1022,10 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
         try:
             plan = solve_graph(graph, max(target, 2), **options)  # (a bare 1 would mean 100%)
         except InfeasibleBudget as exc:  # (its lowest peak needs the runtime's bytes too)
+            if possible and exc.min_bytes + reserve_bytes <= budget_bytes:
+                # the possible bytes made it infeasible: the rounds find out what a plan adds
+                target, possible = budget_bytes - reserve_bytes, 0
+                continue
             if exc.min_bytes + reserve_bytes >= min_bytes:
                 min_bytes = exc.min_bytes + reserve_bytes
                 # a proven floor stays one: store-all's extra bytes are the fewest a plan has
