@@ -276,3 +276,29 @@ def test_the_first_round_reserves_what_a_plan_may_add(monkeypatch) -> None:
         solve_within_budget(graph, tight - 1, options, lambda s: _Program(extra),
                             reserve_bytes=extra, possible_reserve_bytes=small)
     assert info.value.min_bytes == tight and len(targets) == 1
+
+
+def test_a_budget_no_round_fits_names_the_smallest_peak_a_round_reached() -> None:
+    """When every round's plan needs more than the budget once compiled (each replays more
+    random ops than the last), the error names the smallest of their peaks: the budget the best
+    of them would have fitted, not the largest."""
+    from graph_builders import training_graph
+
+    from hrockmate import InfeasibleBudget
+    from hrockmate.ir.schedule import simulate, store_all_schedule
+    from hrockmate.runtime.module import solve_within_budget
+
+    graph = training_graph(12, seed=3)
+    budget = int(0.95 * simulate(graph, store_all_schedule(graph)).peak_bytes)
+    growing = iter([budget // 20, budget // 6, 2 * budget, 4 * budget])
+    totals: list[int] = []
+
+    def compile_fn(schedule):
+        extra = next(growing)
+        totals.append(int(simulate(graph, schedule).peak_bytes) + extra)
+        return _Program(extra)
+
+    with pytest.raises(InfeasibleBudget) as info:
+        solve_within_budget(graph, budget, {"time_limit": 10, "progress": False}, compile_fn)
+    assert len(totals) >= 2 and all(t > budget for t in totals)
+    assert info.value.min_bytes == min(totals) and not info.value.why

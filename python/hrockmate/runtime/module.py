@@ -1015,7 +1015,7 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
     if possible > POSSIBLE_RESERVE_SHARE * budget_bytes:
         possible = 0
     target = budget_bytes - reserve_bytes - possible
-    min_bytes, why = budget_bytes + 1, ""
+    reached: list[int] = []  # peaks with the runtime's bytes that plans (or the solver) reached
     for _ in range(4):
         if target <= 0:
             break
@@ -1026,21 +1026,23 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                 # the possible bytes made it infeasible: the rounds find out what a plan adds
                 target, possible = budget_bytes - reserve_bytes, 0
                 continue
-            if exc.min_bytes + reserve_bytes >= min_bytes:
-                min_bytes = exc.min_bytes + reserve_bytes
+            floor = exc.min_bytes + reserve_bytes
+            if exc.why and floor > budget_bytes:
                 # a proven floor stays one: store-all's extra bytes are the fewest a plan has
-                why = exc.why and exc.why + (
-                    f", and the runtime keeps {format_bytes(reserve_bytes)} beside the graph's "
-                    "tensors" if reserve_bytes else "")
+                why = exc.why + (f", and the runtime keeps {format_bytes(reserve_bytes)} beside "
+                                 "the graph's tensors" if reserve_bytes else "")
+                raise InfeasibleBudget(budget_bytes, floor, graph.name, why=why) from None
+            reached.append(floor)
             break
         plan.check_graph(graph)
         peak = int(simulate(graph, plan.schedule).peak_bytes)
         program = compile_fn(plan.schedule)
         if peak + program.extra_bytes <= budget_bytes:
             return plan, peak, program
-        min_bytes = max(min_bytes, peak + program.extra_bytes)
+        reached.append(peak + program.extra_bytes)
         target = min(target, budget_bytes - program.extra_bytes) - 1
-    raise InfeasibleBudget(budget_bytes, min_bytes, graph.name, why=why)
+    # (the smallest: a round's plan fits a budget of its peak with its runtime bytes)
+    raise InfeasibleBudget(budget_bytes, min(reached, default=budget_bytes + 1), graph.name)
 
 
 def _describe(graph: Any, schedule: Any, sim: Any, base: Any, budget_bytes: int,
