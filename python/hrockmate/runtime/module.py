@@ -988,6 +988,10 @@ def _choose_schedule(
 #: buffers it recomputes); above it the rounds find out instead.
 POSSIBLE_RESERVE_SHARE = 0.01
 
+#: Solve rounds of ``solve_within_budget`` at most (usually one; more only while plans' runtime
+#: bytes push them over the budget).
+MAX_ROUNDS = 4
+
 
 def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                         compile_fn: Callable[[Any], Program],
@@ -1002,9 +1006,9 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
     latter, the most a plan's runtime bytes can exceed the reserve's, only while it is at most
     ``POSSIBLE_RESERVE_SHARE`` of the budget, and dropped again when that makes the budget
     infeasible where the reserve alone would not), so that its plan fits as compiled; while a
-    plan does not fit, the next round solves for a budget reduced by its extra bytes (a few
-    rounds). Returns (plan, simulated peak, its compiled program); raises InfeasibleBudget when
-    no round fits."""
+    plan does not fit, the next round solves for a budget reduced by its extra bytes
+    (``MAX_ROUNDS`` in all). Returns (plan, simulated peak, its compiled program); raises
+    InfeasibleBudget when no round fits."""
     from hrockmate.ir.budget import format_bytes
     from hrockmate.ir.plan import InfeasibleBudget
     from hrockmate.ir.schedule import simulate
@@ -1015,8 +1019,9 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
     if possible > POSSIBLE_RESERVE_SHARE * budget_bytes:
         possible = 0
     target = budget_bytes - reserve_bytes - possible
-    reached: list[int] = []  # peaks with the runtime's bytes that plans (or the solver) reached
-    for _ in range(4):
+    reached: list[int] = []  # peaks with the runtime's bytes of the plans the rounds compiled
+    floor: int | None = None  # the lowest peak the solver reached, with the reserve
+    for _ in range(MAX_ROUNDS):
         if target <= 0:
             break
         try:
@@ -1032,7 +1037,6 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                 why = exc.why + (f", and the runtime keeps {format_bytes(reserve_bytes)} beside "
                                  "the graph's tensors" if reserve_bytes else "")
                 raise InfeasibleBudget(budget_bytes, floor, graph.name, why=why) from None
-            reached.append(floor)
             break
         plan.check_graph(graph)
         peak = int(simulate(graph, plan.schedule).peak_bytes)
@@ -1041,8 +1045,10 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
             return plan, peak, program
         reached.append(peak + program.extra_bytes)
         target = min(target, budget_bytes - program.extra_bytes) - 1
-    # (the smallest: a round's plan fits a budget of its peak with its runtime bytes)
-    raise InfeasibleBudget(budget_bytes, min(reached, default=budget_bytes + 1), graph.name)
+    # the smallest a compiled plan reached (it fits a budget of its peak with its runtime
+    # bytes), else the solver's lowest peak with the reserve
+    raise InfeasibleBudget(budget_bytes, min(reached) if reached else
+                           floor if floor is not None else budget_bytes + 1, graph.name)
 
 
 def _describe(graph: Any, schedule: Any, sim: Any, base: Any, budget_bytes: int,
