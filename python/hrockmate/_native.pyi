@@ -90,10 +90,13 @@ def gradient_chunks(
     gradient_ids: list[int],
     state_op: list[int],
     state_bytes: list[int],
+    current_state: list[tuple[int, int, int]],
     **graph: _GraphArg,
 ) -> tuple[NDArray[np.int64], int, int]:
     """The runtime's backward chunking: (step positions before which held gradients are handed
-    to autograd, the peak with replayed random ops' generator states, the peak without them)."""
+    to autograd, the peak with replayed random ops' generator states, the peak without them).
+    ``current_state``: (first, last step position, bytes) of each chain of replays, during which
+    the generator's current state is held. The cuts do not depend on the states."""
 
 def store_all(**graph: _GraphArg) -> _ScheduleArrays:
     """The store-all (plain autograd) schedule."""

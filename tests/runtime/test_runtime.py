@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import gc
@@ -317,7 +318,7 @@ def test_dropout_replay_is_needed_and_exact() -> None:
     ref = copy.deepcopy(model)
     hm = HRockmate(model, sample)
     hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
-    assert hm._hr_program.num_rng_slots >= 3
+    assert len(_replayed_random_ops(hm)) >= 3 and hm._hr_program.num_rng_slots >= 1
     torch.manual_seed(7)
     hm(*sample).backward()
     torch.manual_seed(7)
@@ -872,22 +873,70 @@ def _check_memory(name: str, device: torch.device,
             assert hm.recomputed_ops > 0 and pred != store_all_peak
 
 
+def _replayed_random_ops(hm: HRockmate) -> list[int]:
+    graph, steps = hm.traced.graph, hm.schedule.steps
+    runs = collections.Counter(ident for kind, ident in steps if kind == "compute")
+    return [k for k, op in enumerate(graph.ops) if op.random and runs[k] > 1]
+
+
+def _dropout_mlp(layers: int = 4) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(32, 32), nn.Dropout(0.2)]
+    return nn.Sequential(*mods, nn.Linear(32, 4)), torch.randn(8, 32)
+
+
 def test_generator_states_of_replays_are_in_the_predicted_peak() -> None:
-    """Recompute-all replays every dropout in the backward while the states of all of them are
-    kept, and each replay also holds the current state: the prediction counts both."""
-    layers: list[nn.Module] = []
-    for _ in range(4):
-        layers += [nn.Linear(32, 32), nn.Dropout(0.2)]
-    model = nn.Sequential(*layers, nn.Linear(32, 4))
-    x = torch.randn(8, 32)
+    """Recompute-all replays the dropouts in forward order each time: one chain per
+    recomputation, so only the first dropout's generator state is kept (the others find the
+    generator where the previous replay left it), and the current state is held from each
+    chain's first replay to its last; the prediction counts both."""
+    model, x = _dropout_mlp()
     hm = HRockmate(model, x)
     hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
-    assert hm._hr_program.num_rng_slots == 4
+    assert len(_replayed_random_ops(hm)) == 4 and hm._hr_program.num_rng_slots == 1
     step = _measured_step(hm, x, torch.device("cpu"))
     step()
     got = hrockmate.measure_peak_memory(step, params=list(model.parameters())).peak_bytes
     pred = hm.predicted_peak_bytes
     assert pred - 0.02 * pred <= got <= pred, f"measured {got} vs predicted {pred}"
+
+
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_replay_chains_break_where_draws_are_missing(blocks: int) -> None:
+    """Per-block checkpointing replays each block's dropouts before its backward, the last
+    block first: a block's first dropout does not follow the replay of the dropout drawn
+    before it (that one belongs to the block before, replayed later), so each block saves a
+    state; within a block the replays chain, unless a backward chunk ends between them
+    (autograd runs code of its own there). Training stays bitwise equal to eager and within
+    the predicted peak."""
+    from hrockmate.planning.strategies import block_checkpoint_schedule
+
+    model, x = _dropout_mlp()
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, x)
+    steps, fl = block_checkpoint_schedule(hm.traced.graph, blocks)
+    hm.use_plan(hrockmate.Schedule(steps, fl))
+    replayed = _replayed_random_ops(hm)
+    assert len(replayed) >= blocks
+    # at least one saved state per block (4 dropouts over `blocks` blocks); with two dropouts
+    # in a block, the second's replay follows the first's at least once
+    slots = hm._hr_program.num_rng_slots
+    assert blocks <= slots <= len(replayed) and (slots < len(replayed)) == (blocks < 4)
+    for seed in (3, 4):  # two steps: the generators end where plain PyTorch leaves them
+        torch.manual_seed(seed)
+        hm(x).sum().backward()
+        after = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        ref(x).sum().backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            _assert_same(p.grad, q.grad, f"grad of {name}")
+        assert torch.equal(after, torch.random.get_rng_state())
+    step = _measured_step(hm, x, torch.device("cpu"))
+    step()
+    got = hrockmate.measure_peak_memory(step, params=list(model.parameters())).peak_bytes
+    assert got <= hm.predicted_peak_bytes
 
 
 @pytest.mark.parametrize("name", ["gpt2_tiny", "cnn_bn", "densenet_tiny"])

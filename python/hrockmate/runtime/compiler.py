@@ -101,13 +101,20 @@ def _state_nbytes(gen: torch.Generator) -> int:
     return int(gen.get_state().nbytes)
 
 
+def _replay_generator(node: torch.fx.Node) -> torch.Generator | None:
+    """``_resolve_generator``, or None where replays are not supported (compiling a schedule
+    that replays the op fails with the reason)."""
+    try:
+        return _resolve_generator(node)
+    except RuntimeScheduleError:
+        return None
+
+
 def _replay_state_nbytes(node: torch.fx.Node) -> int:
     """Bytes of the generator state a replay of random op ``node`` would save (0 where replays
-    are not supported: compiling a schedule that replays it fails with the reason)."""
-    try:
-        return _state_nbytes(_resolve_generator(node))
-    except RuntimeScheduleError:
-        return 0
+    are not supported)."""
+    gen = _replay_generator(node)
+    return 0 if gen is None else _state_nbytes(gen)
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -376,16 +383,22 @@ class _Compiler:
 
         random_ops = [k for k in range(g.num_ops) if g.ops[k].random or _is_random(tr.op_nodes[k])]
         self._check_random_order(random_ops)
-        rng_slot: dict[int, int] = {}
-        state_bytes: dict[int, int] = {}
-        for k in random_ops:
-            if runs[k] > 1:  # only ops that run again need their generator state kept
-                rng_slot[k] = len(rng_slot)
-                gen = _resolve_generator(tr.op_nodes[k])
-                self.namespace[f"RG{rng_slot[k]}"] = gen
-                state_bytes[k] = _state_nbytes(gen)
-
-        cuts, rng_bytes = self._chunk_cuts(grad_slot, state_bytes)
+        replayed = [k for k in random_ops if runs[k] > 1]
+        # one generator per replayed op (GEN<j> in the generated code)
+        gen_index: dict[int, int] = {}
+        generators: list[torch.Generator] = []
+        for k in replayed:
+            gen = _resolve_generator(tr.op_nodes[k])
+            j = next((i for i, other in enumerate(generators) if other is gen), len(generators))
+            if j == len(generators):
+                generators.append(gen)
+                self.namespace[f"GEN{j}"] = gen
+            gen_index[k] = j
+        cuts, rng_bytes, chained, chain_goes_on, heads = self._replay_chains(
+            grad_slot, random_ops, gen_index, generators)
+        # the ops whose state is saved: those with a replay that does not follow its
+        # predecessor's (only ops that run again need their generator state kept)
+        rng_slot = {k: r for r, k in enumerate(heads)}
         unreplayed_state_bytes = sum(_replay_state_nbytes(tr.op_nodes[k])
                                      for k in random_ops if k not in rng_slot)
 
@@ -445,14 +458,17 @@ class _Compiler:
                 lines.append(f"_r = {call}")
                 lines += [f"E[{t}] = _r[{i}]" for t, i in fresh]
                 lines.append("del _r")
-            if k in rng_slot:
-                r = rng_slot[k]
+            if k in gen_index:
+                j, r = gen_index[k], rng_slot.get(k)
                 if done[k] == 0:
-                    lines.insert(0, f"S[{r}] = RG{r}.get_state()")
+                    if r is not None:
+                        lines.insert(0, f"S[{r}] = GEN{j}.get_state()")
                 else:
-                    lines.insert(0, f"_c = RG{r}.get_state(); RG{r}.set_state(S[{r}])")
-                    lines.append(f"RG{r}.set_state(_c); del _c")
-                    if done[k] == runs[k] - 1:
+                    if pos not in chained:  # the head of a chain of replays
+                        lines.insert(0, f"_c{j} = GEN{j}.get_state(); GEN{j}.set_state(S[{r}])")
+                    if pos not in chain_goes_on:
+                        lines.append(f"GEN{j}.set_state(_c{j}); del _c{j}")
+                    if r is not None and done[k] == runs[k] - 1:
                         lines.append(f"S[{r}] = None")  # last replay: the state is not needed
             done[k] += 1
             for t, _ in fresh:
@@ -570,12 +586,77 @@ class _Compiler:
                     "time in the backward segment; it must first run in the forward segment"
                 )
 
-    def _chunk_cuts(self, grad_slot: dict[int, tuple[str, int]], state_bytes: dict[int, int]
-                    ) -> tuple[set[int], int]:
+    def _replay_chains(self, grad_slot: dict[int, tuple[str, int]], random_ops: list[int],
+                       gen_index: dict[int, int], generators: list[torch.Generator],
+                       ) -> tuple[set[int], int, set[int], set[int], dict[int, int]]:
+        """Which replays need no saved generator state: a replay of random op ``k`` right after
+        a replay of the random op that drew before ``k`` from the same generator in the
+        forward pass (nothing drawn from it in between, in the same code segment: autograd
+        runs code of its own between chunks) finds the generator where ``k`` found it, as the
+        forward's draws left it. So a recomputed block with several dropouts saves one state,
+        not one per dropout; the current state is kept from the chain's first replay to its
+        last.
+
+        ``gen_index``: replayed random op -> its generator's index in ``generators``. Returns
+        (chunk cuts, the bytes the saved and current states add to the peak, the step positions
+        of chained replays, the positions of replays that a chained one follows, the ops whose
+        state is saved -> its bytes, in the order of their first such replay)."""
+        predecessor: dict[int, int | None] = {}  # per random op, the one before on its generator
+        generator_of: dict[int, int] = {}
+        last_op: dict[int, int] = {}
+        for k in sorted(random_ops):  # (ids are in forward order: _check_random_order)
+            j = gen_index.get(k)
+            if j is None:  # never replayed: it still draws from its generator
+                gen = _replay_generator(self.traced.op_nodes[k])
+                j = next((i for i, other in enumerate(generators) if other is gen), -1 - k)
+            generator_of[k] = j
+            predecessor[k] = last_op.get(j)
+            last_op[j] = k
+        nbytes = [_state_nbytes(gen) for gen in generators]
+        cuts, _ = self._chunk_cuts(grad_slot, {}, [])  # (the cuts do not depend on states)
+
+        chained: set[int] = set()
+        goes_on: set[int] = set()
+        spans: list[list[int]] = []  # [first, last position, bytes] per chain of replays
+        segment = 0
+        last: dict[int, tuple[int, bool, int, int]] = {}  # generator -> its last draw
+        open_span: dict[int, list[int]] = {}
+        ran: set[int] = set()
+        for pos, (kind, k) in enumerate(self.steps):
+            if pos == self.forward_len or pos in cuts:
+                segment += 1
+            if kind != "compute" or k not in predecessor:
+                continue
+            replay = k in ran
+            ran.add(k)
+            j = generator_of[k]
+            before = last.get(j)
+            if (replay and before is not None and before[0] == segment and before[1]
+                    and before[2] == predecessor[k]):
+                chained.add(pos)
+                goes_on.add(before[3])
+                open_span[j][1] = pos
+            elif replay:
+                open_span[j] = [pos, pos, nbytes[j]]
+                spans.append(open_span[j])
+            last[j] = (segment, replay, k, pos)
+        heads: dict[int, int] = {}
+        ran.clear()
+        for pos, (kind, k) in enumerate(self.steps):
+            if kind == "compute" and k in gen_index:
+                if k in ran and pos not in chained:
+                    heads[k] = nbytes[gen_index[k]]
+                ran.add(k)
+        cuts, rng_bytes = self._chunk_cuts(grad_slot, heads, [tuple(sp) for sp in spans])
+        return cuts, rng_bytes, chained, goes_on, heads
+
+    def _chunk_cuts(self, grad_slot: dict[int, tuple[str, int]], state_bytes: dict[int, int],
+                    current_state: list[tuple[int, int, int]]) -> tuple[set[int], int]:
         """Step positions (in the backward segment) before which the finished gradients are
         handed to autograd, and how much the saved generator states (``state_bytes``: replayed
-        random op -> bytes) raise the peak; measured by the Rust core with the simulator's
-        storage rules (``hrockmate_core::chunking``)."""
+        random op -> bytes) and the current ones (``current_state``: (first, last position,
+        bytes) of each chain of replays) raise the peak; measured by the Rust core with the
+        simulator's storage rules (``hrockmate_core::chunking``)."""
         from hrockmate import _native
         from hrockmate.ir.schedule import Schedule
 
@@ -584,7 +665,8 @@ class _Compiler:
             cuts, with_states, held_peak = _native.gradient_chunks(
                 **Schedule(list(self.steps), self.forward_len).to_arrays(),
                 gradient_ids=sorted(grad_slot), state_op=ops,
-                state_bytes=[state_bytes[k] for k in ops], **self.graph.to_arrays())
+                state_bytes=[state_bytes[k] for k in ops], current_state=current_state,
+                **self.graph.to_arrays())
         except (_native.InvalidScheduleError, _native.InvalidGraphError) as exc:
             raise RuntimeScheduleError(f"the schedule does not simulate: {exc}") from None
         self._modelled_peak = int(with_states)

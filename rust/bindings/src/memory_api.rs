@@ -94,9 +94,12 @@ impl MemoryModel {
 
 /// The runtime's backward chunking of a schedule (`hrockmate_core::chunking`): (cut positions
 /// int64, peak with generator states, peak without them). `gradient_ids`: tensors handed to
-/// autograd; `state_op`/`state_bytes`: replayed random ops and their generator state's bytes.
+/// autograd; `state_op`/`state_bytes`: replayed random ops and their generator state's bytes;
+/// `current_state`: (first, last step position, bytes) of each chain of replays, which holds
+/// the generator's current state.
 #[pyfunction]
-#[pyo3(signature = (step_kind, step_id, forward_len, gradient_ids, state_op, state_bytes, **graph))]
+#[pyo3(signature = (step_kind, step_id, forward_len, gradient_ids, state_op, state_bytes,
+                    current_state, **graph))]
 #[allow(clippy::too_many_arguments)]
 fn gradient_chunks<'py>(
     py: Python<'py>,
@@ -106,6 +109,7 @@ fn gradient_chunks<'py>(
     gradient_ids: Vec<usize>,
     state_op: Vec<usize>,
     state_bytes: Vec<u64>,
+    current_state: Vec<(usize, usize, u64)>,
     graph: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<(Bound<'py, PyArray1<i64>>, u64, u64)> {
     let input = graph_input(graph)?;
@@ -132,7 +136,12 @@ fn gradient_chunks<'py>(
                 ))
             })? = b;
         }
-        Ok(gradient_chunks_core(&g, &s, &gradient, &per_op, stop)?)
+        if let Some(&(first, last, _)) = current_state.iter().find(|(f, l, _)| f > l) {
+            return Err(Failure::InvalidArgument(format!(
+                "current-state stretch ({first}, {last}) ends before it starts"
+            )));
+        }
+        Ok(gradient_chunks_core(&g, &s, &gradient, &per_op, &current_state, stop)?)
     })?;
     let cuts: Vec<i64> = r.cuts.iter().map(|&c| c as i64).collect();
     Ok((cuts.into_pyarray(py), r.peak_bytes, r.held_peak_bytes))

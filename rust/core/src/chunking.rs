@@ -5,8 +5,9 @@
 //! (in the list handed to autograd) until the end of its chunk. Holding gradients costs memory,
 //! so a chunk ends ("cut") before the compute step at which the held gradients would raise the
 //! step's memory above the peak of the schedule as written. Random ops that run again keep
-//! their generator's state from their first run to their last, and the current state during a
-//! replay; those bytes come on top.
+//! their generator's state from their first run to their last, and the current state is kept
+//! while replays run (from the first replay of a chain of them to its last: the caller says
+//! where); those bytes come on top.
 
 use std::collections::HashSet;
 
@@ -29,23 +30,33 @@ pub struct Chunks {
 
 /// Chunk the backward segment of `s`. `gradient[t]`: tensor `t` is a gradient handed to autograd
 /// (held from its free to the next cut); `state_bytes[op]`: bytes of the generator state a
-/// replayed random op keeps (0 for other ops). The schedule is simulated first: a broken rule
-/// is an error, and the simulation gives the peak of the schedule as written and how often
-/// each op runs.
+/// replayed random op keeps (0 for other ops); `current_state`: (first, last step position,
+/// bytes) of each stretch during which a replay holds the generator's current state (positions
+/// past the schedule are ignored). The cuts do not depend on the states. The schedule is
+/// simulated first: a broken rule is an error, and the simulation gives the peak of the
+/// schedule as written and how often each op runs.
 pub fn gradient_chunks(
     g: &Graph,
     s: &Schedule,
     gradient: &[bool],
     state_bytes: &[u64],
+    current_state: &[(usize, usize, u64)],
     stop: &Stop,
 ) -> Result<Chunks, SimulateError> {
     let sim = simulate_within(g, s, stop)?;
+    let mut current_at = vec![0u64; s.steps.len()];
+    for &(first, last, bytes) in current_state {
+        for held in current_at.iter_mut().take(last.saturating_add(1)).skip(first) {
+            *held += bytes;
+        }
+    }
     let model = Run {
         g,
         roots: g.storage_roots(),
         s,
         gradient,
         state_bytes,
+        current_at,
         runs: sim.compute_count,
     };
     let (held_peak, cuts) = model.run(Some(sim.peak_bytes), None, false);
@@ -64,6 +75,7 @@ struct Run<'a> {
     s: &'a Schedule,
     gradient: &'a [bool],
     state_bytes: &'a [u64],
+    current_at: Vec<u64>, // per step position: the current generator states held there
     runs: Vec<u32>,
 }
 
@@ -114,9 +126,10 @@ impl Run<'_> {
                         done[j] += 1;
                         if done[j] == 1 {
                             saved_states += nb; // saved right before the first run
-                        } else {
-                            step_bytes += nb; // the current state, kept while the op replays
                         }
+                    }
+                    if states {
+                        step_bytes += self.current_at[pos]; // kept while replays run
                     }
                     peak = peak.max(step_bytes + saved_states);
                     if nb > 0 && done[j] == self.runs[j] {
@@ -133,5 +146,41 @@ impl Run<'_> {
             }
         }
         (peak, cuts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedules::recompute_all;
+    use crate::testgen::{random_training_graph, GenParams};
+
+    fn peaks(g: &Graph, s: &Schedule, current: &[(usize, usize, u64)]) -> Chunks {
+        let gradient = vec![false; g.tensors.len()];
+        let states = vec![0; g.ops.len()];
+        gradient_chunks(g, s, &gradient, &states, current, &Stop::never()).unwrap()
+    }
+
+    #[test]
+    fn current_states_count_over_their_stretch_and_leave_the_cuts_alone() {
+        let g = random_training_graph(7, &GenParams::default());
+        let s = recompute_all(&g).unwrap();
+        let n = s.steps.len();
+        let none = peaks(&g, &s, &[]);
+        assert_eq!(none.peak_bytes, none.held_peak_bytes);
+        // a stretch over the whole schedule raises the peak by its bytes, and no cut moves
+        let all = peaks(&g, &s, &[(0, n - 1, 5000)]);
+        assert_eq!(all.peak_bytes, none.peak_bytes + 5000);
+        assert_eq!(all.cuts, none.cuts);
+        // memory is measured at compute steps: stretches over free steps add nothing
+        let frees: Vec<(usize, usize, u64)> = (0..n)
+            .filter(|&p| matches!(s.steps[p], Step::Free(_)))
+            .map(|p| (p, p, 5000))
+            .collect();
+        assert_eq!(peaks(&g, &s, &frees).peak_bytes, none.peak_bytes);
+        let every: Vec<(usize, usize, u64)> = (0..n).map(|p| (p, p, 7)).collect();
+        assert_eq!(peaks(&g, &s, &every).peak_bytes, none.peak_bytes + 7);
+        // stretches past the schedule's end are ignored
+        assert_eq!(peaks(&g, &s, &[(n + 3, usize::MAX, 9)]).peak_bytes, none.peak_bytes);
     }
 }
