@@ -674,3 +674,45 @@ def test_a_failing_kernel_is_reported_once_without_pytorchs_error_log(caplog) ->
             trace_model(model, torch.randn(1, 3, 5, 5), cost="none")
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
     assert fake_log.level == level  # restored
+
+
+class _LogitsUpdatedInPlace(nn.Module):
+    """transformers' MobileBERT head: the logits are a 3-D matmul's result with the bias added
+    in place, returned beside the loss computed from their flattened view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(8, 16))
+        self.bias = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        scores = torch.tanh(x).matmul(self.proj)
+        scores += self.bias
+        loss = nn.functional.cross_entropy(scores.view(-1, 16), y.view(-1))
+        return {"loss": loss, "logits": scores}
+
+
+@pytest.mark.parametrize("budget", [None, 0.9])
+def test_an_output_view_emitted_after_the_gradients_is_a_forward_result(
+        budget: float | None) -> None:
+    """AOTAutograd regenerates the returned view of a tensor updated in place after the
+    gradients; that output is still a forward result (it was "produced by backward op
+    'detach_3'" and no schedule could be built). It is computed in the forward now and the
+    module trains as eager does, the logits returned equal."""
+    torch.manual_seed(0)
+    model = _LogitsUpdatedInPlace()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(2, 5, 8), torch.randint(0, 16, (2, 5))
+    hm = hrockmate.HRockmate(model, (x, y), loss_fn="loss", budget=budget, cache=False,
+                             progress=False)
+    graph = hm.traced.graph
+    for t, tensor in enumerate(graph.tensors):
+        if tensor.role == "output":
+            producer = next(o for o in graph.ops if t in o.outputs)
+            assert producer.phase == "forward", producer.name
+    out, want = hm(x, y), ref(x, y)
+    assert torch.equal(out["logits"], want["logits"]) and torch.equal(out["loss"], want["loss"])
+    out["loss"].backward()
+    want["loss"].backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name

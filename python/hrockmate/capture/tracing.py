@@ -186,6 +186,52 @@ def _leaf_meta(x: Any) -> Any:
     return x
 
 
+def _starts_backward(node: fx.Node) -> bool:
+    """Whether ``node`` is part of the backward pass by itself: marked so by autograd, or
+    reading a tangent (the phase of the IR starts at the first such node)."""
+    from torch._functorch._aot_autograd import descriptors as d
+
+    return bool(node.meta.get("autograd_backward")) or any(
+        a.op == "placeholder" and isinstance(a.meta.get("desc"), d.TangentAOTInput)
+        for a in node.all_input_nodes)
+
+
+def _forward_results_first(graph: fx.Graph) -> None:
+    """Move ahead of the backward pass the nodes after its start that compute only results of
+    the forward call from forward values (no tangent, no backward node in their inputs, used
+    only by the graph's output or by such nodes). AOTAutograd can emit an output's view there
+    (transformers' MobileBERT: its logits reshaped and detached after the gradients); the IR's
+    phase starts at the first backward node, so such an output would be "produced by a backward
+    op", which no schedule can return from the forward segment."""
+    nodes = list(graph.nodes)
+    start = next((i for i, n in enumerate(nodes) if n.op == "call_function"
+                  and _starts_backward(n)), None)
+    if start is None:
+        return
+    backward: set[fx.Node] = set()
+    later = [n for n in nodes[start:] if n.op == "call_function"]
+    for n in later:
+        if _starts_backward(n) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    results: set[fx.Node] = set()
+    for n in reversed(later):
+        if n not in backward and n.users and all(u.op == "output" or u in results
+                                                 for u in n.users):
+            results.add(n)
+    # (only those whose inputs come before the backward's start or move too)
+    after_start = set(later)
+    moved: list[fx.Node] = []
+    for n in later:
+        if n in results and all(a not in after_start or a in results
+                                for a in n.all_input_nodes):
+            moved.append(n)
+        else:
+            results.discard(n)
+    first = nodes[start]
+    for n in moved:
+        first.prepend(n)  # (in order: each lands right before the backward's first node)
+
+
 # ---- model outputs ------------------------------------------------------------------------------
 #: What ``loss_fn`` may be: a function of the model's output, or the key / attribute name (str)
 #: or position (int) of the loss in it (``"loss"`` for a transformers ``ModelOutput``).
@@ -911,6 +957,8 @@ def _build(
             )
         # intermediate bases and other bookkeeping outputs are not results of the iteration
 
+    _forward_results_first(graph)
+
     # Required results that are placeholders or shared with another result get an alias node.
     claimed: set[fx.Node] = set()
 
@@ -1040,11 +1088,7 @@ def _build(
         members = _tensor_members(node.meta.get("val"))
         if not members:
             continue  # computes no tensor (e.g. a symbolic size): nothing to schedule
-        if node.meta.get("autograd_backward") or any(
-            isinstance(a, fx.Node) and a.op == "placeholder"
-            and isinstance(a.meta.get("desc"), d.TangentAOTInput)
-            for a in node.all_input_nodes
-        ):
+        if _starts_backward(node):
             backward = True
         inputs = [tensor_of[(a, None)] for a in _arg_nodes(node)]
         outputs: list[int] = []
