@@ -302,3 +302,51 @@ def test_a_budget_no_round_fits_names_the_smallest_peak_a_round_reached() -> Non
         solve_within_budget(graph, budget, {"time_limit": 10, "progress": False}, compile_fn)
     assert len(totals) >= 2 and all(t > budget for t in totals)
     assert info.value.min_bytes == min(totals) and not info.value.why
+
+
+def test_after_a_plan_overflows_the_next_round_sets_aside_all_a_plan_may_add(
+        monkeypatch) -> None:
+    """A plan's runtime bytes grow as plans tighten (each may recompute one more BatchNorm):
+    stepping down by the last plan's bytes took 4 rounds on timm's GhostNet. After one plan
+    did not fit, the next round sets aside all a plan may add, and its plan fits as compiled."""
+    import types
+
+    import hrockmate.ir.schedule as schedule_module
+    import hrockmate.planning.api as api
+    from hrockmate.runtime.module import (
+        POSSIBLE_RESERVE_SHARE,
+        POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW,
+        solve_within_budget,
+    )
+
+    class _Plan:  # a plan whose peak is its target
+        def __init__(self, peak: int) -> None:
+            self.schedule = peak
+
+        def check_graph(self, graph) -> None:
+            pass
+
+    targets: list[int] = []
+
+    def solve(graph, budget, **options):
+        targets.append(budget)
+        return _Plan(budget)
+
+    monkeypatch.setattr(api, "solve_graph", solve)
+    monkeypatch.setattr(schedule_module, "simulate",
+                        lambda graph, schedule: types.SimpleNamespace(peak_bytes=schedule))
+    budget = 100_000
+    share = (POSSIBLE_RESERVE_SHARE + POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW) / 2
+    possible = int(share * budget)  # too much for the first round, not after an overflow
+    adds = iter([possible // 4, possible])  # the tighter plan recomputes more
+    plan, peak, program = solve_within_budget(
+        types.SimpleNamespace(name="g"), budget, {}, lambda s: _Program(next(adds)),
+        possible_reserve_bytes=possible)
+    assert targets == [budget, budget - possible]  # (not budget - possible // 4 - 1)
+    assert peak + program.extra_bytes <= budget
+    # beyond the share after an overflow, the rounds step down by the last plan's bytes
+    targets.clear()
+    adds = iter([budget // 40, budget // 40])
+    solve_within_budget(types.SimpleNamespace(name="g"), budget, {},
+                        lambda s: _Program(next(adds)), possible_reserve_bytes=budget // 4)
+    assert targets == [budget, budget - budget // 40 - 1]

@@ -73,9 +73,10 @@ class Program:
     #: recomputations read after write-back (at most), and on CUDA the caching allocator's
     #: unsplit block remainder (``capture.tracing.allocator_slack_bytes``)
     extra_bytes: int
-    #: the most ``extra_bytes`` of any schedule of this graph exceeds this program's: a saved
-    #: state for every random op not replayed here, an old value for every updated buffer not
-    #: kept here (what a planner reserves so that its first plan fits with the runtime's bytes)
+    #: at least what ``extra_bytes`` of any schedule of this graph exceeds this program's: a
+    #: saved state for every random op and a current one per generator, an old value for
+    #: every updated buffer (what a planner sets aside so that its plan fits with the runtime's
+    #: bytes)
     possible_extra_bytes: int = 0
 
 
@@ -399,8 +400,13 @@ class _Compiler:
         # the ops whose state is saved: those with a replay that does not follow its
         # predecessor's (only ops that run again need their generator state kept)
         rng_slot = {k: r for r, k in enumerate(heads)}
-        unreplayed_state_bytes = sum(_replay_state_nbytes(tr.op_nodes[k])
-                                     for k in random_ops if k not in rng_slot)
+        state_of = {k: _replay_state_nbytes(tr.op_nodes[k]) for k in random_ops}
+        per_generator: dict[Any, int] = {}  # (a current state per generator)
+        for k in random_ops:
+            gen = _replay_generator(tr.op_nodes[k])
+            if gen is not None:
+                per_generator[id(gen)] = state_of[k]
+        possible_state_bytes = sum(state_of.values()) + sum(per_generator.values())
 
         aliased_masks_only = set(mask_of_pack.values()) - packed_needed
         dropped_at = {to: deferred_free_pos for deferred_free_pos, to in deferred_free.items()}
@@ -409,7 +415,6 @@ class _Compiler:
         alive = list(preexisting)
         done = [0] * g.num_ops
         written_back: set[int] = set()
-        kept_old_values: set[int] = set()  # buffers whose old value is kept for recomputations
         viewed = {g.storage_root(t) for t in range(n_t) if g.tensors[t].alias_of is not None}
         fwd_body: list[str] = []
         chunk_bodies: list[list[str]] = [list(head_bwd)]
@@ -481,7 +486,6 @@ class _Compiler:
                         # a later recomputation reads the buffer: keep its old value for it
                         lines.append(f"E[{bt}] = E[{bt}].clone()")
                         extra_bytes += g.tensors[bt].bytes
-                        kept_old_values.add(bt)
                     lines.append(f"B[{self.buffer_slot[b]}].copy_(E[{t}])")
             out.extend(lines)
         tail = []
@@ -544,9 +548,9 @@ class _Compiler:
             recomputed_ops=sum(max(0, r - 1) for r in runs),
             modelled_peak_bytes=self._modelled_peak,
             extra_bytes=rng_bytes + extra_bytes + allocator_slack_bytes(g, tr.device),
-            possible_extra_bytes=unreplayed_state_bytes + sum(
+            possible_extra_bytes=possible_state_bytes + sum(
                 g.tensors[bt].bytes for b, bt in buffer_tensor.items()
-                if b in tr.buffer_updates and bt not in kept_old_values),
+                if b in tr.buffer_updates),
         )
 
     def _compact_masks(self) -> tuple[dict[int, int], dict[int, int]]:

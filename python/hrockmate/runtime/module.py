@@ -987,6 +987,9 @@ def _choose_schedule(
 #: bytes a plan may add at runtime (generator states of random ops it replays, old values of
 #: buffers it recomputes); above it the rounds find out instead.
 POSSIBLE_RESERVE_SHARE = 0.01
+#: ... and after a round's plan did not fit once compiled (beyond it, a target with all of them
+#: set aside is mostly infeasible: a tiny OPT's 9 generator states are 47% of its budget).
+POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW = 0.05
 
 #: Solve rounds of ``solve_within_budget`` at most (usually one; more only while plans' runtime
 #: bytes push them over the budget).
@@ -1004,21 +1007,26 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
 
     The first round solves for ``budget_bytes - reserve_bytes - possible_reserve_bytes`` (the
     latter, the most a plan's runtime bytes can exceed the reserve's, only while it is at most
-    ``POSSIBLE_RESERVE_SHARE`` of the budget, and dropped again when that makes the budget
-    infeasible where the reserve alone would not), so that its plan fits as compiled; while a
-    plan does not fit, the next round solves for a budget reduced by its extra bytes
-    (``MAX_ROUNDS`` in all). Returns (plan, simulated peak, its compiled program); raises
-    InfeasibleBudget when no round fits."""
+    ``POSSIBLE_RESERVE_SHARE`` of the budget), so that its plan fits as compiled. When a plan
+    does not fit, the next round sets all of ``possible_reserve_bytes`` aside (its plan then
+    fits as compiled; up to ``POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW`` of the budget), and later
+    rounds solve for the budget less the last plan's extra bytes (``MAX_ROUNDS`` in all). A
+    target with possible bytes set aside that turns out infeasible where the reserve alone
+    would not is replaced by the target without them. Returns (plan, simulated peak, its
+    compiled program); raises InfeasibleBudget when no round fits."""
     from hrockmate.ir.budget import format_bytes
     from hrockmate.ir.plan import InfeasibleBudget
     from hrockmate.ir.schedule import simulate
     from hrockmate.planning.api import solve_graph
 
     reserve_bytes = max(0, int(reserve_bytes))
-    possible = max(0, int(possible_reserve_bytes))
-    if possible > POSSIBLE_RESERVE_SHARE * budget_bytes:
-        possible = 0
+    possible_all = max(0, int(possible_reserve_bytes))
+    possible = possible_all if possible_all <= POSSIBLE_RESERVE_SHARE * budget_bytes else 0
     target = budget_bytes - reserve_bytes - possible
+    # where to go when a target with the possible bytes set aside is infeasible
+    give_back = budget_bytes - reserve_bytes if possible else None
+    reserved_all = possible == possible_all or (
+        possible_all > POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW * budget_bytes)
     reached: list[int] = []  # peaks with the runtime's bytes of the plans the rounds compiled
     floor: int | None = None  # the lowest peak the solver reached, with the reserve
     for _ in range(MAX_ROUNDS):
@@ -1027,9 +1035,10 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
         try:
             plan = solve_graph(graph, max(target, 2), **options)  # (a bare 1 would mean 100%)
         except InfeasibleBudget as exc:  # (its lowest peak needs the runtime's bytes too)
-            if possible and exc.min_bytes + reserve_bytes <= budget_bytes:
+            if give_back is not None and give_back > target and (
+                    exc.min_bytes + reserve_bytes <= budget_bytes):
                 # the possible bytes made it infeasible: the rounds find out what a plan adds
-                target, possible = budget_bytes - reserve_bytes, 0
+                target, give_back = give_back, None
                 continue
             floor = exc.min_bytes + reserve_bytes
             if exc.why and floor > budget_bytes:
@@ -1044,7 +1053,14 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
         if peak + program.extra_bytes <= budget_bytes:
             return plan, peak, program
         reached.append(peak + program.extra_bytes)
-        target = min(target, budget_bytes - program.extra_bytes) - 1
+        target, give_back = min(target, budget_bytes - program.extra_bytes) - 1, None
+        if not reserved_all:
+            # a plan added runtime bytes: set aside all a plan may add, so that the next one
+            # fits as compiled (each tighter plan can recompute one more BatchNorm, and
+            # stepping down by the last plan's bytes took 4 rounds on timm's GhostNet)
+            reserved_all = True
+            if budget_bytes - reserve_bytes - possible_all < target:
+                target, give_back = budget_bytes - reserve_bytes - possible_all, target
     # the smallest a compiled plan reached (it fits a budget of its peak with its runtime
     # bytes), else the solver's lowest peak with the reserve
     raise InfeasibleBudget(budget_bytes, min(reached) if reached else
