@@ -553,6 +553,33 @@ def test_value_checks_with_a_compiler_path_take_it() -> None:
     assert plain.graph.meta["compiling_paths"] is False
 
 
+class _BrokenCompilerPath(nn.Module):
+    """A data-dependent shape in eager code, and a compiler path that fails for a reason of its
+    own (transformers' Switch Transformers: ``nonzero`` in its experts, and an attention mask
+    it leaves None when compiling)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if torch.compiler.is_compiling():
+            mask = None
+            return (h * mask[:, None]).sum()  # type: ignore[index]
+        hit = (h > 0).nonzero()
+        return h.sum() + hit.shape[0]
+
+
+def test_a_failing_compiler_path_reports_the_value_read_that_sent_tracing_there() -> None:
+    with pytest.raises(TraceError) as info:
+        trace_model(_BrokenCompilerPath(), torch.randn(3, 4), cost="none")
+    text = str(info.value)
+    assert "at op aten.nonzero.default" in text and "hit = (h > 0).nonzero()" in text
+    assert "With torch.compiler.is_compiling() answering True" in text
+    assert "TypeError: 'NoneType' object is not subscriptable" in text
+
+
 @torch.library.custom_op("hrockmate_test::no_fake", mutates_args=())
 def _no_fake(x: torch.Tensor) -> torch.Tensor:
     return x.clone()

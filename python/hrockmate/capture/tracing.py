@@ -1299,6 +1299,7 @@ def trace_model(
             return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])
 
     compiling_paths = False
+    value_read: tuple[BaseException, str] | None = None  # the first try's failure, if a read
     try:
         try:
             joint = capture(compiling_paths)
@@ -1307,8 +1308,11 @@ def trace_model(
         except Exception as exc:  # noqa: BLE001
             if not _reads_tensor_values(exc):
                 raise
+            value_read = (exc, module_stack[-1] if module_stack else "")
+        if value_read is not None:
             # The model read a tensor's value; code that has a value-independent path for
-            # compilers (transformers' attention masks) takes it on a second try.
+            # compilers (transformers' attention masks) takes it on a second try (outside the
+            # handler: its own failure must not carry the first as its context)
             compiling_paths = True
             joint = capture(compiling_paths)
     except TraceError:
@@ -1322,6 +1326,15 @@ def trace_model(
                 f"loss_fn): {type(eager).__name__}: {first}; fix the model, its configuration "
                 "or the sample (the traceback above shows where)") from eager
         path = module_stack[-1] if module_stack else ""
+        if value_read is not None and not _reads_tensor_values(exc):
+            # the compilers' path broke for a reason of its own (transformers' Switch
+            # Transformers then indexes an attention mask it left None): the read is the cause
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise TraceError(
+                _explain(value_read[0], value_read[1], model) + ". With "
+                "torch.compiler.is_compiling() answering True, as it does for compilers, the "
+                "model failed too" + (f" in module {path!r}" if path else "") +
+                f": {type(exc).__name__}: {first}") from value_read[0]
         raise TraceError(_explain(exc, path, model)) from exc
 
     if out_box["count"] == 0:
