@@ -111,13 +111,6 @@ def _replay_generator(node: torch.fx.Node) -> torch.Generator | None:
         return None
 
 
-def _replay_state_nbytes(node: torch.fx.Node) -> int:
-    """Bytes of the generator state a replay of random op ``node`` would save (0 where replays
-    are not supported)."""
-    gen = _replay_generator(node)
-    return 0 if gen is None else _state_nbytes(gen)
-
-
 def _is_random(node: torch.fx.Node) -> bool:
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags
@@ -384,29 +377,29 @@ class _Compiler:
 
         random_ops = [k for k in range(g.num_ops) if g.ops[k].random or _is_random(tr.op_nodes[k])]
         self._check_random_order(random_ops)
-        replayed = [k for k in random_ops if runs[k] > 1]
-        # one generator per replayed op (GEN<j> in the generated code)
+        # each random op's generator, once (GEN<j> in the generated code); a replayed op whose
+        # generator is not supported fails here with the reason
         gen_index: dict[int, int] = {}
         generators: list[torch.Generator] = []
-        for k in replayed:
-            gen = _resolve_generator(tr.op_nodes[k])
+        for k in random_ops:
+            node = tr.op_nodes[k]
+            gen = _resolve_generator(node) if runs[k] > 1 else _replay_generator(node)
+            if gen is None:
+                continue
             j = next((i for i, other in enumerate(generators) if other is gen), len(generators))
             if j == len(generators):
                 generators.append(gen)
                 self.namespace[f"GEN{j}"] = gen
             gen_index[k] = j
+        state_nbytes = [_state_nbytes(gen) for gen in generators]
         cuts, rng_bytes, chained, chain_goes_on, heads = self._replay_chains(
-            grad_slot, random_ops, gen_index, generators)
+            grad_slot, random_ops, gen_index, state_nbytes)
         # the ops whose state is saved: those with a replay that does not follow its
         # predecessor's (only ops that run again need their generator state kept)
         rng_slot = {k: r for r, k in enumerate(heads)}
-        state_of = {k: _replay_state_nbytes(tr.op_nodes[k]) for k in random_ops}
-        per_generator: dict[Any, int] = {}  # (a current state per generator)
-        for k in random_ops:
-            gen = _replay_generator(tr.op_nodes[k])
-            if gen is not None:
-                per_generator[id(gen)] = state_of[k]
-        possible_state_bytes = sum(state_of.values()) + sum(per_generator.values())
+        # (a saved state per random op and a current one per generator, at most)
+        possible_state_bytes = sum(state_nbytes[j] for j in gen_index.values()) + sum(
+            state_nbytes)
 
         aliased_masks_only = set(mask_of_pack.values()) - packed_needed
         dropped_at = {to: deferred_free_pos for deferred_free_pos, to in deferred_free.items()}
@@ -591,7 +584,7 @@ class _Compiler:
                 )
 
     def _replay_chains(self, grad_slot: dict[int, tuple[str, int]], random_ops: list[int],
-                       gen_index: dict[int, int], generators: list[torch.Generator],
+                       gen_index: dict[int, int], state_nbytes: list[int],
                        ) -> tuple[set[int], int, set[int], set[int], dict[int, int]]:
         """Which replays need no saved generator state: a replay of random op ``k`` right after
         a replay of the random op that drew before ``k`` from the same generator in the
@@ -601,26 +594,24 @@ class _Compiler:
         not one per dropout; the current state is kept from the chain's first replay to its
         last.
 
-        ``gen_index``: replayed random op -> its generator's index in ``generators``. Returns
-        (chunk cuts, the bytes the saved and current states add to the peak, the step positions
-        of chained replays, the positions of replays that a chained one follows, the ops whose
+        ``gen_index``: random op -> its generator's index (absent where replays are not
+        supported); ``state_nbytes``: bytes of one state of each generator. Returns (chunk
+        cuts, the bytes the saved and current states add to the peak, the step positions of
+        chained replays, the positions of replays that a chained one follows, the ops whose
         state is saved -> its bytes, in the order of their first such replay)."""
         predecessor: dict[int, int | None] = {}  # per random op, the one before on its generator
         generator_of: dict[int, int] = {}
         last_op: dict[int, int] = {}
         for k in sorted(random_ops):  # (ids are in forward order: _check_random_order)
-            j = gen_index.get(k)
-            if j is None:  # never replayed: it still draws from its generator
-                gen = _replay_generator(self.traced.op_nodes[k])
-                j = next((i for i, other in enumerate(generators) if other is gen), -1 - k)
+            j = gen_index.get(k, -1 - k)  # (an unsupported one: a generator of its own)
             generator_of[k] = j
             predecessor[k] = last_op.get(j)
             last_op[j] = k
-        nbytes = [_state_nbytes(gen) for gen in generators]
         cuts, _ = self._chunk_cuts(grad_slot, {}, [])  # (the cuts do not depend on states)
 
         chained: set[int] = set()
         goes_on: set[int] = set()
+        heads: dict[int, int] = {}
         spans: list[list[int]] = []  # [first, last position, bytes] per chain of replays
         segment = 0
         last: dict[int, tuple[int, bool, int, int]] = {}  # generator -> its last draw
@@ -640,17 +631,11 @@ class _Compiler:
                 chained.add(pos)
                 goes_on.add(before[3])
                 open_span[j][1] = pos
-            elif replay:
-                open_span[j] = [pos, pos, nbytes[j]]
+            elif replay:  # the head of a chain: its op's state is saved
+                heads.setdefault(k, state_nbytes[j])
+                open_span[j] = [pos, pos, state_nbytes[j]]
                 spans.append(open_span[j])
             last[j] = (segment, replay, k, pos)
-        heads: dict[int, int] = {}
-        ran.clear()
-        for pos, (kind, k) in enumerate(self.steps):
-            if kind == "compute" and k in gen_index:
-                if k in ran and pos not in chained:
-                    heads[k] = nbytes[gen_index[k]]
-                ran.add(k)
         cuts, rng_bytes = self._chunk_cuts(grad_slot, heads, [tuple(sp) for sp in spans])
         return cuts, rng_bytes, chained, goes_on, heads
 

@@ -398,7 +398,8 @@ class _ModelCheck:
             return True
         if _model_fingerprint(model) != self.fingerprint:
             return False
-        self._reference(model)
+        if self._guard is not None:  # (without one there is no fast path to refresh)
+            self._reference(model)
         return True
 
 
