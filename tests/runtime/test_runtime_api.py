@@ -6,6 +6,7 @@ import copy
 import io
 import pickle
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -168,16 +169,11 @@ class _Program:
         self.extra_bytes = extra_bytes
 
 
-def test_a_reserve_for_the_runtimes_bytes_solves_a_tight_budget_once(monkeypatch) -> None:
-    from graph_builders import training_graph
-
+def _counted_solves(monkeypatch) -> tuple[list[int], Any]:
+    """Record the budget of every ``solve_graph`` call (the list), which the real solver (the
+    function returned) still answers."""
     import hrockmate.planning.api as api
-    from hrockmate import InfeasibleBudget
-    from hrockmate.ir.schedule import simulate, store_all_schedule
-    from hrockmate.runtime.module import solve_within_budget
 
-    graph = training_graph(12, seed=3)
-    store_all = int(simulate(graph, store_all_schedule(graph)).peak_bytes)
     targets: list[int] = []
     solve = api.solve_graph
 
@@ -186,6 +182,19 @@ def test_a_reserve_for_the_runtimes_bytes_solves_a_tight_budget_once(monkeypatch
         return solve(g, budget, **options)
 
     monkeypatch.setattr(api, "solve_graph", counting_solve)
+    return targets, solve
+
+
+def test_a_reserve_for_the_runtimes_bytes_solves_a_tight_budget_once(monkeypatch) -> None:
+    from graph_builders import training_graph
+
+    from hrockmate import InfeasibleBudget
+    from hrockmate.ir.schedule import simulate, store_all_schedule
+    from hrockmate.runtime.module import solve_within_budget
+
+    graph = training_graph(12, seed=3)
+    store_all = int(simulate(graph, store_all_schedule(graph)).peak_bytes)
+    targets, _ = _counted_solves(monkeypatch)
     options = {"time_limit": 10, "progress": False}
     extra = 64  # the runtime adds this to every plan's peak
     budget = int(0.7 * store_all)
@@ -224,14 +233,7 @@ def test_the_first_round_reserves_what_a_plan_may_add(monkeypatch) -> None:
 
     graph = training_graph(12, seed=3)
     store_all = int(simulate(graph, store_all_schedule(graph)).peak_bytes)
-    targets: list[int] = []
-    solve = api.solve_graph
-
-    def counting_solve(g, budget, **options):
-        targets.append(budget)
-        return solve(g, budget, **options)
-
-    monkeypatch.setattr(api, "solve_graph", counting_solve)
+    targets, solve = _counted_solves(monkeypatch)
     options = {"time_limit": 10, "progress": False}
     extra = 64
     budget = int(0.7 * store_all)
