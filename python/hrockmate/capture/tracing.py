@@ -749,6 +749,12 @@ def _failing_code(exc: BaseException) -> tuple[str | None, bool]:
     return f"{user.filename}:{user.lineno} in {user.name}{code}", in_backward
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message ("" for an empty one)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _explain(exc: BaseException, module_path: str, model: nn.Module) -> str:
     code, in_backward = _failing_code(exc)
     if in_backward:
@@ -764,7 +770,7 @@ def _explain(exc: BaseException, module_path: str, model: nn.Module) -> str:
     op = getattr(exc, "func", None) or getattr(exc, "op", None)
     op_txt = f" at op {op}" if op is not None else ""
     code_txt = f", called at {code}" if code and not in_backward else ""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = _first_line(exc) or type(exc).__name__
     hint = _UNTRACEABLE_HINT
     if in_backward:
         hint += (". In the backward, this is typically an op whose gradient has a "
@@ -1320,7 +1326,7 @@ def trace_model(
     except Exception as exc:  # noqa: BLE001 - re-raised with the module and a remedy
         eager = _eager_failure(step, flat_real, buffers, device)
         if eager is not None:  # the model's own error, not a limit of tracing
-            first = str(eager).strip().splitlines()[0] if str(eager).strip() else ""
+            first = _first_line(eager)
             raise TraceError(
                 f"the model fails in plain PyTorch too when called with this sample (and "
                 f"loss_fn): {type(eager).__name__}: {first}; fix the model, its configuration "
@@ -1329,7 +1335,7 @@ def trace_model(
         if value_read is not None and not _reads_tensor_values(exc):
             # the compilers' path broke for a reason of its own (transformers' Switch
             # Transformers then indexes an attention mask it left None): the read is the cause
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            first = _first_line(exc)
             raise TraceError(
                 _explain(value_read[0], value_read[1], model) + ". With "
                 "torch.compiler.is_compiling() answering True, as it does for compilers, the "
