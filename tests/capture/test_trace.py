@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import types
 import warnings
@@ -553,6 +554,76 @@ def test_value_checks_with_a_compiler_path_take_it() -> None:
     assert plain.graph.meta["compiling_paths"] is False
 
 
+class _CompilerOnlyBranch(nn.Module):
+    """A branch for compilers that fails outside one (and, like transformers' Mamba scans,
+    computes differently from the eager path): the eager paths are traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if torch.compiler.is_compiling():
+            return self.compiled_head(h)  # type: ignore[operator]  # not an attribute
+        return h.tanh().sum()
+
+
+def test_the_eager_paths_are_traced_when_they_trace() -> None:
+    model = _CompilerOnlyBranch()
+    x = torch.randn(3, 4)
+    traced = trace_model(model, x, cost="none")
+    assert traced.graph.meta["compiling_paths"] is False
+    assert any(op.target == "aten.tanh.default" for op in traced.graph.ops)
+    assert_reproduces_autograd(copy.deepcopy(model), x, traced)
+
+
+def _cached_unless_compiling(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A process-wide cache that compilers bypass, as transformers'
+    ``compile_compatible_method_lru_cache`` is (BEiT's relative position index)."""
+    cached = functools.lru_cache(maxsize=8)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> torch.Tensor:
+        return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+    wrapper.cache = cached  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _CachedRelativeIndex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(9, 2))
+
+    @_cached_unless_compiling
+    def relative_index(self, n: int) -> torch.Tensor:
+        pos = torch.arange(n)
+        return pos[:, None] - pos[None, :] + n - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.table[self.relative_index(x.shape[1])]  # (n, n, 2)
+        return (x.unsqueeze(2) * bias).square().sum()
+
+
+def test_a_cache_compilers_bypass_keeps_no_fake_tensor() -> None:
+    """An eager-path trace fills such a cache with a fake tensor: AOTAutograd's second pass
+    then meets an unexpected fake buffer; the error blamed the model, and the model failed in
+    plain PyTorch for the rest of the process."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model = _CachedRelativeIndex()
+    x = torch.randn(2, 5, 2)
+    traced = trace_model(model, x, cost="none")
+    assert traced.graph.meta["compiling_paths"] is True  # (the compilers bypass the cache)
+    cache = _CachedRelativeIndex.relative_index.cache  # type: ignore[attr-defined]
+    assert cache.cache_info().currsize == 0  # the failed eager-path trace's entry is dropped
+    model(x).backward()  # the user's model still runs (and fills the cache with a real tensor)
+    assert cache.cache_info().currsize == 1
+    assert not isinstance(cache(model, 5), FakeTensor)
+    assert_reproduces_autograd(copy.deepcopy(model), x, traced)
+
+
 class _BrokenCompilerPath(nn.Module):
     """A data-dependent shape in eager code, and a compiler path that fails for a reason of its
     own (transformers' Switch Transformers: ``nonzero`` in its experts, and an attention mask
@@ -578,6 +649,43 @@ def test_a_failing_compiler_path_reports_the_value_read_that_sent_tracing_there(
     assert "at op aten.nonzero.default" in text and "hit = (h > 0).nonzero()" in text
     assert "With torch.compiler.is_compiling() answering True" in text
     assert "TypeError: 'NoneType' object is not subscriptable" in text
+
+
+class _LayerDrop(nn.Module):
+    """Skips each layer with a probability while training, deciding on ``torch.rand`` (as
+    transformers' LayerDrop does); ``data_read`` branches on a dropped-out activation instead."""
+
+    def __init__(self, data_read: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.data_read = data_read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.data_read:
+                x = nn.functional.dropout(layer(x), 0.5, self.training)
+                if x.sum() > 0:
+                    x = x.relu()
+                continue
+            dropout_probability = torch.rand([])
+            if self.training and dropout_probability < 0.5:
+                continue
+            x = layer(x).relu()
+        return x.square().sum()
+
+
+def test_a_branch_on_a_random_draw_is_named_as_such() -> None:
+    with pytest.raises(TraceError) as info:
+        trace_model(_LayerDrop(), torch.randn(2, 4), cost="none")
+    text = str(info.value)
+    assert "branches on a random draw" in text and "layerdrop" in text
+    assert "if self.training and dropout_probability < 0.5:" in text
+    # a read of data that went through a dropout is an ordinary data dependency
+    with pytest.raises(TraceError) as info:
+        trace_model(_LayerDrop(data_read=True), torch.randn(2, 4), cost="none")
+    text = str(info.value)
+    assert "random draw" not in text and "if x.sum() > 0:" in text
+    assert "control flow that depends on tensor values" in text
 
 
 @torch.library.custom_op("hrockmate_test::no_fake", mutates_args=())

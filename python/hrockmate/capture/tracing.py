@@ -57,9 +57,11 @@ Details of the mapping (see docs/graph-ir.md for the IR itself):
   IR's sizes are corrected where a fake kernel got an output's size wrong.
 - Thread safety: ``trace_model`` and ``annotate_costs`` hold one process-wide lock, so traces
   started from several threads run one after another (and give the same graph as alone).
-- A model that reads a tensor's value while tracing is traced a second time with
-  ``torch.compiler.is_compiling()`` answering True (``graph.meta["compiling_paths"]``), so
-  that code with a value-independent path for compilers (transformers' mask helpers) takes it.
+- A model whose trace fails (a tensor value read, a fake tensor kept by a cache) is traced a
+  second time with ``torch.compiler.is_compiling()`` answering True
+  (``graph.meta["compiling_paths"]``), so that code with a value-independent path for compilers
+  (transformers' mask helpers) takes it and caches that compilers bypass are bypassed. Entries
+  that model code's ``functools.lru_cache`` caches computed during a trace are dropped after it.
 """
 
 from __future__ import annotations
@@ -68,16 +70,19 @@ import argparse
 import contextlib
 import copy
 import functools
+import gc
 import logging
 import math
 import operator
 import os
+import sys
 import sysconfig
 import threading
 import time
 import traceback
 import types
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -88,6 +93,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import traceback as fx_traceback
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hrockmate.capture.kernels import kernel
 from hrockmate.ir.graph import Graph, Op, Tensor
@@ -667,6 +673,34 @@ def _compiling_paths() -> Iterator[None]:
         torch.compiler._is_compiling_flag = old
 
 
+def _model_lru_caches() -> dict[int, tuple[Any, int]]:
+    """The ``functools.lru_cache`` caches of code outside torch, hrockmate and Python's
+    standard library: id -> (the cached function, its misses so far)."""
+    skipped = {"torch", "hrockmate", *sys.stdlib_module_names}
+    caches: dict[int, tuple[Any, int]] = {}
+    for obj in gc.get_objects():
+        if type(obj) is functools._lru_cache_wrapper and \
+                (getattr(obj, "__module__", None) or "").split(".")[0] not in skipped:
+            caches[id(obj)] = (obj, obj.cache_info().misses)
+    return caches
+
+
+@contextlib.contextmanager
+def _new_cache_entries_cleared() -> Iterator[None]:
+    """Clears the model code's LRU caches that computed entries during the body (a trace): an
+    entry made while tracing can hold a fake tensor (transformers'
+    ``compile_compatible_method_lru_cache`` keeps BEiT's relative position index), which would
+    break the next trace and the model in plain PyTorch for the rest of the process. Caches
+    only skip work again, so clearing one changes no result."""
+    before = _model_lru_caches()
+    try:
+        yield
+    finally:
+        for key, (cached, misses) in _model_lru_caches().items():
+            if key not in before or misses > before[key][1]:
+                cached.cache_clear()
+
+
 def _reads_tensor_values(exc: BaseException) -> bool:
     """Whether tracing failed because the model read a tensor's value (``.item()``, ``if`` on
     a tensor, a data-dependent output shape), here or in an exception it was raised from."""
@@ -688,25 +722,64 @@ def _reads_tensor_values(exc: BaseException) -> bool:
     return False
 
 
-def _eager_failure(step: Callable[..., Any], flat_real: list[torch.Tensor],
-                   buffers: dict[str, torch.Tensor], device: torch.device
-                   ) -> BaseException | None:
-    """The exception the traced step raises when run eagerly on the real tensors (without
-    gradients; buffers and generator states restored after), or None when it runs: tells a
-    model's own error from a limit of tracing. Only called after tracing failed."""
+class _RandomReads(TorchDispatchMode):
+    """Follows the values that depend on nothing but random draws (``torch.rand([])`` and
+    what is computed from it alone, such as LayerDrop's ``dropout_probability < layerdrop``)
+    through an eager run, and records where model code reads one as a Python value (code
+    locations as ``_failing_code`` writes them). A value computed from data as well (a
+    dropped-out activation) is not followed: reading it is an ordinary data dependency."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._random: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensor
+        self.reads: set[str] = set()
+
+    def _only_random(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        name = func.overloadpacket.__name__
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            if name.endswith("_") or name.endswith("_like"):
+                tensors = tensors[1:]  # (the tensor filled in place, or only its shape)
+        elif not tensors:
+            return False  # (a factory: not random)
+        return all(self._random.get(id(t), lambda: None)() is t for t in tensors)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._only_random(func, args, kwargs):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                code = _user_code(traceback.extract_stack())[0]
+                if code is not None:
+                    self.reads.add(code)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._random[id(t)] = weakref.ref(t)
+        return out
+
+
+def _eager_run(step: Callable[..., Any], flat_real: list[torch.Tensor],
+               buffers: dict[str, torch.Tensor], device: torch.device
+               ) -> tuple[BaseException | None, set[str]]:
+    """Runs the traced step eagerly on the real tensors (without gradients; buffers and
+    generator states restored after). Returns the exception it raises, or None when it runs
+    (tells a model's own error from a limit of tracing), and where the model read a value that
+    depends on random draws alone (``_RandomReads``). Only called after tracing failed."""
     saved = {name: b.detach().clone() for name, b in buffers.items()}
+    random_reads = _RandomReads()
     try:
-        with preserved_rng(device), host_draws_recorded(set()), torch.no_grad():
+        with preserved_rng(device), host_draws_recorded(set()), torch.no_grad(), random_reads:
             step(*flat_real)
     except torch.OutOfMemoryError:
-        return None  # (undecided: the tracing error stands)
+        return None, random_reads.reads  # (undecided: the tracing error stands)
     except Exception as exc:  # noqa: BLE001 - the model's own error, returned to be reported
-        return exc
+        return exc, random_reads.reads
     finally:
         with torch.no_grad():
             for name, b in buffers.items():
                 b.copy_(saved[name])
-    return None
+    return None, random_reads.reads
 
 
 _UNTRACEABLE_HINT = (
@@ -729,13 +802,18 @@ def _failing_code(exc: BaseException) -> tuple[str | None, bool]:
     and Python's standard library, as ``file:line in function: source``, or None; and whether
     it failed while autograd computed gradients (past the forward's frames, with no model code,
     such as a custom Function's backward, below)."""
+    return _user_code(traceback.extract_tb(exc.__traceback__))
+
+
+def _user_code(frames: Sequence[traceback.FrameSummary]) -> tuple[str | None, bool]:
+    """The innermost model frame of ``frames`` (outermost first), as ``_failing_code`` says."""
     # torch's package, then ours (this file is in hrockmate/capture/)
     skipped = (os.path.dirname(torch.__file__ or "") + os.sep,
                os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
     stdlib = sysconfig.get_paths()["stdlib"] + os.sep
     user: traceback.FrameSummary | None = None
     in_backward = False
-    for fs in traceback.extract_tb(exc.__traceback__):
+    for fs in frames:
         path = os.path.abspath(fs.filename)
         if path.startswith(skipped) or path.startswith(stdlib) or fs.filename.startswith("<"):
             if path.startswith(skipped[0]) and fs.name in _AUTOGRAD_ENTRIES and \
@@ -755,7 +833,10 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _explain(exc: BaseException, module_path: str, model: nn.Module) -> str:
+def _explain(exc: BaseException, module_path: str, model: nn.Module,
+             random_reads: set[str] | frozenset[str] = frozenset()) -> str:
+    """The error for a failed trace. ``random_reads``: where the model read a value of random
+    draws alone in an eager run (``_eager_run``); a failure there is named as such."""
     code, in_backward = _failing_code(exc)
     if in_backward:
         # (the module stack is the forward's: empty or stale while gradients are traced)
@@ -770,6 +851,14 @@ def _explain(exc: BaseException, module_path: str, model: nn.Module) -> str:
     op = getattr(exc, "func", None) or getattr(exc, "op", None)
     op_txt = f" at op {op}" if op is not None else ""
     code_txt = f", called at {code}" if code and not in_backward else ""
+    if code is not None and code in random_reads and _reads_tensor_values(exc):
+        return (f"cannot trace {where}{op_txt}{code_txt}: the model branches on a random draw "
+                "there (a value computed from torch's random numbers alone, read as a Python "
+                "value, as LayerDrop's decision to skip a layer is). One traced graph cannot "
+                "draw that decision again at each call, so hrockmate cannot train this model as "
+                "plain PyTorch does. Turn that randomness off while training with hrockmate "
+                "(transformers models: set the config's layerdrop, encoder_layerdrop and "
+                "decoder_layerdrop to 0.0) or leave this module out of hrockmate")
     first = _first_line(exc) or type(exc).__name__
     hint = _UNTRACEABLE_HINT
     if in_backward:
@@ -1304,44 +1393,49 @@ def trace_model(
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
             return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])
 
-    compiling_paths = False
-    value_read: tuple[BaseException, str] | None = None  # the first try's failure, if a read
-    try:
+    # The eager paths first: they compute what plain PyTorch computes (with
+    # torch.compiler.is_compiling() True, transformers' Mamba models take a parallel scan that
+    # rounds differently). When that trace fails, the compilers' paths are traced: code that
+    # reads a tensor value may have a value-independent path for compilers (transformers' mask
+    # helpers), and caches that compilers bypass (transformers' compile_compatible_method_lru_cache:
+    # BEiT's relative position index) keep no fake tensor of the trace, which breaks
+    # AOTAutograd's second pass. The retry runs outside the first failure's handler so that its
+    # own failure does not carry the first as its context.
+    failures: dict[bool, tuple[BaseException, str]] = {}  # compiling_paths -> (error, module)
+    joint: fx.GraphModule | None = None
+    for compiling_paths in (False, True):
         try:
-            joint = capture(compiling_paths)
+            with _new_cache_entries_cleared():
+                joint = capture(compiling_paths)
         except TraceError:
             raise
-        except Exception as exc:  # noqa: BLE001
-            if not _reads_tensor_values(exc):
-                raise
-            value_read = (exc, module_stack[-1] if module_stack else "")
-        if value_read is not None:
-            # The model read a tensor's value; code that has a value-independent path for
-            # compilers (transformers' attention masks) takes it on a second try (outside the
-            # handler: its own failure must not carry the first as its context)
-            compiling_paths = True
-            joint = capture(compiling_paths)
-    except TraceError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised with the module and a remedy
-        eager = _eager_failure(step, flat_real, buffers, device)
+        except Exception as exc:  # noqa: BLE001 - explained below once both paths failed
+            failures[compiling_paths] = (exc, module_stack[-1] if module_stack else "")
+            continue
+        break
+    if joint is None:
+        (exc, path), (comp_exc, comp_path) = failures[False], failures[True]
+        eager, random_reads = _eager_run(step, flat_real, buffers, device)
         if eager is not None:  # the model's own error, not a limit of tracing
             first = _first_line(eager)
             raise TraceError(
                 f"the model fails in plain PyTorch too when called with this sample (and "
                 f"loss_fn): {type(eager).__name__}: {first}; fix the model, its configuration "
                 "or the sample (the traceback above shows where)") from eager
-        path = module_stack[-1] if module_stack else ""
-        if value_read is not None and not _reads_tensor_values(exc):
-            # the compilers' path broke for a reason of its own (transformers' Switch
-            # Transformers then indexes an attention mask it left None): the read is the cause
-            first = _first_line(exc)
+        if _reads_tensor_values(exc) and not _reads_tensor_values(comp_exc):
+            # the model reads a value on its eager path and its compilers' path breaks for a
+            # reason of its own (transformers' Switch Transformers: `nonzero` in its experts,
+            # and an attention mask it leaves None when compiling): the read is the cause
+            first = _first_line(comp_exc)
             raise TraceError(
-                _explain(value_read[0], value_read[1], model) + ". With "
+                _explain(exc, path, model, random_reads) + ". With "
                 "torch.compiler.is_compiling() answering True, as it does for compilers, the "
-                "model failed too" + (f" in module {path!r}" if path else "") +
-                f": {type(exc).__name__}: {first}") from value_read[0]
-        raise TraceError(_explain(exc, path, model)) from exc
+                "model failed too" + (f" in module {comp_path!r}" if comp_path else "")
+                + f": {type(comp_exc).__name__}: {first}") from exc
+        if _reads_tensor_values(comp_exc):
+            # a read on the compilers' path too: that is the one to remove
+            raise TraceError(_explain(comp_exc, comp_path, model, random_reads)) from comp_exc
+        raise TraceError(_explain(exc, path, model, random_reads)) from exc
 
     if out_box["count"] == 0:
         raise TraceError("the model's output contains no tensor; return a tensor or a loss")
