@@ -554,9 +554,8 @@ def test_value_checks_with_a_compiler_path_take_it() -> None:
     assert plain.graph.meta["compiling_paths"] is False
 
 
-class _CompilerOnlyBranch(nn.Module):
-    """A branch for compilers that fails outside one (and, like transformers' Mamba scans,
-    computes differently from the eager path): the eager paths are traced."""
+class _TwoPaths(nn.Module):
+    """A linear layer, then one path while a compiler traces and another in eager code."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -564,8 +563,23 @@ class _CompilerOnlyBranch(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
-        if torch.compiler.is_compiling():
-            return self.compiled_head(h)  # type: ignore[operator]  # not an attribute
+        return self.compiler_path(h) if torch.compiler.is_compiling() else self.eager_path(h)
+
+    def compiler_path(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def eager_path(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _CompilerOnlyBranch(_TwoPaths):
+    """A branch for compilers that fails outside one (and, like transformers' Mamba scans,
+    computes differently from the eager path): the eager paths are traced."""
+
+    def compiler_path(self, h: torch.Tensor) -> torch.Tensor:
+        return self.compiled_head(h)  # type: ignore[operator]  # not an attribute
+
+    def eager_path(self, h: torch.Tensor) -> torch.Tensor:
         return h.tanh().sum()
 
 
@@ -624,20 +638,16 @@ def test_a_cache_compilers_bypass_keeps_no_fake_tensor() -> None:
     assert_reproduces_autograd(copy.deepcopy(model), x, traced)
 
 
-class _BrokenCompilerPath(nn.Module):
+class _BrokenCompilerPath(_TwoPaths):
     """A data-dependent shape in eager code, and a compiler path that fails for a reason of its
     own (transformers' Switch Transformers: ``nonzero`` in its experts, and an attention mask
     it leaves None when compiling)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
+    def compiler_path(self, h: torch.Tensor) -> torch.Tensor:
+        mask = None
+        return (h * mask[:, None]).sum()  # type: ignore[index]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        if torch.compiler.is_compiling():
-            mask = None
-            return (h * mask[:, None]).sum()  # type: ignore[index]
+    def eager_path(self, h: torch.Tensor) -> torch.Tensor:
         hit = (h > 0).nonzero()
         return h.sum() + hit.shape[0]
 
