@@ -614,6 +614,61 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     assert tries == [(60, sizes[0])]
 
 
+def test_later_leaf_sizes_may_replace_a_fallbacks_plan(data_graphs: Path) -> None:
+    # the resnet-like graph at 50%: with leaves of 6 greedy eviction's plan beats the
+    # hierarchy's and is within 1% (of store-all's time) of the lower bound; that must not stop
+    # the later leaf sizes, one of which plans faster than greedy's
+    g = Graph.load(data_graphs / "resnet_like_train.json")
+    opts = dict(progress=False, time_limit=60, improve_time=None)
+    first = hrockmate.solve_graph(g, 0.5, leaf_size=hierarchy_mod.leaf_sizes(g, None)[0],
+                                  **opts)
+    assert first.stats.get("fallback") == "greedy" and first.stats["beats_hierarchy_plan"]
+    bound = hrockmate.time_lower_bound(g, first.budget_bytes)
+    assert first.time <= bound.time + policy.MIN_GAIN_TO_RETRY * first.baseline_time
+    plan = hrockmate.solve_graph(g, 0.5, **opts)
+    _check(plan, g)
+    assert not plan.stats.get("fallback") and plan.time < first.time
+
+
+def test_the_op_level_milp_replaces_a_fallbacks_plan_it_ties(data_graphs: Path) -> None:
+    # the CNN+BN log at 70% (64 ops): every leaf size's plan loses to greedy eviction's, so the
+    # op-level MILP is tried from it; it stalls at that plan's time, within 0.1% of its own
+    # optimum, and its plan is kept (as a later leaf size's plan replaces a fallback's that is
+    # no faster)
+    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
+    opts = dict(progress=False, time_limit=60, improve_time=None)
+    hierarchy_only = hrockmate.solve_graph(g, 0.7, exact_ops=0, **opts)
+    assert hierarchy_only.stats.get("fallback") == "greedy"
+    plan = hrockmate.solve_graph(g, 0.7, **opts)
+    _check(plan, g)
+    assert not plan.stats.get("fallback") and plan.time <= hierarchy_only.time
+
+
+def test_only_the_plan_returned_warns_of_a_fallback(data_graphs: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # the U-Net log at 50%: the hierarchy with leaves of 6 finds no schedule and falls back to
+    # greedy eviction (a warning says so); with the default leaf sizes a later one plans, and
+    # no warning tells of the first try's fallback
+    g = Graph.load(data_graphs / "unet_tiny_oplog.json")
+    opts = dict(progress=False, time_limit=60, improve_time=None, exact_ops=0)
+
+    def fallback_warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.levelno >= logging.WARNING and "found no schedule" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="hrockmate"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = hrockmate.solve_graph(g, 0.5, leaf_size=6, **opts)
+    assert one.stats.get("fallback") == "greedy" and not one.stats.get("beats_hierarchy_plan")
+    assert len(fallback_warnings()) == 1 and "using greedy" in fallback_warnings()[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hrockmate"):
+        plan = hrockmate.solve_graph(g, 0.5, **opts)
+    _check(plan, g)
+    assert not plan.stats.get("fallback") and plan.stats["leaf_size"] != 6
+    assert fallback_warnings() == []
+
+
 def test_each_leaf_sizes_top_milp_ends_at_its_share_of_the_window(
         monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
     # the CNN+BN log at 50% is planned with four leaf sizes; each top MILP may run (once it has
@@ -733,10 +788,13 @@ def test_a_top_milp_without_a_schedule_stops_early_when_a_simple_strategy_fits(
 def test_no_later_leaf_size_runs_once_the_plan_meets_the_lower_bound(
         monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
     # the CNN+BN log at 50%: its plan is far above store-all's time, so later leaf sizes run;
-    # with a lower bound at the first plan's time there is nothing left to gain
+    # with a lower bound at the first plan's time there is nothing left to gain (greedy
+    # eviction kept out: with leaves of 6 its plan beats the hierarchy's, and a fallback's plan
+    # in hand lets the later sizes run whatever the bound)
     from hrockmate.planning import api
     from hrockmate.planning.bounds import TimeBound
 
+    monkeypatch.setattr(strategies, "greedy_eviction_schedule", lambda *a, **k: None)
     g = Graph.load(data_graphs / "cnn_bn_oplog.json")
     tries: list[int] = []
     run_method = api.run_method

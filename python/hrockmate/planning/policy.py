@@ -55,6 +55,10 @@ class Candidate:
     forward_len: int
     optimal: bool
     stats: dict[str, Any]
+    # why a fallback was used for want of a plan of the method's own: logged as a warning by
+    # ``solve_graph`` when this candidate is the plan returned (a later leaf size may still
+    # make one, so the try that fell back does not warn)
+    notice: str | None = None
 
     @property
     def hierarchy_planned(self) -> bool:
@@ -411,15 +415,17 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
         minima["rotor"] = _rotor_lowest(graph, minima["rotor"], time_left(kw))
     if cand is None:
         lowest = min([lowest, *minima.values()])
-    elif cand.stats["fallback"] == "recompute-all":
-        logger.log(
-            kw.get("log_level", logging.WARNING), "%s found no schedule for '%s' within %d "
-            "bytes and only recompute-all fits (the lowest peaks reached: %s)", method,
-            graph.name, budget,
-            ", ".join(f"{k} {v} bytes" for k, v in minima.items()) or "none")
     else:
-        logger.log(kw.get("log_level", logging.WARNING), "%s found no schedule for '%s' within "
-                   "%d bytes; using %s", method, graph.name, budget, cand.stats["fallback"])
+        if cand.stats["fallback"] == "recompute-all":
+            cand.notice = (f"{method} found no schedule for '{graph.name}' within {budget} bytes "
+                           "and only recompute-all fits (the lowest peaks reached: "
+                           + (", ".join(f"{k} {v} bytes" for k, v in minima.items()) or "none")
+                           + ")")
+        else:
+            cand.notice = (f"{method} found no schedule for '{graph.name}' within {budget} "
+                           f"bytes; using {cand.stats['fallback']}")
+        if "log_level" in kw:  # a later or second try: the solve's own plan is told at its end
+            logger.log(kw["log_level"], "%s", cand.notice)
     return cand, lowest
 
 
