@@ -735,6 +735,78 @@ def test_gradients_accumulate_and_zero_grad_works() -> None:
         _assert_same(p.grad, q.grad, f"two-call grad of {name}")
 
 
+def test_gradients_sharing_a_storage_are_handed_over_as_copies() -> None:
+    # one traced tensor is the gradient of both `a` and `b`; were it handed to autograd for
+    # both, their .grad would share a storage and the next accumulation would add into both
+    class Sum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(16))
+            self.b = nn.Parameter(torch.randn(16))
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.fc(x) * (self.a + self.b)).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Sum(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, x)
+    for _ in range(3):  # accumulated, as over micro-batches
+        hm(x).backward()
+        ref(x).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    assert model.a.grad.data_ptr() != model.b.grad.data_ptr()
+
+
+def _lstm_on_data() -> tuple[nn.Module, torch.Tensor]:
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(16, 12, num_layers=2, batch_first=True, bidirectional=True,
+                                dropout=0.2)
+            self.head = nn.Linear(24, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.lstm(x)[0]).square().mean()
+
+    torch.manual_seed(0)
+    return Tagger(), torch.randn(6, 10, 16)  # the input needs no gradient
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_an_lstm_on_data_trains_as_plain_pytorch(recompute: bool) -> None:
+    """On the CPU eager LSTMs run oneDNN's layer kernel, whose backward reads a workspace the
+    forward makes; the trace takes the same kernel and the runtime makes that workspace (the
+    trace used to take the kernel's inference mode when the LSTM's input needs no gradient,
+    and the backward failed for want of it). Two accumulated steps with dropout between the
+    layers are bitwise equal to eager's, within the predicted peak."""
+    model, x = _lstm_on_data()
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, x)
+    if torch.backends.mkldnn.is_available():
+        assert any(n.target is torch.ops.aten.mkldnn_rnn_layer.default
+                   for n in hm.traced.gm.graph.nodes)
+    if recompute:
+        hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+        assert hm.recomputed_ops > 0
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        hm(x).backward()
+        torch.manual_seed(seed)
+        ref(x).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {seed}: grad of {name}"
+    model.zero_grad(set_to_none=True)
+    step = _measured_step(hm, x, torch.device("cpu"))
+    step()
+    model.zero_grad(set_to_none=True)
+    got = hrockmate.measure_peak_memory(step, params=list(model.parameters())).peak_bytes
+    pred = hm.predicted_peak_bytes
+    assert pred - 0.05 * pred <= got <= pred + 0.05 * pred, f"measured {got}, predicted {pred}"
+
+
 def test_backward_twice_is_a_clear_error() -> None:
     model, sample = models.mlp(batch=2, d_in=4, hidden=8, n_layers=1, d_out=2)
     hm = HRockmate(model, sample)

@@ -85,11 +85,27 @@ _EAGER_CUDA: dict[Any, Callable[..., Any]] = {
 }
 
 
+def _rnn_layer_for_training(*args: Any) -> Any:
+    # oneDNN's LSTM layer (eager's CPU LSTM in training) makes the workspace its backward reads
+    # only while grad mode is on, and the runtime's forward runs with it off: run it with grad
+    # mode on, on detached tensors, so that autograd records nothing
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    with torch.enable_grad():
+        return _aten.mkldnn_rnn_layer.default(*args)
+
+
+_EAGER_CPU: dict[Any, Callable[..., Any]] = {
+    _aten.mkldnn_rnn_layer.default: _rnn_layer_for_training,
+}
+
+
 @functools.lru_cache(maxsize=None)
 def kernel(target: Any, device_type: str) -> Callable[..., Any]:
     """The callable that runs ``target`` (an fx node's target) on ``device_type`` tensors."""
     if device_type == "cuda" and target in _EAGER_CUDA:
         return _EAGER_CUDA[target]
+    if device_type == "cpu" and target in _EAGER_CPU:
+        return _EAGER_CPU[target]
     # OpOverload.__call__ only forwards to the C++ op; calling that directly saves a frame.
     return getattr(target, "_op", target)
 

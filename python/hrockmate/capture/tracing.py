@@ -509,15 +509,26 @@ def host_draws_recorded(drawn: set[str]) -> Iterator[None]:
 # traced graph must describe (and reproduce) what plain PyTorch does, so these overrides are
 # switched off while tracing and the op's own composite implementation is traced instead.
 _EAGER_FAITHFUL_OPS: tuple[Any, ...] = (torch.ops.aten.dropout.default,)
+# On the CPU, eager LSTMs run oneDNN's layer kernel (``mkldnn_rnn_layer``, with the workspace
+# its backward reads) wherever oneDNN can. The Python override takes that kernel only when the
+# LSTM's input needs no gradient, and then in its inference mode, without a workspace, even when
+# the weights need gradients: the traced backward failed at run time ("... got None ... for
+# argument #22 'workspace'"). Otherwise it unrolls the layer into per-step ops, which round
+# differently from oneDNN (timm's Sequencer2D: gradients 6e-7 off eager's; 3,143 ops where
+# eager's path gives 307). (On CUDA eager runs cuDNN's RNN; the override is kept there.)
+_EAGER_FAITHFUL_CPU_OPS: tuple[Any, ...] = tuple(
+    getattr(getattr(torch.ops.aten, rnn), overload)
+    for rnn in ("lstm", "gru", "rnn_tanh", "rnn_relu") for overload in ("input", "data"))
 
 
 @contextlib.contextmanager
-def _eager_faithful_dispatch() -> Iterator[None]:
+def _eager_faithful_dispatch(device: torch.device) -> Iterator[None]:
     from torch._C import DispatchKey
 
+    ops = _EAGER_FAITHFUL_OPS + (_EAGER_FAITHFUL_CPU_OPS if device.type == "cpu" else ())
     removed: list[tuple[Any, Any, Any]] = []
     try:
-        for op in _EAGER_FAITHFUL_OPS:
+        for op in ops:
             for key in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd):
                 fn = op.py_kernels.pop(key, None)
                 if fn is not None:
@@ -527,7 +538,7 @@ def _eager_faithful_dispatch() -> Iterator[None]:
     finally:
         for op, key, fn in removed:
             op.py_kernels[key] = fn
-        for op in _EAGER_FAITHFUL_OPS:
+        for op in ops:
             op._dispatch_cache.clear()
 
 
@@ -1388,7 +1399,7 @@ def trace_model(
         # targets, plain tensor attributes) are accepted; they become constants of the graph.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with preserved_rng(device), host_draws_recorded(host_draws), torch.enable_grad(), \
-                _eager_faithful_dispatch(), _quiet_tracing_noise(), \
+                _eager_faithful_dispatch(device), _quiet_tracing_noise(), \
                 _module_annotations(model, module_stack), \
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
             return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])

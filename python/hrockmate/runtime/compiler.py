@@ -271,6 +271,23 @@ class _Compiler:
         slot_uses: dict[tuple[str, int], int] = {}
         for slot in grad_slot.values():
             slot_uses[slot] = slot_uses.get(slot, 0) + 1
+        # Gradients of different slots may share one storage (one traced tensor is the gradient
+        # of both parameters of ``a + b``, and of both biases of oneDNN's LSTM layer). Autograd
+        # keeps what it is handed as ``.grad``, so accumulating into one (the next backward,
+        # ``clip_grad_norm_``) would change the other too; eager autograd copies such a
+        # gradient, and so does the code here, for all but the first slot handed it.
+        slots_of_root: dict[int, set[tuple[str, int]]] = {}
+        for t, slot in grad_slot.items():
+            slots_of_root.setdefault(g.storage_root(t), set()).add(slot)
+        shared_roots = {r for r, slots in slots_of_root.items() if len(slots) > 1}
+        handed_roots: set[int] = set()
+
+        def stash(t: int) -> str:
+            root = g.storage_root(t)
+            copy = root in handed_roots
+            if root in shared_roots:
+                handed_roots.add(root)
+            return self._stash(t, grad_slot[t], slot_uses, copy)
         buffer_of_update = {tid: b for b, tid in tr.buffer_updates.items()}
         buffer_tensor: dict[str, int] = {}
         head_fwd: list[str] = [f"E = [None] * {n_t}"]
@@ -425,7 +442,7 @@ class _Compiler:
                 if pos in deferred_free:
                     continue  # dropped at its restoration's step instead
                 if t in grad_slot:
-                    out.append(self._stash(t, grad_slot[t], slot_uses))
+                    out.append(stash(t))
                     pending.append(t)
                 out.append(f"E[{t}] = None")
                 continue
@@ -484,7 +501,7 @@ class _Compiler:
         tail = []
         for t in grad_slot:
             if alive[t]:
-                tail.append(self._stash(t, grad_slot[t], slot_uses))
+                tail.append(stash(t))
                 pending.append(t)
         chunk_bodies[-1].extend(tail)
         chunk_grads.append(pending)
@@ -662,11 +679,13 @@ class _Compiler:
         return {int(c) for c in cuts}, int(with_states) - int(held_peak)
 
     @staticmethod
-    def _stash(t: int, slot: tuple[str, int], uses: dict[tuple[str, int], int]) -> str:
+    def _stash(t: int, slot: tuple[str, int], uses: dict[tuple[str, int], int],
+               copy: bool = False) -> str:
         arr, j = slot
+        value = f"E[{t}].clone()" if copy else f"E[{t}]"
         if uses[slot] > 1:  # several traced gradients of one parameter (tied under two names)
-            return f"{arr}[{j}] = _acc({arr}[{j}], E[{t}])"
-        return f"{arr}[{j}] = E[{t}]"
+            return f"{arr}[{j}] = _acc({arr}[{j}], {value})"
+        return f"{arr}[{j}] = {value}"
 
     def _exec(self, src: str, name: str) -> Callable[..., Any]:
         code = compile(src, f"<hrockmate {name} of {self.graph.name or 'graph'}>", "exec")
