@@ -807,6 +807,40 @@ def test_an_lstm_on_data_trains_as_plain_pytorch(recompute: bool) -> None:
     assert pred - 0.05 * pred <= got <= pred + 0.05 * pred, f"measured {got}, predicted {pred}"
 
 
+@pytest.mark.parametrize("mode,dims,align", [
+    ("nearest", 2, None), ("bilinear", 2, False), ("bilinear", 2, True), ("bicubic", 2, False),
+    ("linear", 1, True), ("trilinear", 3, False), ("nearest", 3, None)])
+def test_interpolation_runs_eagers_upsampling_kernels(mode: str, dims: int,
+                                                      align: bool | None) -> None:
+    # PyTorch's tracing overrides of the upsampling ops trace index/gather ops, which round
+    # differently from eager's kernels (bilinear, bicubic); the trace keeps eager's op and its
+    # backward: bitwise equal over two accumulated steps, also when recomputed
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = conv(3, 4, 3, padding=1), conv(4, 2, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            kw = {} if align is None else {"align_corners": align}
+            y = nn.functional.interpolate(self.a(x).relu(), scale_factor=2, mode=mode, **kw)
+            return self.b(y).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Up(), torch.randn(2, 3, *([6] * dims))
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, x)
+    assert any(str(n.target).startswith(f"aten.upsample_{mode}")
+               for n in hm.traced.gm.graph.nodes)
+    hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+    for _ in range(2):
+        hm(x).backward()
+        ref(x).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+
+
 def test_backward_twice_is_a_clear_error() -> None:
     model, sample = models.mlp(batch=2, d_in=4, hidden=8, n_layers=1, d_out=2)
     hm = HRockmate(model, sample)

@@ -508,7 +508,15 @@ def host_draws_recorded(drawn: set[str]) -> Iterator[None]:
 # dropout multiplies by a float noise tensor; the saved mask is then 4x larger in eager. The
 # traced graph must describe (and reproduce) what plain PyTorch does, so these overrides are
 # switched off while tracing and the op's own composite implementation is traced instead.
-_EAGER_FAITHFUL_OPS: tuple[Any, ...] = (torch.ops.aten.dropout.default,)
+_EAGER_FAITHFUL_OPS: tuple[Any, ...] = (torch.ops.aten.dropout.default,) + tuple(
+    # interpolation: the overrides trace index/gather ops (bilinear and bicubic round
+    # differently from eager's kernels: gradients were not bitwise equal), where eager runs the
+    # upsampling kernel and its backward
+    getattr(getattr(torch.ops.aten, f"upsample_{mode}"), overload)
+    for mode in ("nearest1d", "nearest2d", "nearest3d", "linear1d", "bilinear2d", "bicubic2d",
+                 "trilinear3d")
+    for overload in ("default", "vec")
+    if hasattr(getattr(torch.ops.aten, f"upsample_{mode}"), overload))
 # On the CPU, eager LSTMs run oneDNN's layer kernel (``mkldnn_rnn_layer``, with the workspace
 # its backward reads) wherever oneDNN can. The Python override takes that kernel only when the
 # LSTM's input needs no gradient, and then in its inference mode, without a workspace, even when
