@@ -788,6 +788,10 @@ def test_an_lstm_on_data_trains_as_plain_pytorch(recompute: bool) -> None:
     if torch.backends.mkldnn.is_available():
         assert any(n.target is torch.ops.aten.mkldnn_rnn_layer.default
                    for n in hm.traced.gm.graph.nodes)
+    # PyTorch's overrides are back once the trace is done (torch.compile and export use them)
+    from torch._C import DispatchKey
+
+    assert DispatchKey.CompositeImplicitAutograd in torch.ops.aten.lstm.input.py_kernels
     if recompute:
         hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
         assert hm.recomputed_ops > 0
