@@ -760,6 +760,39 @@ def test_gradients_sharing_a_storage_are_handed_over_as_copies() -> None:
     assert model.a.grad.data_ptr() != model.b.grad.data_ptr()
 
 
+def test_an_output_the_real_kernel_lays_out_otherwise_is_copied_into_the_traced_layout() -> None:
+    # (HF PatchTST) BatchNorm over a transposed input: the fake kernel keeps the input's
+    # strides, the CPU kernel returns a contiguous tensor; the trace views the transpose back,
+    # which the real layout cannot be viewed as ("view size is not compatible ...")
+    from hrockmate.capture.kernels import RELAYOUT
+
+    class Patches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.BatchNorm1d(6)
+            self.head = nn.Linear(5 * 6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.norm(x.transpose(1, 2)).transpose(1, 2)
+            return self.head(y.reshape(x.shape[0], -1)).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Patches(), torch.randn(4, 5, 6)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, x)
+    assert any(n.meta.get(RELAYOUT) for n in hm.traced.op_nodes)
+    for recompute in (False, True):
+        if recompute:
+            hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+        for _ in range(2):
+            hm(x).backward()
+            ref(x).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        for a, b in zip(model.buffers(), ref.buffers()):
+            assert torch.equal(a, b)
+
+
 def _lstm_on_data() -> tuple[nn.Module, torch.Tensor]:
     class Tagger(nn.Module):
         def __init__(self) -> None:

@@ -48,7 +48,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from hrockmate.capture.kernels import kernel
+from hrockmate.capture.kernels import kernel, op_kernel, relayout_outputs
 from hrockmate.capture.tracing import (
     Traced,
     allocated_bytes,
@@ -151,7 +151,7 @@ def _sync(device: torch.device) -> None:
 
 def _time_op(node: fx.Node, args: Any, kwargs: Any, device: torch.device) -> float:
     """The fastest of a few timed calls of the op (seconds)."""
-    fn = kernel(node.target, device.type)
+    fn = op_kernel(node, device.type)
     fn(*args, **kwargs)  # warm-up
     samples: list[float] = []
     total = 0.0
@@ -247,7 +247,7 @@ def _measure_workspace_cpu(
     def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
         nonlocal resized
         with record_function(f"hrockmate_op:{op_id}"):
-            out = kernel(node.target, "cpu")(*args, **kwargs)
+            out = relayout_outputs(node, args, kwargs, kernel(node.target, "cpu")(*args, **kwargs))
         resized += _correct_outputs(traced, op_id, args, kwargs, out)
         return out
 
@@ -294,7 +294,7 @@ def _measure_workspace_cuda(
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        out = kernel(node.target, "cuda")(*args, **kwargs)
+        out = relayout_outputs(node, args, kwargs, kernel(node.target, "cuda")(*args, **kwargs))
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
         resized += _correct_outputs(traced, op_id, args, kwargs, out)
@@ -359,7 +359,7 @@ def annotate_costs(
                 elif sig not in fastest:
                     cache[sig] = estimate_time(node, device.type)
                     report.estimated += 1
-            return kernel(node.target, device.type)(*args, **kwargs)
+            return op_kernel(node, device.type)(*args, **kwargs)
 
         for _ in range(MEASURE_PASSES):
             seen.clear()

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["in_place_kernel", "kernel"]
+__all__ = ["RELAYOUT", "in_place_kernel", "kernel", "op_kernel", "relayout_outputs"]
 
 _aten = torch.ops.aten
 _RESERVE = "_hrockmate_cudnn_reserve"  # attribute of the saved mean: cuDNN's reserve space
@@ -108,6 +108,78 @@ def kernel(target: Any, device_type: str) -> Callable[..., Any]:
         return _EAGER_CPU[target]
     # OpOverload.__call__ only forwards to the C++ op; calling that directly saves a frame.
     return getattr(target, "_op", target)
+
+
+# node.meta key: positions of the op's outputs that its real kernel lays out otherwise than
+# the trace recorded (``relayout_outputs``); None stands for a single-tensor output
+RELAYOUT = "hrockmate_relayout"
+
+
+def op_kernel(node: Any, device_type: str) -> Callable[..., Any]:
+    """``kernel`` for the op of fx node ``node``. Where its real kernel lays an output out
+    otherwise than the trace recorded (found by ``relayout_outputs`` when the workspaces were
+    measured), that output is copied into the recorded layout: the graph's later ops were
+    traced for it (a ``view`` of a transpose of it, say, where a real layout needs a copy)."""
+    run = kernel(node.target, device_type)
+    positions = node.meta.get(RELAYOUT)
+    if not positions:
+        return run
+    traced = node.meta["val"]
+
+    def relaid(*args: Any, **kwargs: Any) -> Any:
+        return _in_traced_layout(run(*args, **kwargs), positions, traced)
+    return relaid
+
+
+def _in_traced_layout(out: Any, positions: tuple[int | None, ...], traced: Any) -> Any:
+    if positions == (None,):
+        return _copied_into(out, traced)
+    outs = list(out)
+    for i in positions:
+        assert i is not None
+        outs[i] = _copied_into(outs[i], traced[i])
+    return type(out)(outs) if isinstance(out, list) else tuple(outs)
+
+
+def _copied_into(t: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(traced.shape, traced.stride(), dtype=t.dtype,
+                               device=t.device).copy_(t)
+
+
+def _same_layout(real: torch.Tensor, traced: torch.Tensor) -> bool:
+    # (the stride of a dimension of size 1 never matters)
+    return real.shape == traced.shape and all(
+        n == 1 or a == b for n, a, b in zip(real.shape, real.stride(), traced.stride()))
+
+
+def relayout_outputs(node: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """``out`` (what the real kernel returned for ``node``'s op) with the outputs whose layout
+    differs from the traced one copied into the traced layout, and those positions recorded in
+    ``node.meta[RELAYOUT]`` for ``op_kernel``. Fake kernels can get a layout wrong: the one of
+    ``_native_batch_norm_legit_functional`` keeps a transposed input's strides, the CPU kernel
+    returns a contiguous tensor (HF PatchTST's BatchNorm over a transposed input: the trace
+    then viewed a transpose of it, which the real tensor cannot be viewed as). Outputs that
+    share an input's storage (views) are left alone."""
+    import torch.utils._pytree as pytree
+
+    traced = node.meta.get("val")
+    single = not isinstance(out, (tuple, list))
+    outs, vals = ([out], [traced]) if single else (list(out), list(traced or ()))
+    inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    found: list[int | None] = []
+    for i, (o, v) in enumerate(zip(outs, vals)):
+        if not (isinstance(o, torch.Tensor) and isinstance(v, torch.Tensor)) or o.numel() < 2:
+            continue
+        if o.shape != v.shape or _same_layout(o, v):
+            continue
+        ptr = o.untyped_storage().data_ptr()
+        if any(x.untyped_storage().data_ptr() == ptr for x in inputs):
+            continue
+        found.append(None if single else i)
+    if not found:
+        return out
+    node.meta[RELAYOUT] = tuple(found)
+    return _in_traced_layout(out, tuple(found), traced)
 
 
 _EAGER_CUDA_IN_PLACE: dict[Any, Callable[..., Any]] = {

@@ -95,7 +95,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hrockmate.capture.kernels import kernel
+from hrockmate.capture.kernels import op_kernel
 from hrockmate.ir.graph import Graph, Op, Tensor
 
 __all__ = [
@@ -1597,7 +1597,7 @@ def run_joint(
             if node in op_index and on_op is not None:
                 env[node] = on_op(op_index[node], node, args, kwargs)
             else:
-                env[node] = kernel(node.target, traced.device.type)(*args, **kwargs)
+                env[node] = op_kernel(node, traced.device.type)(*args, **kwargs)
             for tid, index in keep_at.get(node, ()):
                 kept[tid] = env[node] if index is None else env[node][index]
         elif node.op == "output":

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from hrockmate.capture.kernels import in_place_kernel, kernel
+from hrockmate.capture.kernels import RELAYOUT, in_place_kernel, op_kernel
 from hrockmate.capture.tracing import allocator_slack_bytes
 
 __all__ = ["Program", "RuntimeScheduleError", "compile_schedule"]
@@ -190,7 +190,7 @@ class _Compiler:
         node = self.traced.op_nodes[op_id]
         name = f"F{op_id}" if in_place is None else f"W{op_id}"
         if name not in self.namespace:
-            self.namespace[name] = in_place or kernel(node.target, self.traced.device.type)
+            self.namespace[name] = in_place or op_kernel(node, self.traced.device.type)
         parts = [self._expr(a, node.name, reads) for a in node.args]
         parts += [f"{k}={self._expr(v, node.name, reads)}" for k, v in node.kwargs.items()]
         return f"{name}({', '.join(parts)})"
@@ -205,8 +205,8 @@ class _Compiler:
         tensor. None otherwise (the op then runs out of place and its result is copied over)."""
         node = self.traced.op_nodes[op_id]
         found = in_place_kernel(node.target, self.traced.device.type)
-        if found is None:
-            return None
+        if found is None or node.meta.get(RELAYOUT):
+            return None  # (an output the real kernel lays out otherwise is copied: op_kernel)
         _, written = found
         if any(i >= len(node.args) or not isinstance(node.args[i], torch.fx.Node)
                for i in written):
