@@ -684,6 +684,35 @@ class _LayerDrop(nn.Module):
         return x.square().sum()
 
 
+def test_distribution_argument_checks_are_off_while_tracing() -> None:
+    # (HF's time-series models) a distribution built from the model's outputs checks its
+    # arguments by reading their values; the checks change nothing and are left out of the
+    # trace, the default is back afterwards, and training is bitwise plain PyTorch's
+    from torch.distributions import Distribution, Normal
+
+    class Gaussian(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loc, raw = self.net(x).unbind(-1)
+            dist = Normal(loc, nn.functional.softplus(raw) + 1e-3)
+            return -dist.log_prob(y).mean()
+
+    assert Distribution._validate_args
+    torch.manual_seed(0)
+    model, x, y = Gaussian(), torch.randn(8, 4), torch.randn(8)
+    ref = copy.deepcopy(model)
+    hm = hrockmate.HRockmate(model, (x, y), cache=False)
+    assert Distribution._validate_args
+    for _ in range(2):
+        hm(x, y).backward()
+        ref(x, y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_a_branch_on_a_random_draw_is_named_as_such() -> None:
     with pytest.raises(TraceError) as info:
         trace_model(_LayerDrop(), torch.randn(2, 4), cost="none")

@@ -678,6 +678,23 @@ def _capture_joint(
 
 
 @contextlib.contextmanager
+def _distribution_checks_off() -> Iterator[None]:
+    """``torch.distributions`` checks a distribution's arguments by default (``scale > 0``, ...)
+    and raises on a bad one: a read of tensor values, which one graph for every batch cannot
+    hold (HF's time-series models build a StudentT from the model's outputs). The checks change
+    no value, so the default is off while tracing (distributions built with
+    ``validate_args=True`` still check); plain PyTorch runs keep it."""
+    from torch.distributions import Distribution
+
+    old = Distribution._validate_args
+    Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        Distribution.set_default_validate_args(old)
+
+
+@contextlib.contextmanager
 def _compiling_paths() -> Iterator[None]:
     """Make ``torch.compiler.is_compiling()`` answer True, as ``torch.export`` does while it
     traces. Libraries check it (transformers' ``is_tracing`` among them) to take code paths
@@ -1408,7 +1425,7 @@ def trace_model(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with preserved_rng(device), host_draws_recorded(host_draws), torch.enable_grad(), \
                 _eager_faithful_dispatch(device), _quiet_tracing_noise(), \
-                _module_annotations(model, module_stack), \
+                _distribution_checks_off(), _module_annotations(model, module_stack), \
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
             return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])
 
