@@ -780,7 +780,10 @@ def test_an_output_the_real_kernel_lays_out_otherwise_is_copied_into_the_traced_
     model, x = Patches(), torch.randn(4, 5, 6)
     ref = copy.deepcopy(model)
     hm = HRockmate(model, x)
-    assert any(n.meta.get(RELAYOUT) for n in hm.traced.op_nodes)
+    # only the BatchNorm, whose output a view failed on; the backward's ops whose real layouts
+    # also differ from the fake ones (nothing views them) keep eager's layouts
+    relaid = [n.target for n in hm.traced.op_nodes if n.meta.get(RELAYOUT)]
+    assert relaid == [torch.ops.aten._native_batch_norm_legit_functional.default]
     for recompute in (False, True):
         if recompute:
             hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))

@@ -39,6 +39,7 @@ minus its new outputs). ``"none"`` leaves 0.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from hrockmate.capture.kernels import kernel, op_kernel, relayout_outputs
+from hrockmate.capture.kernels import kernel, op_kernel, relayout_outputs, want_relayout
 from hrockmate.capture.tracing import (
     Traced,
     allocated_bytes,
@@ -234,8 +235,46 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+# Measuring runs started again after a view failed on a real layout (one per op relaid out).
+MAX_RELAYOUT_RUNS = 8
+
+
+def _layout_source(node: fx.Node) -> fx.Node | None:
+    """The op that made the storage a failing view op ``node`` reads: back through views and
+    tuple members to the first op that is neither (None when ``node`` is no view op or the
+    storage is a graph input)."""
+    if not getattr(node.target, "is_view", False):
+        return None
+    src = node.args[0] if node.args else None
+    while isinstance(src, fx.Node) and src.op == "call_function":
+        if src.target is operator.getitem:
+            return src.args[0] if isinstance(src.args[0], fx.Node) else None
+        if not getattr(src.target, "is_view", False):
+            return src
+        src = src.args[0] if src.args else None
+    return None
+
+
+def _measure_with_relayouts(traced: Traced, values: dict[str, torch.Tensor]
+                            ) -> tuple[list[int], int]:
+    """The workspace measurement of the device. Where a view op fails on a real layout (the
+    fake kernel of the op that made its storage recorded another layout, and later ops were
+    traced for that one), that op is marked for ``kernels.relayout_outputs`` and the run
+    starts again; every other output keeps the real kernel's layout, as in eager."""
+    measure = _measure_workspace_cuda if traced.device.type == "cuda" else _measure_workspace_cpu
+    for _ in range(MAX_RELAYOUT_RUNS):
+        at: list[fx.Node] = []  # the op being run
+        try:
+            return measure(traced, values, at)
+        except RuntimeError:
+            source = _layout_source(at[0]) if at else None
+            if source is None or not want_relayout(source):
+                raise
+    return measure(traced, values, [])
+
+
 def _measure_workspace_cpu(
-    traced: Traced, values: dict[str, torch.Tensor]
+    traced: Traced, values: dict[str, torch.Tensor], at: list[fx.Node]
 ) -> tuple[list[int], int]:
     from torch.profiler import record_function
 
@@ -246,6 +285,7 @@ def _measure_workspace_cpu(
 
     def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
         nonlocal resized
+        at[:] = [node]
         with record_function(f"hrockmate_op:{op_id}"):
             out = relayout_outputs(node, args, kwargs, kernel(node.target, "cpu")(*args, **kwargs))
         resized += _correct_outputs(traced, op_id, args, kwargs, out)
@@ -278,7 +318,7 @@ def _measure_workspace_cpu(
 
 
 def _measure_workspace_cuda(
-    traced: Traced, values: dict[str, torch.Tensor]
+    traced: Traced, values: dict[str, torch.Tensor], at: list[fx.Node]
 ) -> tuple[list[int], int]:
     device = traced.device
     work = [0] * len(traced.op_nodes)
@@ -286,6 +326,7 @@ def _measure_workspace_cuda(
 
     def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
         nonlocal resized
+        at[:] = [node]
         schema = getattr(node.target, "_schema", None)
         if schema is not None and not schema.is_mutable:
             # A first call may set up cuBLAS/cuDNN handles and their workspaces, which then stay
@@ -328,10 +369,7 @@ def annotate_costs(
     t0 = time.perf_counter()
     if workspace:
         with preserved_rng(device), torch.enable_grad():
-            if device.type == "cuda":
-                work, report.resized = _measure_workspace_cuda(traced, values)
-            else:
-                work, report.resized = _measure_workspace_cpu(traced, values)
+            work, report.resized = _measure_with_relayouts(traced, values)
         for op, w in zip(ops, work):
             op.workspace = int(w)
     report.workspace_seconds = time.perf_counter() - t0

@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["RELAYOUT", "in_place_kernel", "kernel", "op_kernel", "relayout_outputs"]
+__all__ = ["RELAYOUT", "in_place_kernel", "kernel", "op_kernel", "relayout_outputs",
+           "want_relayout"]
 
 _aten = torch.ops.aten
 _RESERVE = "_hrockmate_cudnn_reserve"  # attribute of the saved mean: cuDNN's reserve space
@@ -113,6 +114,16 @@ def kernel(target: Any, device_type: str) -> Callable[..., Any]:
 # node.meta key: positions of the op's outputs that its real kernel lays out otherwise than
 # the trace recorded (``relayout_outputs``); None stands for a single-tensor output
 RELAYOUT = "hrockmate_relayout"
+_WANTED = "hrockmate_relayout_wanted"  # node.meta key: a view of its output failed (see below)
+
+
+def want_relayout(node: Any) -> bool:
+    """Mark ``node``'s op for ``relayout_outputs``: a view of one of its outputs failed on the
+    real layout. False if it was marked already (a relayout did not help)."""
+    if node.meta.get(_WANTED):
+        return False
+    node.meta[_WANTED] = True
+    return True
 
 
 def op_kernel(node: Any, device_type: str) -> Callable[..., Any]:
@@ -153,15 +164,18 @@ def _same_layout(real: torch.Tensor, traced: torch.Tensor) -> bool:
 
 
 def relayout_outputs(node: Any, args: Any, kwargs: Any, out: Any) -> Any:
-    """``out`` (what the real kernel returned for ``node``'s op) with the outputs whose layout
-    differs from the traced one copied into the traced layout, and those positions recorded in
-    ``node.meta[RELAYOUT]`` for ``op_kernel``. Fake kernels can get a layout wrong: the one of
-    ``_native_batch_norm_legit_functional`` keeps a transposed input's strides, the CPU kernel
-    returns a contiguous tensor (HF PatchTST's BatchNorm over a transposed input: the trace
-    then viewed a transpose of it, which the real tensor cannot be viewed as). Outputs that
-    share an input's storage (views) are left alone."""
+    """For an op marked by ``want_relayout``: ``out`` (what the real kernel returned for
+    ``node``'s op) with the outputs whose layout differs from the traced one copied into the
+    traced layout, and those positions recorded in ``node.meta[RELAYOUT]`` for ``op_kernel``.
+    Other ops' outputs keep the real kernel's layout (eager's). Fake kernels can get a layout
+    wrong: the one of ``_native_batch_norm_legit_functional`` keeps a transposed input's
+    strides, the CPU kernel returns a contiguous tensor (HF PatchTST's BatchNorm over a
+    transposed input: the trace then viewed a transpose of it, which the real tensor cannot be
+    viewed as). Outputs that share an input's storage (views) are left alone."""
     import torch.utils._pytree as pytree
 
+    if not node.meta.get(_WANTED):
+        return out
     traced = node.meta.get("val")
     single = not isinstance(out, (tuple, list))
     outs, vals = ([out], [traced]) if single else (list(out), list(traced or ()))
