@@ -735,6 +735,19 @@ def test_gradients_accumulate_and_zero_grad_works() -> None:
         _assert_same(p.grad, q.grad, f"two-call grad of {name}")
 
 
+def _accumulated_steps_equal(hm: nn.Module, ref: nn.Module, sample: Any, steps: int = 2,
+                             seeded: bool = False) -> None:
+    """``steps`` backward passes through ``hm`` and ``ref``, accumulated (no zeroing; seeds 1,
+    2, ... before each pass when ``seeded``): the gradients are bitwise equal after each."""
+    for step in range(1, steps + 1):
+        for m in (hm, ref):
+            if seeded:
+                torch.manual_seed(step)
+            _call(m, sample).backward()
+        for (name, p), (_, q) in zip(hm.named_parameters(), ref.named_parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name}"
+
+
 def test_gradients_sharing_a_storage_are_handed_over_as_copies() -> None:
     # one traced tensor is the gradient of both `a` and `b`; were it handed to autograd for
     # both, their .grad would share a storage and the next accumulation would add into both
@@ -752,11 +765,7 @@ def test_gradients_sharing_a_storage_are_handed_over_as_copies() -> None:
     model, x = Sum(), torch.randn(8, 16)
     ref = copy.deepcopy(model)
     hm = HRockmate(model, x)
-    for _ in range(3):  # accumulated, as over micro-batches
-        hm(x).backward()
-        ref(x).backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p.grad, q.grad), name
+    _accumulated_steps_equal(hm, ref, x, steps=3)  # as over micro-batches
     assert model.a.grad.data_ptr() != model.b.grad.data_ptr()
 
 
@@ -787,11 +796,7 @@ def test_an_output_the_real_kernel_lays_out_otherwise_is_copied_into_the_traced_
     for recompute in (False, True):
         if recompute:
             hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
-        for _ in range(2):
-            hm(x).backward()
-            ref(x).backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p.grad, q.grad), name
+        _accumulated_steps_equal(hm, ref, x)
         for a, b in zip(model.buffers(), ref.buffers()):
             assert torch.equal(a, b)
 
@@ -831,13 +836,7 @@ def test_an_lstm_on_data_trains_as_plain_pytorch(recompute: bool) -> None:
     if recompute:
         hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
         assert hm.recomputed_ops > 0
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        hm(x).backward()
-        torch.manual_seed(seed)
-        ref(x).backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p.grad, q.grad), f"step {seed}: grad of {name}"
+    _accumulated_steps_equal(hm, ref, x, seeded=True)  # (dropout between the layers)
     model.zero_grad(set_to_none=True)
     step = _measured_step(hm, x, torch.device("cpu"))
     step()
@@ -874,11 +873,7 @@ def test_interpolation_runs_eagers_upsampling_kernels(mode: str, dims: int,
     assert any(str(n.target).startswith(f"aten.upsample_{mode}")
                for n in hm.traced.gm.graph.nodes)
     hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
-    for _ in range(2):
-        hm(x).backward()
-        ref(x).backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p.grad, q.grad), name
+    _accumulated_steps_equal(hm, ref, x)
 
 
 def test_backward_twice_is_a_clear_error() -> None:
