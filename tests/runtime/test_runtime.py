@@ -19,7 +19,7 @@ import hrockmate
 from hrockmate import models
 from hrockmate.capture.tracing import allocator_slack_bytes
 from hrockmate.ir.graph import Graph
-from hrockmate.runtime import HRockmate, InputMismatchError, RuntimeScheduleError
+from hrockmate.runtime import HRockmate, InputMismatchError, ModelChangedError, RuntimeScheduleError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -844,6 +844,174 @@ def test_an_lstm_on_data_trains_as_plain_pytorch(recompute: bool) -> None:
     got = hrockmate.measure_peak_memory(step, params=list(model.parameters())).peak_bytes
     pred = hm.predicted_peak_bytes
     assert pred - 0.05 * pred <= got <= pred + 0.05 * pred, f"measured {got}, predicted {pred}"
+
+
+class _MixedPrecision(nn.Module):
+    """Conv + BatchNorm, LayerNorm, a region the model runs with autocast off, softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc1 = nn.Linear(8 * 8 * 8, 64)
+        self.ln = nn.LayerNorm(64)
+        self.fc2 = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x))).flatten(1)
+        h = torch.relu(self.ln(self.fc1(h)))
+        with torch.autocast("cpu", enabled=False):  # float32 here, within the region too
+            h = torch.tanh(self.fc2(h.float()))
+        return nn.functional.cross_entropy(torch.softmax(self.head(h), -1), y)
+
+
+def _autocast_steps_equal(hm: nn.Module, ref: nn.Module, sample: Any, steps: int = 2) -> None:
+    """``steps`` accumulated iterations, each forward within ``torch.autocast`` (bfloat16 on
+    the CPU) and its backward after the region: losses, gradients and buffers bitwise equal."""
+    for step in range(1, steps + 1):
+        losses = []
+        for m in (hm, ref):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _call(m, sample)
+            loss.backward()
+            losses.append(loss)
+        assert torch.equal(losses[0], losses[1]), f"step {step}: loss"
+        for (name, p), (_, q) in zip(hm.named_parameters(), ref.named_parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name}"
+        for (name, a), (_, b) in zip(hm.named_buffers(), ref.named_buffers()):
+            assert torch.equal(a, b), f"step {step}: buffer {name}"
+
+
+def _mixed_precision_sample() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    return _MixedPrecision(), (torch.randn(256, 3, 8, 8), torch.randint(0, 10, (256,)))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_autocast_training_matches_plain_pytorch(recompute: bool) -> None:
+    """Built and called within ``torch.autocast``: autocast's casts are ops of the graph (the
+    forward traced under it, the backward with it off, as eager runs a backward() called after
+    the region), and the ops run with autocast off, so the float32 region stays float32.
+    Either half missing made gradients differ (1.5e-5 absolute)."""
+    model, sample = _mixed_precision_sample()
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hm = HRockmate(model, sample)
+    assert hm.traced.graph.meta["autocast"] == [["cpu", "bfloat16"]]
+    assert any(n.meta["val"].dtype == torch.bfloat16 for n in hm.traced.op_nodes
+               if isinstance(n.meta.get("val"), torch.Tensor))
+    if recompute:
+        hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+        assert hm.recomputed_ops > 0
+    _autocast_steps_equal(hm, ref, sample)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = hm(*sample)
+        loss.backward()
+
+    model.zero_grad(set_to_none=True)
+    step()
+    model.zero_grad(set_to_none=True)
+    got = hrockmate.measure_peak_memory(step, params=list(model.parameters())).peak_bytes
+    pred = hm.predicted_peak_bytes
+    assert pred - 0.05 * pred <= got <= pred + 0.05 * pred, f"measured {got}, predicted {pred}"
+
+
+def test_a_call_under_other_autocast_regions_traces_again(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Built outside autocast and trained within it (or the other way round), the module
+    traces and plans again for the call's regions, with a warning; with a fixed plan= it
+    raises instead."""
+    model, sample = _mixed_precision_sample()
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample)
+    assert hm.traced.autocast == ()
+    with caplog.at_level("WARNING", logger="hrockmate"):
+        _autocast_steps_equal(hm, ref, sample)
+    assert "traced without autocast and is called under torch.autocast('cpu', " \
+        "dtype=torch.bfloat16)" in caplog.text
+    assert hm.traced.autocast == (("cpu", torch.bfloat16),)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hrockmate"):
+        _accumulated_steps_equal(hm, ref, sample, steps=1)  # back outside: float32 again
+    assert "traced under torch.autocast" in caplog.text and hm.traced.autocast == ()
+
+    fixed = HRockmate(model, sample, plan=hm.plan)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            ModelChangedError, match="fixed plan="):
+        fixed(*sample)
+
+
+def test_a_backward_within_the_autocast_region_is_warned_of() -> None:
+    model, sample = _mixed_precision_sample()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hm = HRockmate(model, sample)
+        loss = hm(*sample)
+        with pytest.warns(UserWarning, match="backward\\(\\) was called within a torch.autocast"):
+            loss.backward()
+
+
+class _Checkpointed(nn.Module):
+    """Blocks (with dropout) run through ``torch.utils.checkpoint``, as transformers'
+    gradient checkpointing runs its layers."""
+
+    def __init__(self, reentrant: bool, embed: bool = True) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = nn.Linear(32, 32) if embed else None
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32),
+                          nn.Dropout(0.1)) for _ in range(3))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_the_models_own_checkpointing_is_traced_as_plain_calls(
+        reentrant: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A model that checkpoints its blocks itself (``torch.utils.checkpoint``) is traced as if
+    it called them plainly: the plan decides what is recomputed, and eager's gradients are the
+    same with and without checkpointing (its replay restores the random state). Traced as
+    they were, reentrant checkpoints failed to trace ("incompatible with .grad()") and
+    transformers' gradient checkpointing traced non-reentrant ones into a different graph."""
+    torch.manual_seed(0)
+    model, x = _Checkpointed(reentrant), torch.randn(16, 8, 32)
+    ref = copy.deepcopy(model)
+    with caplog.at_level("INFO", logger="hrockmate"):
+        hm = HRockmate(model, x, budget=0.7)
+    assert "checkpoints activations itself (torch.utils.checkpoint, of Sequential)" \
+        in caplog.text
+    assert hm.recomputed_ops > 0
+    _accumulated_steps_equal(hm, ref, x, seeded=True)
+
+
+def test_a_reentrant_checkpoint_without_inputs_needing_grad_stays_eagers() -> None:
+    # eager's reentrant checkpoint differentiates nothing inside when no input requires grad
+    # (it warns): the blocks get no gradient, here as there
+    torch.manual_seed(0)
+    model, x = _Checkpointed(True, embed=False), torch.randn(16, 8, 32)
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="requires_grad"):
+        hm = HRockmate(model, x)
+    for m in (hm, ref):
+        torch.manual_seed(1)  # (dropout)
+        with pytest.warns(UserWarning, match="requires_grad") if m is ref \
+                else warnings.catch_warnings():
+            m(x).backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    assert model.head.weight.grad is not None and model.blocks[0][1].weight.grad is None
 
 
 @pytest.mark.parametrize("mode,dims,align", [

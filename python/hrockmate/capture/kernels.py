@@ -12,17 +12,64 @@ picked, its reserve space (an extra output the graph does not have, empty for pl
 is attached to the saved mean, and the backward op runs ``cudnn_batch_norm_backward`` as
 eager's autograd does. Times are measured (``hrockmate.capture.costs``) and workspaces sized with
 the same kernels the runtime calls.
+
+Mixed precision: a model traced under ``torch.autocast`` has autocast's casts in its graph as
+ops (``_to_copy`` to the autocast dtype), and each op's dtypes are the ones autocast chose. The
+traced ops therefore run with autocast switched off (``autocast_off``): autocast active around
+them would cast again, by its op lists alone, also the ops of a region the model ran with
+autocast disabled (an ``mm`` of float32 tensors would run in bfloat16), and the graph's dtypes
+would no longer be the traced ones. ``autocast_state`` is what a trace is valid for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["RELAYOUT", "in_place_kernel", "kernel", "op_kernel", "relayout_outputs",
-           "want_relayout"]
+__all__ = ["RELAYOUT", "AutocastState", "autocast_off", "autocast_state", "describe_autocast",
+           "in_place_kernel", "kernel", "op_kernel", "relayout_outputs", "want_relayout"]
+
+#: The device types whose autocast state is followed (those this torch build knows).
+_AUTOCAST_DEVICES = tuple(
+    d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia")
+    if torch.amp.autocast_mode.is_autocast_available(d))
+
+#: The autocast regions active: (device type, dtype) for each device type with autocast on.
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+
+
+def autocast_state() -> AutocastState:
+    """The autocast regions active in this thread (empty outside ``torch.autocast``)."""
+    if not torch._C._is_any_autocast_enabled():
+        return ()
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
+
+
+def describe_autocast(state: AutocastState) -> str:
+    """``state`` in words, for messages."""
+    if not state:
+        return "without autocast"
+    return "under " + " and ".join(
+        f"torch.autocast({d!r}, dtype=torch.{str(dt).removeprefix('torch.')})"
+        for d, dt in state)
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Autocast switched off on every device type while traced ops run (see the module
+    docstring); nothing is entered when it is off already (the usual case)."""
+    state = autocast_state()
+    if not state:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for device_type, _ in state:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 _aten = torch.ops.aten
 _RESERVE = "_hrockmate_cudnn_reserve"  # attribute of the saved mean: cuDNN's reserve space

@@ -27,6 +27,11 @@ CONTRACT (shared by the tracer and the runtime; keep this docstring true):
 - ``buffer_updates``: buffer name -> IR tensor id of its new value (written back once).
 - ``input_spec`` / ``input_meta``: pytree spec of (args, kwargs) and, per leaf, (shape, dtype,
   device) for tensors or the value itself for non-tensors: what later calls are checked against.
+- ``autocast``: the ``torch.autocast`` regions active while tracing (``kernels.autocast_state``;
+  empty without autocast). The forward is traced under them, so their casts are ops of the
+  graph; the backward is traced with autocast off, as eager runs a ``loss.backward()`` called
+  after the autocast region (PyTorch's recommended use). The ops run with autocast off
+  (``kernels.autocast_off``), and the trace is valid only for calls under the same regions.
 
 Details of the mapping (see docs/graph-ir.md for the IR itself):
 - Every ``call_function`` node that computes tensors is an op; ``getitem`` nodes only select a
@@ -95,7 +100,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hrockmate.capture.kernels import op_kernel
+from hrockmate.capture.kernels import AutocastState, autocast_off, autocast_state, op_kernel
 from hrockmate.ir.graph import Graph, Op, Tensor
 
 __all__ = [
@@ -106,6 +111,8 @@ __all__ = [
 ]
 
 COST_MODES = ("measure", "estimate", "none")
+
+logger = logging.getLogger(__name__)
 
 #: Tracing relies on process-wide state (AOTAutograd's and the dispatcher's, hooks registered on
 #: the model, the global random generators), so traces and cost measurements run one at a time:
@@ -164,6 +171,7 @@ class Traced:
     input_spec: pytree.TreeSpec
     input_meta: list[Any]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    autocast: AutocastState = ()
     trace_seconds: float = 0.0
     cost_seconds: float = 0.0
 
@@ -692,6 +700,41 @@ def _distribution_checks_off() -> Iterator[None]:
         yield
     finally:
         Distribution.set_default_validate_args(old)
+
+
+@contextlib.contextmanager
+def _checkpoints_as_plain_calls(found: list[str]) -> Iterator[None]:
+    """The model's own activation checkpointing (``torch.utils.checkpoint.checkpoint``: what
+    transformers' ``gradient_checkpointing_enable``, ``checkpoint_sequential`` and
+    ``checkpoint_wrapper`` call) runs its function as a plain call while tracing. The plan
+    decides what is recomputed; a checkpoint traced as it is put the recomputation and
+    autograd's reentrant or saved-tensor-hook machinery into the joint graph, and gradients
+    were not eager's (HF Llama with gradient checkpointing: 757 ops, not bitwise; eager with
+    and without checkpointing are bitwise equal, with dropout too, since the checkpoint
+    replays the random state). ``found`` gets one entry per checkpointed call. Where the
+    private entry point is missing (another torch), checkpoints are traced as they are."""
+    import torch.utils.checkpoint as ckpt
+
+    impl = getattr(ckpt, "_checkpoint_impl", None)
+    if impl is None:
+        yield
+        return
+
+    def plain(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              **options: Any) -> Any:
+        if options.get("use_reentrant") in (None, True) and (kwargs or not any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            # eager's reentrant checkpoint refuses keyword arguments, and differentiates
+            # nothing inside when no input requires grad (it warns): left to it
+            return impl(function, args, kwargs, **options)
+        found.append(getattr(function, "__qualname__", type(function).__name__))
+        return function(*args, **kwargs)
+
+    ckpt._checkpoint_impl = plain
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_impl = impl
 
 
 @contextlib.contextmanager
@@ -1417,15 +1460,19 @@ def trace_model(
     flat_real += [leaves[i] for i in tensor_leaf_pos]
     module_stack: list[str] = []
     host_draws: set[str] = set()
+    checkpointed: list[str] = []  # the model's own checkpointed calls (traced as plain calls)
 
     def capture(compiling_paths: bool) -> fx.GraphModule:
         module_stack.clear()
+        checkpointed.clear()
         # Our own fake mode, so that real tensors the model or loss_fn closes over (e.g.
         # targets, plain tensor attributes) are accepted; they become constants of the graph.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with preserved_rng(device), host_draws_recorded(host_draws), torch.enable_grad(), \
                 _eager_faithful_dispatch(device), _quiet_tracing_noise(), \
                 _distribution_checks_off(), _module_annotations(model, module_stack), \
+                torch._functorch.config.patch(backward_pass_autocast="off"), \
+                _checkpoints_as_plain_calls(checkpointed), \
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
             return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])
 
@@ -1483,6 +1530,13 @@ def trace_model(
             "PyTorch would draw new ones. Draw them with torch's generators (torch.rand, "
             "torch.bernoulli), whose draws hrockmate replays at every call, or turn that "
             "randomness off", stacklevel=2)
+    if checkpointed:
+        names = sorted(set(checkpointed))
+        logger.info(
+            "the model checkpoints activations itself (torch.utils.checkpoint, of %s); the "
+            "checkpointed calls are traced as plain calls and the plan decides what is "
+            "recomputed (eager's gradients are the same either way)",
+            ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
     _match_random_layouts(joint)
     _compact_random_masks(joint)
     traced = _build(joint, flat_kinds, flat_real, out_box["count"], name or type(model).__name__,
@@ -1491,6 +1545,7 @@ def trace_model(
     traced.input_spec = input_spec
     traced.input_meta = [_leaf_meta(x) for x in leaves]
     traced.device = device
+    traced.autocast = autocast_state()
     if cost != "none":
         from hrockmate.capture.costs import annotate_costs
 
@@ -1504,6 +1559,7 @@ def trace_model(
             "cost": cost,
             "compiling_paths": compiling_paths,
             "device": str(device),
+            "autocast": [[d, str(dt).removeprefix("torch.")] for d, dt in traced.autocast],
             "trace_seconds": round(traced.trace_seconds, 4),
         }
     )
@@ -1602,26 +1658,27 @@ def run_joint(
 
     env: dict[fx.Node, Any] = {}
     kept: dict[int, torch.Tensor] = {}
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            if node.name not in values:
-                raise ValueError(f"no value given for placeholder {node.name}")
-            env[node] = values[node.name]
-        elif node.op == "get_attr":
-            env[node] = getattr(traced.gm, node.target)
-        elif node.op == "call_function":
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            if node in op_index and on_op is not None:
-                env[node] = on_op(op_index[node], node, args, kwargs)
-            else:
-                env[node] = op_kernel(node, traced.device.type)(*args, **kwargs)
-            for tid, index in keep_at.get(node, ()):
-                kept[tid] = env[node] if index is None else env[node][index]
-        elif node.op == "output":
-            break
-        for dead in dies_after.get(node, ()):
-            if dead.op != "output":
-                env.pop(dead, None)
+    with autocast_off():  # (the graph holds autocast's casts already)
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                if node.name not in values:
+                    raise ValueError(f"no value given for placeholder {node.name}")
+                env[node] = values[node.name]
+            elif node.op == "get_attr":
+                env[node] = getattr(traced.gm, node.target)
+            elif node.op == "call_function":
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                if node in op_index and on_op is not None:
+                    env[node] = on_op(op_index[node], node, args, kwargs)
+                else:
+                    env[node] = op_kernel(node, traced.device.type)(*args, **kwargs)
+                for tid, index in keep_at.get(node, ()):
+                    kept[tid] = env[node] if index is None else env[node][index]
+            elif node.op == "output":
+                break
+            for dead in dies_after.get(node, ()):
+                if dead.op != "output":
+                    env.pop(dead, None)
     return kept
 
 

@@ -47,6 +47,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from hrockmate.capture.kernels import autocast_off, autocast_state, describe_autocast
 from hrockmate.capture.tracing import rebuild_output
 from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
@@ -112,7 +113,8 @@ class _IterationState:
                 "HRockmate: backward ran twice through the same iteration (retain_graph=True "
                 "is not supported: the schedule frees activations); run the forward pass again"
             )
-        program.chunks[i].fn(env, self.buffers, grad_outputs, self.rng, self.gp, self.gx)
+        with autocast_off():  # (the graph holds autocast's casts: kernels.autocast_off)
+            program.chunks[i].fn(env, self.buffers, grad_outputs, self.rng, self.gp, self.gx)
         gp, gx = self.gp, self.gx
         grads: list[Any] = []
         for j in program.chunk_params[i]:
@@ -161,7 +163,8 @@ class _ForwardSegment(torch.autograd.Function):
         ctx: Any, state: _IterationState, token: torch.Tensor | None, *wired: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         program = state.program
-        env = program.forward.fn(state.params, state.buffers, state.inputs, state.rng)
+        with autocast_off():
+            env = program.forward.fn(state.params, state.buffers, state.inputs, state.rng)
         outputs = [env[t] for t in program.output_ids]
         for t in program.output_ids:
             env[t] = None  # kept by save_for_backward instead: no reference cycle through ctx
@@ -190,6 +193,13 @@ class _ForwardSegment(torch.autograd.Function):
             for g, contig in zip(grad_outputs, program.tangent_contiguous)
         ]
         _zero_missing_gradients(grads_out, program, ctx.device)
+        if torch._C._is_any_autocast_enabled():
+            warnings.warn(
+                "HRockmate: backward() was called within a torch.autocast region. The backward "
+                "was traced with autocast off, as plain PyTorch runs a backward() called after "
+                "the region (PyTorch's recommended use); called within it, plain PyTorch would "
+                "also autocast the backward's ops, so gradients may differ from its. Call "
+                "backward() after leaving the autocast region", stacklevel=2)
         grads = state.run_chunk(0, grads_out)
         device = ctx.device
         del grads_out
@@ -559,6 +569,7 @@ class HRockmate(nn.Module):
         traced = trace_model(model, sample, loss_fn=request.loss_fn, cost="estimate")
         _warn_of_captured_tensors(request.loss_fn, traced)
         object.__setattr__(self, "_hr_traced", traced)
+        self.__dict__["_hr_autocast"] = traced.autocast
 
         # Slots: the unique parameters and buffers in the model's order, and tensor inputs.
         named_p = list(model.named_parameters())
@@ -744,6 +755,8 @@ class HRockmate(nn.Module):
             if not _needs_grad(model, leaves):
                 return model(*args, **kwargs)  # nothing to differentiate: plain forward
             self._follow_model(args, kwargs)
+        if self.__dict__.get("_hr_autocast", ()) != autocast_state():
+            self._follow_autocast(args, kwargs)
         program: Program = self._hr_program
         params = [owner._parameters[attr] for owner, attr in self._hr_param_slots]
         inputs = [leaves[j] for j in self._hr_tensor_leaf]
@@ -807,6 +820,22 @@ class HRockmate(nn.Module):
         logger.warning("HRockmate: %s since the model was traced; tracing and planning again",
                        what)
         self._build(sample)
+
+    def _follow_autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """This call runs under other ``torch.autocast`` regions than the trace did: its
+        casts and dtypes are in the graph, so trace and plan again under this call's (or raise
+        ``ModelChangedError`` with a fixed ``plan=``)."""
+        traced, now = self.__dict__["_hr_autocast"], autocast_state()
+        what = (f"HRockmate was traced {describe_autocast(traced)} and is called "
+                f"{describe_autocast(now)}")
+        if self._hr_request.plan is not None:
+            raise ModelChangedError(
+                f"{what}, and it was built with a fixed plan= for the traced graph (whose "
+                "dtypes autocast chose); call it as it was traced, or build a new HRockmate "
+                "within the same autocast region as the training calls")
+        logger.warning("%s; tracing and planning again for this call (build HRockmate within "
+                       "the autocast region the training calls use to trace once)", what)
+        self._build(self._sample_of_call(args, kwargs))
 
     def _sample_of_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call's arguments as a sample of the traced form: detached tensors, those whose
