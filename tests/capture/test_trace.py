@@ -592,6 +592,66 @@ def test_the_eager_paths_are_traced_when_they_trace() -> None:
     assert_reproduces_autograd(copy.deepcopy(model), x, traced)
 
 
+class _ReadsConstants(nn.Module):
+    """Reads values computed from shapes alone, as transformers' check for packed sequences
+    reads position ids made by ``arange``; its compilers' path computes otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1]).unsqueeze(0)
+        step = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
+        if torch.compiler.is_compiling():
+            h = torch.tanh(self.fc(x))
+        elif (step == 1).all():
+            h = torch.relu(self.fc(x))
+        else:
+            h = self.fc(x)
+        keep = int(torch.tensor([3, 5]).max())  # a literal's value
+        return h[:, :keep].square().sum()
+
+
+def test_reads_of_values_made_from_constants_alone_are_answered() -> None:
+    model, x = _ReadsConstants(), torch.randn(2, 6, 8)
+    traced = trace_model(model, x, cost="none")
+    assert traced.graph.meta["compiling_paths"] is False
+    targets = {op.target for op in traced.graph.ops}
+    assert "aten.relu.default" in targets and "aten.tanh.default" not in targets
+    assert_reproduces_autograd(copy.deepcopy(model), x, traced)
+
+
+class _ConstantWrittenFromData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flags = torch.zeros(2)
+        flags[0] = x.sum()  # from here on a value of the data
+        view = flags[:1]
+        if view.item() > 0:
+            return self.fc(x).sum()
+        return -self.fc(x).sum()
+
+
+class _InputValueRead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = int(x.abs().argmax()) % 3 + 1  # a value of the input
+        return self.fc(x)[:, :n].sum()
+
+
+@pytest.mark.parametrize("model", [_ConstantWrittenFromData(), _InputValueRead()])
+def test_reads_of_values_of_the_data_are_still_refused(model: nn.Module) -> None:
+    with pytest.raises(TraceError, match="depends on tensor values"):
+        trace_model(model, torch.randn(2, 6, 8), cost="none")
+
+
 def _cached_unless_compiling(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A process-wide cache that compilers bypass, as transformers'
     ``compile_compatible_method_lru_cache`` is (BEiT's relative position index)."""
@@ -890,3 +950,17 @@ def test_an_output_view_emitted_after_the_gradients_is_a_forward_result(
     want["loss"].backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_sparse_gradient_is_refused_with_its_remedy() -> None:
+    class SparseLookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(100, 8, sparse=True)
+            self.fc = nn.Linear(8, 1)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.emb(idx)).square().mean()
+
+    with pytest.raises(TraceError, match=r"torch.sparse_coo tensor .*sparse=False"):
+        trace_model(SparseLookup(), torch.randint(0, 100, (4, 6)), cost="none")

@@ -801,6 +801,84 @@ def _reads_tensor_values(exc: BaseException) -> bool:
     return False
 
 
+class _ConstantValues(TorchDispatchMode):
+    """Answers the model's reads of values that depend on nothing but constants while it is
+    traced: tensors made by factory ops from shapes and Python numbers (``arange``, ``full``,
+    a ``torch.tensor`` literal) and by ops on such tensors alone. Their values are the same
+    at every call (the shapes and non-tensor arguments are checked at each call), so a read
+    (``.item()``, ``if`` on one) needs no guard, and the eager path, which reads them, can be
+    traced instead of a compilers' path: transformers' check for packed sequences reads
+    ``position_ids`` made by ``arange`` when a decoder runs without a cache (on its
+    compilers' path it builds an explicit mask, and HF Llama's gradients were 1e-7 off).
+
+    Runs on top of the tracing modes: each op on constants alone also runs on real values
+    (outside every mode), and reads of a constant return the real value instead of reaching
+    the fake tensor (which would raise). Random ops, tensors the model closes over (the user
+    may change them in place), and anything written in place from a non-constant are not
+    constants; tensors over ``MAX_BYTES`` are not followed."""
+
+    MAX_BYTES = 16 << 20
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._real: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self._spoiled: set[int] = set()  # storages of real values written from non-constants
+
+    def _value(self, t: Any) -> torch.Tensor | None:
+        entry = self._real.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        real = entry[1]
+        return None if real.untyped_storage().data_ptr() in self._spoiled else real
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        lifted = func in (torch.ops.aten.lift_fresh.default,
+                          torch.ops.aten.lift_fresh_copy.default)
+        reals = [self._value(x) for x in tensors]
+        constant = (torch.Tag.nondeterministic_seeded not in func.tags
+                    and (lifted or all(r is not None for r in reals)))
+        if not constant:
+            self._spoil_written(func, args, reals)
+            return func(*args, **kwargs)
+        if not lifted:
+            it = iter(reals)
+            leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+        real_args, real_kwargs = pytree.tree_unflatten(leaves, spec)
+        if not any("Tensor" in str(r.type) for r in func._schema.returns):
+            # a value read (``_local_scalar_dense``, ``equal``): answered from real values
+            with torch.utils._python_dispatch._disable_current_modes():
+                return func(*real_args, **real_kwargs)
+        out = func(*args, **kwargs)
+        fakes = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if sum(x.untyped_storage().nbytes() for x in fakes) > self.MAX_BYTES:
+            return out  # (sized from the traced result before any real memory is taken)
+        with torch.utils._python_dispatch._disable_current_modes():
+            real_out = func(*real_args, **real_kwargs)
+        for fake, real in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out)):
+            if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor):
+                self._real[id(fake)] = (weakref.ref(fake), real)
+        return out
+
+    def _spoil_written(self, func: Any, args: tuple[Any, ...],
+                       reals: list[torch.Tensor | None]) -> None:
+        """A constant written in place by an op that is not on constants alone (``x[i] = y``
+        with ``y`` computed from data) is no constant any more, nor are its views."""
+        schema = func._schema
+        written = [i for i, a in enumerate(schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        if not written or not any(r is not None for r in reals):
+            return
+        for i in written:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                real = self._value(args[i])
+                if real is not None:
+                    self._spoiled.add(real.untyped_storage().data_ptr())
+
+
 class _RandomReads(TorchDispatchMode):
     """Follows the values that depend on nothing but random draws (``torch.rand([])`` and
     what is computed from it alone, such as LayerDrop's ``dropout_probability < layerdrop``)
@@ -1081,6 +1159,22 @@ def _insert_alias(gm: fx.GraphModule, src: fx.Node, where: fx.Node, *, before: b
     if backward:
         node.meta["autograd_backward"] = True
     return node
+
+
+def _refuse_sparse_tensors(gm: fx.GraphModule) -> None:
+    """The IR sizes dense storages; a sparse tensor's (a sparse embedding's gradient) has
+    none to size (``Cannot access storage of SparseTensorImpl`` was all a user saw)."""
+    for node in gm.graph.nodes:
+        for val in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(val, torch.Tensor) and val.layout != torch.strided:
+                what = (f"op {node.target}" if node.op == "call_function"
+                        else f"input {node.name}")
+                raise TraceError(
+                    f"the training step has a {val.layout} tensor ({what}): hrockmate plans "
+                    "dense (strided) tensors only. A sparse gradient comes from "
+                    "nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True): build them "
+                    "with sparse=False (the default; the gradient is then dense, and any "
+                    "optimizer takes it)")
 
 
 def _build(
@@ -1456,6 +1550,10 @@ def trace_model(
         out_box["count"] = len(tensors)
         return tuple(tensors)
 
+    def step_on_constants(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with _ConstantValues():  # (on top of AOTAutograd's modes, inside the trace)
+            return step(*flat)
+
     flat_real: list[torch.Tensor] = [*params.values(), *buffers.values()]
     flat_real += [leaves[i] for i in tensor_leaf_pos]
     module_stack: list[str] = []
@@ -1474,7 +1572,8 @@ def trace_model(
                 torch._functorch.config.patch(backward_pass_autocast="off"), \
                 _checkpoints_as_plain_calls(checkpointed), \
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
-            return _capture_joint(step, [fake_mode.from_tensor(t) for t in flat_real])
+            return _capture_joint(step_on_constants,
+                                  [fake_mode.from_tensor(t) for t in flat_real])
 
     # The eager paths first: they compute what plain PyTorch computes (with
     # torch.compiler.is_compiling() True, transformers' Mamba models take a parallel scan that
@@ -1537,6 +1636,7 @@ def trace_model(
             "checkpointed calls are traced as plain calls and the plan decides what is "
             "recomputed (eager's gradients are the same either way)",
             ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
+    _refuse_sparse_tensors(joint)
     _match_random_layouts(joint)
     _compact_random_masks(joint)
     traced = _build(joint, flat_kinds, flat_real, out_box["count"], name or type(model).__name__,
