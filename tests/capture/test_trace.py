@@ -629,7 +629,7 @@ class _ConstantWrittenFromData(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flags = torch.zeros(2)
-        flags[0] = x.sum()  # from here on a value of the data
+        flags[0] = self.fc(x).sum()  # from here on a value of the parameters
         view = flags[:1]
         if view.item() > 0:
             return self.fc(x).sum()
@@ -646,10 +646,38 @@ class _InputValueRead(nn.Module):
         return self.fc(x)[:, :n].sum()
 
 
-@pytest.mark.parametrize("model", [_ConstantWrittenFromData(), _InputValueRead()])
-def test_reads_of_values_of_the_data_are_still_refused(model: nn.Module) -> None:
-    with pytest.raises(TraceError, match="depends on tensor values"):
+class _ParameterValueRead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fc.weight.abs().sum() > 0:  # a value of the parameters
+            return self.fc(x).sum()
+        return x.sum()
+
+
+@pytest.mark.parametrize("model", [_ConstantWrittenFromData(), _ParameterValueRead()])
+def test_reads_of_values_of_parameters_or_activations_are_refused(model: nn.Module) -> None:
+    with pytest.raises(TraceError, match=r"depends on tensor values") as info:
         trace_model(model, torch.randn(2, 6, 8), cost="none")
+    assert "in forward (`" in str(info.value)  # the line that reads
+
+
+def test_reads_of_values_of_the_inputs_alone_are_answered_and_guarded() -> None:
+    """Both paths fail at a read of the input; the last try answers it from the input's value
+    and keeps the read as a guard, which replays the ops from the inputs to the read."""
+    model, x = _InputValueRead(), torch.randn(2, 6, 8)
+    traced = trace_model(model, x, cost="none")
+    assert traced.graph.meta["value_guards"] == 1
+    assert traced.graph.meta["compiling_paths"] is False
+    assert_reproduces_autograd(copy.deepcopy(model), x, traced)
+    guards = traced.value_guards
+    assert guards is not None and guards.failing([x]) is None
+    other = x.clone()
+    other.view(-1)[int(x.abs().argmax())] = 0.0
+    other.view(-1)[(int(x.abs().argmax()) + 1) % x.numel()] = 100.0
+    assert "was " in (guards.failing([other]) or "")
 
 
 def _cached_unless_compiling(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -1014,6 +1014,47 @@ def test_a_reentrant_checkpoint_without_inputs_needing_grad_stays_eagers() -> No
     assert model.head.weight.grad is not None and model.blocks[0][1].weight.grad is None
 
 
+class _ChecksItsLabels(nn.Module):
+    """Reads values of its inputs, as transformers' ProphetNet checks its labels: a range
+    check, and a path of its own for labels without padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.max() >= 10:
+            raise ValueError("labels out of range")
+        loss = nn.functional.cross_entropy(self.fc(x), labels)  # (-100 is ignored)
+        if int((labels >= 0).sum()) == labels.numel():
+            return loss
+        return 2 * loss
+
+
+def test_reads_of_input_values_are_guarded_at_each_call(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The graph holds the path the traced labels took; each call replays the reads on its
+    own labels first: the same answers run the plan, another traces and plans again."""
+    torch.manual_seed(0)
+    model = _ChecksItsLabels()
+    x, labels = torch.randn(16, 8), torch.randint(0, 10, (16,))
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x, labels))
+    assert hm.traced.graph.meta["value_guards"] == 2
+    traced_first, plan_first = hm.traced, hm.plan
+    with caplog.at_level("WARNING", logger="hrockmate"):
+        _accumulated_steps_equal(hm, ref, (x, torch.randint(0, 10, (16,))))
+    assert hm.traced is traced_first and "planned again" not in caplog.text
+    padded = torch.where(torch.arange(16) < 3, -100, labels)
+    with caplog.at_level("WARNING", logger="hrockmate"):
+        _accumulated_steps_equal(hm, ref, (x, padded))
+    assert "a value the model read from its inputs at " in caplog.text
+    assert "was 16 when traced and is 13 now" in caplog.text and hm.traced is not traced_first
+    fixed = HRockmate(model, (x, labels), plan=plan_first)
+    with pytest.raises(InputMismatchError, match="fixed plan="):
+        fixed(x, padded)
+
+
 @pytest.mark.parametrize("mode,dims,align", [
     ("nearest", 2, None), ("bilinear", 2, False), ("bilinear", 2, True), ("bicubic", 2, False),
     ("linear", 1, True), ("trilinear", 3, False), ("nearest", 3, None)])

@@ -32,6 +32,9 @@ CONTRACT (shared by the tracer and the runtime; keep this docstring true):
   graph; the backward is traced with autocast off, as eager runs a ``loss.backward()`` called
   after the autocast region (PyTorch's recommended use). The ops run with autocast off
   (``kernels.autocast_off``), and the trace is valid only for calls under the same regions.
+- ``value_guards``: reads of values of the inputs the trace answered (``capture.values``; a last
+  try, when both paths failed at a read), or None: the graph holds the path those values
+  took, so ``value_guards.failing(tensor_inputs)`` must be None for a call to use it.
 
 Details of the mapping (see docs/graph-ir.md for the IR itself):
 - Every ``call_function`` node that computes tensors is an op; ``getitem`` nodes only select a
@@ -101,6 +104,7 @@ from torch.fx import traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hrockmate.capture.kernels import AutocastState, autocast_off, autocast_state, op_kernel
+from hrockmate.capture.values import ValueGuards, ValueReads
 from hrockmate.ir.graph import Graph, Op, Tensor
 
 __all__ = [
@@ -172,6 +176,7 @@ class Traced:
     input_meta: list[Any]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     autocast: AutocastState = ()
+    value_guards: ValueGuards | None = None
     trace_seconds: float = 0.0
     cost_seconds: float = 0.0
 
@@ -801,84 +806,6 @@ def _reads_tensor_values(exc: BaseException) -> bool:
     return False
 
 
-class _ConstantValues(TorchDispatchMode):
-    """Answers the model's reads of values that depend on nothing but constants while it is
-    traced: tensors made by factory ops from shapes and Python numbers (``arange``, ``full``,
-    a ``torch.tensor`` literal) and by ops on such tensors alone. Their values are the same
-    at every call (the shapes and non-tensor arguments are checked at each call), so a read
-    (``.item()``, ``if`` on one) needs no guard, and the eager path, which reads them, can be
-    traced instead of a compilers' path: transformers' check for packed sequences reads
-    ``position_ids`` made by ``arange`` when a decoder runs without a cache (on its
-    compilers' path it builds an explicit mask, and HF Llama's gradients were 1e-7 off).
-
-    Runs on top of the tracing modes: each op on constants alone also runs on real values
-    (outside every mode), and reads of a constant return the real value instead of reaching
-    the fake tensor (which would raise). Random ops, tensors the model closes over (the user
-    may change them in place), and anything written in place from a non-constant are not
-    constants; tensors over ``MAX_BYTES`` are not followed."""
-
-    MAX_BYTES = 16 << 20
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._real: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
-        self._spoiled: set[int] = set()  # storages of real values written from non-constants
-
-    def _value(self, t: Any) -> torch.Tensor | None:
-        entry = self._real.get(id(t))
-        if entry is None or entry[0]() is not t:
-            return None
-        real = entry[1]
-        return None if real.untyped_storage().data_ptr() in self._spoiled else real
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        lifted = func in (torch.ops.aten.lift_fresh.default,
-                          torch.ops.aten.lift_fresh_copy.default)
-        reals = [self._value(x) for x in tensors]
-        constant = (torch.Tag.nondeterministic_seeded not in func.tags
-                    and (lifted or all(r is not None for r in reals)))
-        if not constant:
-            self._spoil_written(func, args, reals)
-            return func(*args, **kwargs)
-        if not lifted:
-            it = iter(reals)
-            leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
-        real_args, real_kwargs = pytree.tree_unflatten(leaves, spec)
-        if not any("Tensor" in str(r.type) for r in func._schema.returns):
-            # a value read (``_local_scalar_dense``, ``equal``): answered from real values
-            with torch.utils._python_dispatch._disable_current_modes():
-                return func(*real_args, **real_kwargs)
-        out = func(*args, **kwargs)
-        fakes = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
-        if sum(x.untyped_storage().nbytes() for x in fakes) > self.MAX_BYTES:
-            return out  # (sized from the traced result before any real memory is taken)
-        with torch.utils._python_dispatch._disable_current_modes():
-            real_out = func(*real_args, **real_kwargs)
-        for fake, real in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out)):
-            if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor):
-                self._real[id(fake)] = (weakref.ref(fake), real)
-        return out
-
-    def _spoil_written(self, func: Any, args: tuple[Any, ...],
-                       reals: list[torch.Tensor | None]) -> None:
-        """A constant written in place by an op that is not on constants alone (``x[i] = y``
-        with ``y`` computed from data) is no constant any more, nor are its views."""
-        schema = func._schema
-        written = [i for i, a in enumerate(schema.arguments)
-                   if a.alias_info is not None and a.alias_info.is_write]
-        if not written or not any(r is not None for r in reals):
-            return
-        for i in written:
-            if i < len(args) and isinstance(args[i], torch.Tensor):
-                real = self._value(args[i])
-                if real is not None:
-                    self._spoiled.add(real.untyped_storage().data_ptr())
-
-
 class _RandomReads(TorchDispatchMode):
     """Follows the values that depend on nothing but random draws (``torch.rand([])`` and
     what is computed from it alone, such as LayerDrop's ``dropout_probability < layerdrop``)
@@ -941,10 +868,12 @@ def _eager_run(step: Callable[..., Any], flat_real: list[torch.Tensor],
 
 _UNTRACEABLE_HINT = (
     "hrockmate traces one training iteration with fake tensors (AOTAutograd), so Python "
-    "control flow that depends on tensor values (if/while on a tensor, .item(), .tolist(), "
-    "data-dependent shapes) and ops without a fake/meta implementation cannot be traced "
-    "(code that checks torch.compiler.is_compiling(), as transformers' mask helpers do, is "
-    "traced along its compiler path). "
+    "control flow that depends on tensor values of parameters or activations (if/while on a "
+    "tensor, .item(), .tolist()), data-dependent shapes and ops without a fake/meta "
+    "implementation cannot be traced (values computed from constants or from the inputs "
+    "alone are read, the latter checked again at each call; code that checks "
+    "torch.compiler.is_compiling(), as transformers' mask helpers do, is traced along its "
+    "compiler path). "
     "Make the control flow independent of tensor values (e.g. torch.where), register a fake "
     "implementation for custom ops (torch.library.register_fake), or leave this module out "
     "of hrockmate"
@@ -1550,8 +1479,16 @@ def trace_model(
         out_box["count"] = len(tensors)
         return tuple(tensors)
 
-    def step_on_constants(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with _ConstantValues():  # (on top of AOTAutograd's modes, inside the trace)
+    n_inputs = len(tensor_leaf_pos)
+    follow_inputs = [False]  # (the last try: values of the inputs are followed and guarded)
+    reads_box: dict[str, ValueReads] = {}
+
+    def step_with_values(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs = ({k: (flat[n_pb + k], flat_real[n_pb + k]) for k in range(n_inputs)}
+                  if follow_inputs[0] else None)
+        reads = ValueReads(inputs, where=lambda: _user_code(traceback.extract_stack())[0])
+        reads_box["last"] = reads  # (AOTAutograd may call this twice; the joint is the last)
+        with reads:  # (on top of AOTAutograd's modes, inside the trace)
             return step(*flat)
 
     flat_real: list[torch.Tensor] = [*params.values(), *buffers.values()]
@@ -1572,7 +1509,7 @@ def trace_model(
                 torch._functorch.config.patch(backward_pass_autocast="off"), \
                 _checkpoints_as_plain_calls(checkpointed), \
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
-            return _capture_joint(step_on_constants,
+            return _capture_joint(step_with_values,
                                   [fake_mode.from_tensor(t) for t in flat_real])
 
     # The eager paths first: they compute what plain PyTorch computes (with
@@ -1595,6 +1532,7 @@ def trace_model(
             failures[compiling_paths] = (exc, module_stack[-1] if module_stack else "")
             continue
         break
+    guards: ValueGuards | None = None
     if joint is None:
         (exc, path), (comp_exc, comp_path) = failures[False], failures[True]
         eager, random_reads = _eager_run(step, flat_real, buffers, device)
@@ -1604,6 +1542,24 @@ def trace_model(
                 f"the model fails in plain PyTorch too when called with this sample (and "
                 f"loss_fn): {type(eager).__name__}: {first}; fix the model, its configuration "
                 "or the sample (the traceback above shows where)") from eager
+        if _reads_tensor_values(exc) and n_inputs:
+            # the last try: the eager path, reads of values of the inputs answered and guarded
+            follow_inputs[0] = True
+            try:
+                with _new_cache_entries_cleared():
+                    joint = capture(False)
+                guards, compiling_paths = reads_box["last"].guards(), False
+            except TraceError:
+                raise
+            except Exception as guarded_exc:  # noqa: BLE001 - explained below
+                if _reads_tensor_values(guarded_exc) and \
+                        _failing_code(guarded_exc)[0] != _failing_code(exc)[0]:
+                    # it got past the first read: the next one, not the inputs' alone, is the
+                    # cause (a read where the first try failed is explained as before)
+                    path = module_stack[-1] if module_stack else ""
+                    raise TraceError(_explain(guarded_exc, path, model, random_reads)) \
+                        from guarded_exc
+    if joint is None:
         if _reads_tensor_values(exc) and not _reads_tensor_values(comp_exc):
             # the model reads a value on its eager path and its compilers' path breaks for a
             # reason of its own (transformers' Switch Transformers: `nonzero` in its experts,
@@ -1646,6 +1602,7 @@ def trace_model(
     traced.input_meta = [_leaf_meta(x) for x in leaves]
     traced.device = device
     traced.autocast = autocast_state()
+    traced.value_guards = guards
     if cost != "none":
         from hrockmate.capture.costs import annotate_costs
 
@@ -1660,6 +1617,7 @@ def trace_model(
             "compiling_paths": compiling_paths,
             "device": str(device),
             "autocast": [[d, str(dt).removeprefix("torch.")] for d, dt in traced.autocast],
+            "value_guards": len(guards) if guards is not None else 0,
             "trace_seconds": round(traced.trace_seconds, 4),
         }
     )

@@ -278,7 +278,7 @@ class _PlanRequest:
 
 
 #: Left out when pickling (rebuilt by tracing again at the first training call).
-_NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_fingerprint", "_hr_snapshot",
+_NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_guards", "_hr_fingerprint", "_hr_snapshot",
                 "_hr_param_slots", "_hr_buffer_slots", "_hr_prepared")
 _NOT_REBUILT = (
     "HRockmate was unpickled and has not been traced again yet, so {what} is not available: "
@@ -570,6 +570,7 @@ class HRockmate(nn.Module):
         _warn_of_captured_tensors(request.loss_fn, traced)
         object.__setattr__(self, "_hr_traced", traced)
         self.__dict__["_hr_autocast"] = traced.autocast
+        self.__dict__["_hr_guards"] = traced.value_guards
 
         # Slots: the unique parameters and buffers in the model's order, and tensor inputs.
         named_p = list(model.named_parameters())
@@ -757,9 +758,14 @@ class HRockmate(nn.Module):
             self._follow_model(args, kwargs)
         if self.__dict__.get("_hr_autocast", ()) != autocast_state():
             self._follow_autocast(args, kwargs)
+        inputs = [leaves[j] for j in self._hr_tensor_leaf]
+        guards = self.__dict__.get("_hr_guards")
+        if guards is not None:
+            differs = guards.failing(inputs)
+            if differs is not None:
+                self._follow_values(args, kwargs, differs)
         program: Program = self._hr_program
         params = [owner._parameters[attr] for owner, attr in self._hr_param_slots]
-        inputs = [leaves[j] for j in self._hr_tensor_leaf]
         if not any(t.requires_grad for t in params) and not any(t.requires_grad for t in inputs):
             return model(*args, **kwargs)  # nothing to differentiate: plain forward
         buffers = [owner._buffers[attr] for owner, attr in self._hr_buffer_slots]
@@ -820,6 +826,19 @@ class HRockmate(nn.Module):
         logger.warning("HRockmate: %s since the model was traced; tracing and planning again",
                        what)
         self._build(sample)
+
+    def _follow_values(self, args: tuple[Any, ...], kwargs: dict[str, Any], differs: str
+                       ) -> None:
+        """A value the model read from its inputs while traced (``capture.values``) differs at
+        this call: the graph is not this call's; trace and plan again (or raise
+        ``InputMismatchError`` with a fixed ``plan=``)."""
+        if self._hr_request.plan is not None:
+            raise InputMismatchError(
+                f"{differs}, and HRockmate was built with a fixed plan= for the traced graph; "
+                "build a new HRockmate for this input")
+        logger.warning("HRockmate: %s; the model took another path, so it is traced and "
+                       "planned again for this call", differs)
+        self._build(self._sample_of_call(args, kwargs))
 
     def _follow_autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """This call runs under other ``torch.autocast`` regions than the trace did: its

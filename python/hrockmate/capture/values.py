@@ -1,0 +1,233 @@
+"""Values the model reads while it is traced: constants, and guarded values of the inputs.
+
+Fake tensors carry no values, so a read (``.item()``, ``if`` on a tensor) stops a trace. Two
+kinds of reads can still be answered, by following real values beside the trace
+(``ValueReads``, a dispatch mode on top of AOTAutograd's modes: each op on followed values
+also runs on their real values, outside every mode, and a read of a followed value returns
+the real result instead of reaching the fake tensor, which would raise):
+
+- **Values made from constants alone**: tensors made by factory ops from shapes and Python
+  numbers (``arange``, ``full``, a ``torch.tensor`` literal) and by ops on such tensors only.
+  They are the same at every call (shapes and non-tensor arguments are checked at each call),
+  so their reads need no guard. transformers' check for packed sequences reads position ids
+  made by ``arange`` when a decoder runs without a cache; the eager path failed there and the
+  compilers' path built an explicit mask where eager uses ``is_causal`` (HF Llama's gradients
+  were 1e-7 off; bitwise along the eager path).
+- **Values computed from the call's inputs alone** (``follow_inputs``; a last try, after the
+  traces along the eager and the compilers' paths both failed at a read): a check of the
+  labels' range, ``global_attention_mask.any()``. They differ from call to call, so each read
+  becomes a guard: ``ValueGuards.failing`` replays the ops from the inputs to each read on a
+  call's inputs before the call runs, and a different result means the graph is not this
+  call's (the runtime traces and plans again).
+
+Not followed: random ops, tensors the model closes over (the user may change them in place),
+parameters and buffers, anything written in place from a value not followed, and tensors over
+``MAX_BYTES`` (sized from the traced result before any real memory is taken).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from hrockmate.capture.kernels import autocast_off
+
+__all__ = ["ValueGuards", "ValueReads"]
+
+MAX_BYTES = 16 << 20
+
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A followed tensor in an op's recorded arguments."""
+
+    index: int
+
+
+@dataclass
+class _Op:
+    """An op on followed values: ``outs[i]`` is the slot of the i-th leaf of its result."""
+
+    func: Any
+    args: Any  # (args, kwargs) with followed tensors as _Slot
+    outs: list[int | None]
+    in_place: bool
+
+
+@dataclass
+class _Read:
+    """A read of values computed from the inputs: ``func`` on ``args`` gave ``expected``."""
+
+    func: Any
+    args: Any
+    expected: Any
+    where: str | None  # the model's code that read it
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
+class ValueGuards:
+    """What a trace assumed about values of its inputs (see the module docstring)."""
+
+    def __init__(self, inputs: dict[int, int], ops: list[_Op], reads: list[_Read]) -> None:
+        self._inputs = inputs  # slot -> position among the call's tensor inputs
+        self._ops = ops
+        self._reads = reads
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def failing(self, inputs: Sequence[torch.Tensor]) -> str | None:
+        """None when every read gives what it gave while tracing on ``inputs`` (the call's
+        tensor inputs, in the traced order); else which read differs, in words."""
+        env: dict[int, Any] = {s: inputs[k].detach() for s, k in self._inputs.items()}
+
+        def filled(template: Any) -> Any:
+            return pytree.tree_map(lambda x: env[x.index] if isinstance(x, _Slot) else x,
+                                   template)
+
+        with torch.no_grad(), autocast_off():
+            for op in self._ops:
+                a, kw = filled(op.args)
+                out = op.func(*a, **kw)
+                for slot, val in zip(op.outs, pytree.tree_leaves(out)):
+                    if slot is not None:
+                        env[slot] = val
+            for read in self._reads:
+                a, kw = filled(read.args)
+                got = read.func(*a, **kw)
+                if not _same(got, read.expected):
+                    where = f" at {read.where}" if read.where else ""
+                    return (f"a value the model read from its inputs{where} was "
+                            f"{read.expected!r} when traced and is {got!r} now")
+        return None
+
+
+class ValueReads(TorchDispatchMode):
+    """Follows real values beside a trace and answers reads of them (module docstring).
+    ``inputs``: position among the tensor inputs -> (the traced tensor, its real value), to
+    follow values of the inputs too; ``where`` names the model's code at a read."""
+
+    def __init__(self, inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 where: Callable[[], str | None] = lambda: None) -> None:
+        super().__init__()
+        # id -> (the traced tensor, its real value, its slot, whether it depends on inputs)
+        self._real: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int, bool]] = {}
+        self._spoiled: set[int] = set()  # storages of real values written from other values
+        self._where = where
+        self._ops: list[_Op] = []
+        self._reads: list[_Read] = []
+        self._input_slots: dict[int, int] = {}
+        self._record = inputs is not None
+        self._slots = 0
+        for k, (traced, real) in (inputs or {}).items():
+            slot = self._follow(traced, real, True)
+            self._input_slots[slot] = k
+
+    def guards(self) -> ValueGuards | None:
+        """The reads of input values as guards (None when there were none): only the ops
+        they need, and every in-place op (a write through a view changes its base too)."""
+        if not self._reads:
+            return None
+        needed = {x.index for r in self._reads for x in pytree.tree_leaves(r.args)
+                  if isinstance(x, _Slot)}
+        kept: list[_Op] = []
+        for op in reversed(self._ops):
+            if op.in_place or any(s in needed for s in op.outs if s is not None):
+                kept.append(op)
+                needed.update(x.index for x in pytree.tree_leaves(op.args)
+                              if isinstance(x, _Slot))
+        kept.reverse()
+        inputs = {s: k for s, k in self._input_slots.items() if s in needed}
+        return ValueGuards(inputs, kept, list(self._reads))
+
+    def _follow(self, traced: torch.Tensor, real: torch.Tensor, from_inputs: bool) -> int:
+        entry = self._real.get(id(traced))
+        if entry is not None and entry[0]() is traced:  # (an in-place op's result: same slot)
+            slot = entry[2]
+            from_inputs = from_inputs or entry[3]
+        else:
+            self._slots += 1
+            slot = self._slots
+        self._real[id(traced)] = (weakref.ref(traced), real, slot, from_inputs)
+        return slot
+
+    def _lookup(self, t: Any) -> tuple[torch.Tensor, int, bool] | None:
+        entry = self._real.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        ref, real, slot, from_inputs = entry
+        if real.untyped_storage().data_ptr() in self._spoiled:
+            return None
+        return real, slot, from_inputs
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        lifted = func in _LIFTS
+        found = [self._lookup(x) if isinstance(x, torch.Tensor) else None for x in leaves]
+        tensors = [f for x, f in zip(leaves, found) if isinstance(x, torch.Tensor)]
+        if torch.Tag.nondeterministic_seeded in func.tags or not (
+                lifted or all(f is not None for f in tensors)):
+            self._spoil_written(func, args)
+            return func(*args, **kwargs)
+        from_inputs = any(f is not None and f[2] for f in tensors)
+        if lifted:  # (a fresh literal: the real tensor is its value)
+            real_leaves, template = leaves, leaves
+        else:
+            real_leaves = [f[0] if f is not None else x for x, f in zip(leaves, found)]
+            template = [_Slot(f[1]) if f is not None else x for x, f in zip(leaves, found)]
+        real_args, real_kwargs = pytree.tree_unflatten(real_leaves, spec)
+        recorded = pytree.tree_unflatten(template, spec)
+        if not any("Tensor" in str(r.type) for r in func._schema.returns):
+            # a value read (``_local_scalar_dense``, ``equal``): answered from real values
+            with _disable_current_modes():
+                value = func(*real_args, **real_kwargs)
+            if from_inputs:
+                self._reads.append(_Read(func, recorded, value, self._where()))
+            return value
+        out = func(*args, **kwargs)
+        outs = pytree.tree_leaves(out)
+        if sum(x.untyped_storage().nbytes() for x in outs
+               if isinstance(x, torch.Tensor)) > MAX_BYTES:
+            return out
+        with _disable_current_modes():
+            real_out = func(*real_args, **real_kwargs)
+        slots: list[int | None] = []
+        for fake, real in zip(outs, pytree.tree_leaves(real_out)):
+            if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor):
+                slots.append(self._follow(fake, real, from_inputs))
+            else:
+                slots.append(None)
+        if self._record:
+            self._ops.append(_Op(func, recorded, slots, _writes(func)))
+        return out
+
+    def _spoil_written(self, func: Any, args: tuple[Any, ...]) -> None:
+        """A followed tensor written in place by an op on other values (``x[i] = y`` with
+        ``y`` computed from parameters) is followed no more, nor are its views."""
+        schema = func._schema
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write and i < len(args) \
+                    and isinstance(args[i], torch.Tensor):
+                found = self._lookup(args[i])
+                if found is not None:
+                    self._spoiled.add(found[0].untyped_storage().data_ptr())
+
+
+def _writes(func: Any) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write
+               for a in func._schema.arguments)
