@@ -1034,7 +1034,8 @@ class _ChecksItsLabels(nn.Module):
 def test_reads_of_input_values_are_guarded_at_each_call(
         caplog: pytest.LogCaptureFixture) -> None:
     """The graph holds the path the traced labels took; each call replays the reads on its
-    own labels first: the same answers run the plan, another traces and plans again."""
+    own labels first: the same answers run the plan, another traces and plans again, and a
+    path traced before is taken again without tracing."""
     torch.manual_seed(0)
     model = _ChecksItsLabels()
     x, labels = torch.randn(16, 8), torch.randint(0, 10, (16,))
@@ -1050,6 +1051,14 @@ def test_reads_of_input_values_are_guarded_at_each_call(
         _accumulated_steps_equal(hm, ref, (x, padded))
     assert "a value the model read from its inputs at " in caplog.text
     assert "was 16 when traced and is 13 now" in caplog.text and hm.traced is not traced_first
+    traced_padded = hm.traced
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hrockmate"):  # back: the first path, not traced again
+        _accumulated_steps_equal(hm, ref, (x, labels))
+    assert "using the plan traced before for these values" in caplog.text
+    assert hm.traced is traced_first
+    _accumulated_steps_equal(hm, ref, (x, padded), steps=1)
+    assert hm.traced is traced_padded
     fixed = HRockmate(model, (x, labels), plan=plan_first)
     with pytest.raises(InputMismatchError, match="fixed plan="):
         fixed(x, padded)

@@ -278,8 +278,15 @@ class _PlanRequest:
 
 
 #: Left out when pickling (rebuilt by tracing again at the first training call).
-_NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_guards", "_hr_fingerprint", "_hr_snapshot",
-                "_hr_param_slots", "_hr_buffer_slots", "_hr_prepared")
+_NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_guards", "_hr_variants", "_hr_fingerprint",
+                "_hr_snapshot", "_hr_param_slots", "_hr_buffer_slots", "_hr_prepared")
+# Paths of the model traced for other values of its inputs (``_follow_values``): this many
+# are kept (the one in use included), to switch back without tracing again; what every path
+# shares (the model, the request, the model checks) is not part of one.
+_MAX_VARIANTS = 4
+_SHARED_BY_VARIANTS = frozenset({"_hr_model", "_hr_request", "_hr_fingerprint",
+                                 "_hr_snapshot", "_hr_variants"})
+
 _NOT_REBUILT = (
     "HRockmate was unpickled and has not been traced again yet, so {what} is not available: "
     "its first training call traces the model again and compiles the plan"
@@ -569,6 +576,7 @@ class HRockmate(nn.Module):
         traced = trace_model(model, sample, loss_fn=request.loss_fn, cost="estimate")
         _warn_of_captured_tensors(request.loss_fn, traced)
         object.__setattr__(self, "_hr_traced", traced)
+        self.__dict__["_hr_variants"] = []  # (paths of other input values: of the old trace)
         self.__dict__["_hr_autocast"] = traced.autocast
         self.__dict__["_hr_guards"] = traced.value_guards
 
@@ -763,7 +771,7 @@ class HRockmate(nn.Module):
         if guards is not None:
             differs = guards.failing(inputs)
             if differs is not None:
-                self._follow_values(args, kwargs, differs)
+                self._follow_values(args, kwargs, inputs, differs)
         program: Program = self._hr_program
         params = [owner._parameters[attr] for owner, attr in self._hr_param_slots]
         if not any(t.requires_grad for t in params) and not any(t.requires_grad for t in inputs):
@@ -827,18 +835,32 @@ class HRockmate(nn.Module):
                        what)
         self._build(sample)
 
-    def _follow_values(self, args: tuple[Any, ...], kwargs: dict[str, Any], differs: str
-                       ) -> None:
+    def _follow_values(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       inputs: list[torch.Tensor], differs: str) -> None:
         """A value the model read from its inputs while traced (``capture.values``) differs at
-        this call: the graph is not this call's; trace and plan again (or raise
+        this call: the graph is not this call's. Switch to a path traced before whose guards
+        hold (the last ``_MAX_VARIANTS`` are kept), else trace and plan again (or raise
         ``InputMismatchError`` with a fixed ``plan=``)."""
         if self._hr_request.plan is not None:
             raise InputMismatchError(
                 f"{differs}, and HRockmate was built with a fixed plan= for the traced graph; "
                 "build a new HRockmate for this input")
+        variants: list[dict[str, Any]] = self.__dict__.get("_hr_variants", [])
+        current = {k: v for k, v in self.__dict__.items()
+                   if k.startswith("_hr_") and k not in _SHARED_BY_VARIANTS
+                   or k == "predicted_peak_bytes"}
+        for i, variant in enumerate(variants):
+            if variant["_hr_guards"].failing(inputs) is None:
+                variants[i] = current
+                self.__dict__.update(variant)
+                logger.info("HRockmate: %s; using the plan traced before for these values",
+                            differs)
+                return
         logger.warning("HRockmate: %s; the model took another path, so it is traced and "
-                       "planned again for this call", differs)
+                       "planned again for this call (the last %d paths are kept)", differs,
+                       _MAX_VARIANTS)
         self._build(self._sample_of_call(args, kwargs))
+        self.__dict__["_hr_variants"] = (variants + [current])[-(_MAX_VARIANTS - 1):]
 
     def _follow_autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """This call runs under other ``torch.autocast`` regions than the trace did: its
