@@ -673,11 +673,12 @@ def test_reads_of_values_of_the_inputs_alone_are_answered_and_guarded() -> None:
     assert traced.graph.meta["compiling_paths"] is False
     assert_reproduces_autograd(copy.deepcopy(model), x, traced)
     guards = traced.value_guards
-    assert guards is not None and guards.failing([x]) is None
+    assert guards is not None and guards.sources == [("input", 0)]
+    assert guards.failing({("input", 0): x}.__getitem__) is None
     other = x.clone()
     other.view(-1)[int(x.abs().argmax())] = 0.0
     other.view(-1)[(int(x.abs().argmax()) + 1) % x.numel()] = 100.0
-    assert "was " in (guards.failing([other]) or "")
+    assert "was " in (guards.failing({("input", 0): other}.__getitem__) or "")
 
 
 def _cached_unless_compiling(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -992,3 +993,14 @@ def test_a_sparse_gradient_is_refused_with_its_remedy() -> None:
 
     with pytest.raises(TraceError, match=r"torch.sparse_coo tensor .*sparse=False"):
         trace_model(SparseLookup(), torch.randint(0, 100, (4, 6)), cost="none")
+
+
+def test_a_read_of_a_buffer_the_step_updates_is_refused() -> None:
+    # BatchNorm with momentum=None averages with 1 / num_batches_tracked, read as a float:
+    # a value that changes at every step cannot be one traced graph's
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 1))
+    before = model[1].num_batches_tracked.clone()
+    with pytest.raises(TraceError, match=r"buffer '1.num_batches_tracked', which each training "
+                                         r"step updates.*give a momentum"):
+        trace_model(model, torch.randn(16, 8), cost="none")
+    assert torch.equal(model[1].num_batches_tracked, before)  # (followed on a copy)

@@ -1049,7 +1049,7 @@ def test_reads_of_input_values_are_guarded_at_each_call(
     padded = torch.where(torch.arange(16) < 3, -100, labels)
     with caplog.at_level("WARNING", logger="hrockmate"):
         _accumulated_steps_equal(hm, ref, (x, padded))
-    assert "a value the model read from its inputs at " in caplog.text
+    assert "a value the model read from its inputs or buffers at " in caplog.text
     assert "was 16 when traced and is 13 now" in caplog.text and hm.traced is not traced_first
     traced_padded = hm.traced
     caplog.clear()
@@ -1062,6 +1062,37 @@ def test_reads_of_input_values_are_guarded_at_each_call(
     fixed = HRockmate(model, (x, labels), plan=plan_first)
     with pytest.raises(InputMismatchError, match="fixed plan="):
         fixed(x, padded)
+
+
+class _PadsFromBuffers(nn.Module):
+    """Computes its padding from small integer buffers' values, as HF EnCodec does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 4, 5)
+        self.register_buffer("kernel", torch.tensor(5), persistent=False)
+        self.register_buffer("stride", torch.tensor(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = self.kernel - self.stride
+        left = int(total // 2)
+        return self.conv(nn.functional.pad(x, (left, int(total) - left))).square().mean()
+
+
+def test_reads_of_small_buffers_are_guarded_too(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model, x = _PadsFromBuffers(), torch.randn(3, 2, 16)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, x)
+    assert hm.traced.graph.meta["value_guards"] == 2
+    assert hm.traced.value_guards is not None
+    assert set(hm.traced.value_guards.sources) == {("buffer", "kernel"), ("buffer", "stride")}
+    _accumulated_steps_equal(hm, ref, x)
+    for m in (model, ref):
+        m.stride.fill_(2)  # another padding: another path
+    with caplog.at_level("WARNING", logger="hrockmate"):
+        _accumulated_steps_equal(hm, ref, x)
+    assert "was 2 when traced and is 1 now" in caplog.text
 
 
 @pytest.mark.parametrize("mode,dims,align", [

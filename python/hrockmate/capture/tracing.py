@@ -104,7 +104,7 @@ from torch.fx import traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hrockmate.capture.kernels import AutocastState, autocast_off, autocast_state, op_kernel
-from hrockmate.capture.values import ValueGuards, ValueReads
+from hrockmate.capture.values import MAX_BYTES, ValueGuards, ValueReads
 from hrockmate.ir.graph import Graph, Op, Tensor
 
 __all__ = [
@@ -866,6 +866,10 @@ def _eager_run(step: Callable[..., Any], flat_real: list[torch.Tensor],
     return None, random_reads.reads
 
 
+# Buffers up to this size are followed (and their reads guarded) by the last try of a trace
+# (``capture.values``): EnCodec's integer padding buffers; large buffers are data.
+_GUARDED_BUFFER_BYTES = 1024
+
 _UNTRACEABLE_HINT = (
     "hrockmate traces one training iteration with fake tensors (AOTAutograd), so Python "
     "control flow that depends on tensor values of parameters or activations (if/while on a "
@@ -1479,14 +1483,24 @@ def trace_model(
         out_box["count"] = len(tensors)
         return tuple(tensors)
 
-    n_inputs = len(tensor_leaf_pos)
-    follow_inputs = [False]  # (the last try: values of the inputs are followed and guarded)
+    # the last try follows (and guards) values of the inputs and of small buffers: key ->
+    # (position among the traced function's arguments, a copy of the value, which the
+    # model's in-place ops on it then change, not the user's tensor)
+    guarded_sources: dict[Any, tuple[int, torch.Tensor]] = {}
     reads_box: dict[str, ValueReads] = {}
 
+    def follow_inputs_and_small_buffers() -> None:
+        for k, i in enumerate(range(n_pb, len(flat_real))):
+            if flat_real[i].untyped_storage().nbytes() <= MAX_BYTES:
+                guarded_sources["input", k] = (i, flat_real[i].detach().clone())
+        for j, name in enumerate(buffers, start=len(params)):
+            if flat_real[j].untyped_storage().nbytes() <= _GUARDED_BUFFER_BYTES:
+                guarded_sources["buffer", name] = (j, flat_real[j].detach().clone())
+
     def step_with_values(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inputs = ({k: (flat[n_pb + k], flat_real[n_pb + k]) for k in range(n_inputs)}
-                  if follow_inputs[0] else None)
-        reads = ValueReads(inputs, where=lambda: _user_code(traceback.extract_stack())[0])
+        sources = {key: (flat[i], real) for key, (i, real) in guarded_sources.items()}
+        reads = ValueReads(sources if guarded_sources else None,
+                           where=lambda: _user_code(traceback.extract_stack())[0])
         reads_box["last"] = reads  # (AOTAutograd may call this twice; the joint is the last)
         with reads:  # (on top of AOTAutograd's modes, inside the trace)
             return step(*flat)
@@ -1542,9 +1556,9 @@ def trace_model(
                 f"the model fails in plain PyTorch too when called with this sample (and "
                 f"loss_fn): {type(eager).__name__}: {first}; fix the model, its configuration "
                 "or the sample (the traceback above shows where)") from eager
-        if _reads_tensor_values(exc) and n_inputs:
+        if _reads_tensor_values(exc):
             # the last try: the eager path, reads of values of the inputs answered and guarded
-            follow_inputs[0] = True
+            follow_inputs_and_small_buffers()
             try:
                 with _new_cache_entries_cleared():
                     joint = capture(False)
@@ -1603,6 +1617,15 @@ def trace_model(
     traced.device = device
     traced.autocast = autocast_state()
     traced.value_guards = guards
+    updated = sorted(k for kind, k in (guards.sources if guards else ())
+                     if kind == "buffer" and k in traced.buffer_updates)
+    if updated:
+        raise TraceError(
+            f"the model reads the value of buffer {updated[0]!r}, which each training step "
+            "updates, to decide what it computes (as BatchNorm does with momentum=None): one "
+            "traced graph cannot follow a decision that changes at every call. Make the "
+            "decision independent of that value (BatchNorm: give a momentum) or leave this "
+            "module out of hrockmate")
     if cost != "none":
         from hrockmate.capture.costs import annotate_costs
 

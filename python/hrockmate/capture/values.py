@@ -13,16 +13,18 @@ the real result instead of reaching the fake tensor, which would raise):
   made by ``arange`` when a decoder runs without a cache; the eager path failed there and the
   compilers' path built an explicit mask where eager uses ``is_causal`` (HF Llama's gradients
   were 1e-7 off; bitwise along the eager path).
-- **Values computed from the call's inputs alone** (``follow_inputs``; a last try, after the
-  traces along the eager and the compilers' paths both failed at a read): a check of the
-  labels' range, ``global_attention_mask.any()``. They differ from call to call, so each read
-  becomes a guard: ``ValueGuards.failing`` replays the ops from the inputs to each read on a
-  call's inputs before the call runs, and a different result means the graph is not this
-  call's (the runtime traces and plans again).
+- **Values computed from the call's inputs alone** (``sources``; a last try, after the traces
+  along the eager and the compilers' paths both failed at a read): a check of the labels'
+  range, ``global_attention_mask.any()``; and from small buffers (EnCodec computes its padding
+  from integer buffers). They may differ from call to call, so each read becomes a guard:
+  ``ValueGuards.failing`` replays the ops from the sources to each read on a call's values
+  before the call runs, and a different result means the graph is not this call's (the
+  runtime traces and plans again).
 
 Not followed: random ops, tensors the model closes over (the user may change them in place),
-parameters and buffers, anything written in place from a value not followed, and tensors over
-``MAX_BYTES`` (sized from the traced result before any real memory is taken).
+parameters, buffers other than small ones followed as sources, anything written in place from
+a value not followed, and tensors over ``MAX_BYTES`` (sized from the traced result before any
+real memory is taken).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.utils._pytree as pytree
@@ -41,6 +43,7 @@ from hrockmate.capture.kernels import autocast_off
 __all__ = ["ValueGuards", "ValueReads"]
 
 MAX_BYTES = 16 << 20
+_HELD_BYTES = 4096  # (sources compared with their last values instead of replaying reads)
 
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
@@ -79,20 +82,35 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class ValueGuards:
-    """What a trace assumed about values of its inputs (see the module docstring)."""
+    """What a trace assumed about values of its inputs and small buffers (module docstring)."""
 
-    def __init__(self, inputs: dict[int, int], ops: list[_Op], reads: list[_Read]) -> None:
-        self._inputs = inputs  # slot -> position among the call's tensor inputs
+    def __init__(self, sources: dict[int, Hashable], ops: list[_Op], reads: list[_Read]
+                 ) -> None:
+        self._sources = sources  # slot -> what it is (ValueReads' ``sources`` keys)
         self._ops = ops
         self._reads = reads
+        # copies of the sources' values when the reads last held, when all are small: the
+        # same values need no replay (EnCodec's 72 reads of its padding buffers: 5.5 ms per
+        # call replayed)
+        self._held: dict[int, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self._reads)
 
-    def failing(self, inputs: Sequence[torch.Tensor]) -> str | None:
-        """None when every read gives what it gave while tracing on ``inputs`` (the call's
-        tensor inputs, in the traced order); else which read differs, in words."""
-        env: dict[int, Any] = {s: inputs[k].detach() for s, k in self._inputs.items()}
+    @property
+    def sources(self) -> list[Hashable]:
+        """The sources the reads depend on."""
+        return list(self._sources.values())
+
+    def failing(self, value_of: Callable[[Hashable], torch.Tensor]) -> str | None:
+        """None when every read gives what it gave while tracing, on the sources' values now
+        (``value_of(key)``); else which read differs, in words."""
+        env: dict[int, Any] = {s: value_of(k).detach() for s, k in self._sources.items()}
+        held = self._held
+        if held is not None and all(torch.equal(env[s], v) for s, v in held.items()):
+            return None
+        if any(op.in_place for op in self._ops):  # (the replay must not write the sources)
+            env = {s: v.clone() for s, v in env.items()}
 
         def filled(template: Any) -> Any:
             return pytree.tree_map(lambda x: env[x.index] if isinstance(x, _Slot) else x,
@@ -110,17 +128,20 @@ class ValueGuards:
                 got = read.func(*a, **kw)
                 if not _same(got, read.expected):
                     where = f" at {read.where}" if read.where else ""
-                    return (f"a value the model read from its inputs{where} was "
+                    return (f"a value the model read from its inputs or buffers{where} was "
                             f"{read.expected!r} when traced and is {got!r} now")
+        if all(env[s].untyped_storage().nbytes() <= _HELD_BYTES for s in self._sources):
+            self._held = {s: value_of(k).detach().clone() for s, k in self._sources.items()}
         return None
 
 
 class ValueReads(TorchDispatchMode):
     """Follows real values beside a trace and answers reads of them (module docstring).
-    ``inputs``: position among the tensor inputs -> (the traced tensor, its real value), to
-    follow values of the inputs too; ``where`` names the model's code at a read."""
+    ``sources``: a key (what the runtime will ask ``ValueGuards.failing`` for) -> (the traced
+    tensor, its real value), values to follow and guard; ``where`` names the model's code at
+    a read."""
 
-    def __init__(self, inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    def __init__(self, sources: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] | None = None,
                  where: Callable[[], str | None] = lambda: None) -> None:
         super().__init__()
         # id -> (the traced tensor, its real value, its slot, whether it depends on inputs)
@@ -129,12 +150,12 @@ class ValueReads(TorchDispatchMode):
         self._where = where
         self._ops: list[_Op] = []
         self._reads: list[_Read] = []
-        self._input_slots: dict[int, int] = {}
-        self._record = inputs is not None
+        self._source_slots: dict[int, Hashable] = {}
+        self._record = sources is not None
         self._slots = 0
-        for k, (traced, real) in (inputs or {}).items():
+        for key, (traced, real) in (sources or {}).items():
             slot = self._follow(traced, real, True)
-            self._input_slots[slot] = k
+            self._source_slots[slot] = key
 
     def guards(self) -> ValueGuards | None:
         """The reads of input values as guards (None when there were none): only the ops
@@ -150,8 +171,8 @@ class ValueReads(TorchDispatchMode):
                 needed.update(x.index for x in pytree.tree_leaves(op.args)
                               if isinstance(x, _Slot))
         kept.reverse()
-        inputs = {s: k for s, k in self._input_slots.items() if s in needed}
-        return ValueGuards(inputs, kept, list(self._reads))
+        sources = {s: k for s, k in self._source_slots.items() if s in needed}
+        return ValueGuards(sources, kept, list(self._reads))
 
     def _follow(self, traced: torch.Tensor, real: torch.Tensor, from_inputs: bool) -> int:
         entry = self._real.get(id(traced))

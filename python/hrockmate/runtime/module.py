@@ -769,7 +769,7 @@ class HRockmate(nn.Module):
         inputs = [leaves[j] for j in self._hr_tensor_leaf]
         guards = self.__dict__.get("_hr_guards")
         if guards is not None:
-            differs = guards.failing(inputs)
+            differs = guards.failing(self._guarded_value(inputs))
             if differs is not None:
                 self._follow_values(args, kwargs, inputs, differs)
         program: Program = self._hr_program
@@ -835,6 +835,16 @@ class HRockmate(nn.Module):
                        what)
         self._build(sample)
 
+    def _guarded_value(self, inputs: list[torch.Tensor]) -> Callable[[Any], torch.Tensor]:
+        """The values a trace's guards read (``capture.values``): inputs, small buffers."""
+        model: nn.Module = self.__dict__["_hr_model"]
+
+        def value_of(key: Any) -> torch.Tensor:
+            kind, which = key
+            return inputs[which] if kind == "input" else model.get_buffer(which)
+
+        return value_of
+
     def _follow_values(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                        inputs: list[torch.Tensor], differs: str) -> None:
         """A value the model read from its inputs while traced (``capture.values``) differs at
@@ -850,7 +860,7 @@ class HRockmate(nn.Module):
                    if k.startswith("_hr_") and k not in _SHARED_BY_VARIANTS
                    or k == "predicted_peak_bytes"}
         for i, variant in enumerate(variants):
-            if variant["_hr_guards"].failing(inputs) is None:
+            if variant["_hr_guards"].failing(self._guarded_value(inputs)) is None:
                 variants[i] = current
                 self.__dict__.update(variant)
                 logger.info("HRockmate: %s; using the plan traced before for these values",
