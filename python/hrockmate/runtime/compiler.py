@@ -653,6 +653,8 @@ class _Compiler:
                 open_span[j] = [pos, pos, state_nbytes[j]]
                 spans.append(open_span[j])
             last[j] = (segment, replay, k, pos)
+        if not heads:  # no state is saved: the first measure is the whole answer
+            return cuts, 0, chained, goes_on, heads
         cuts, rng_bytes = self._chunk_cuts(grad_slot, heads, [tuple(sp) for sp in spans])
         return cuts, rng_bytes, chained, goes_on, heads
 
