@@ -533,6 +533,9 @@ class HRockmate(nn.Module):
 
     ``parameters()``, ``named_parameters()``, ``buffers()`` and ``state_dict()`` are the original
     model's (same objects, same keys); other attributes fall through to the model.
+
+    Mixed precision: build it within the ``torch.autocast`` region the training calls use (a
+    call under other regions traces and plans again) and call ``backward()`` after the region.
     """
 
     def __init__(
