@@ -224,6 +224,7 @@ class ValueReads(TorchDispatchMode):
         outs = pytree.tree_leaves(out)
         if sum(x.untyped_storage().nbytes() for x in outs
                if isinstance(x, torch.Tensor)) > MAX_BYTES:
+            self._spoil_written(func, args)  # (a write not followed leaves a stale value)
             return out
         with _disable_current_modes():
             real_out = func(*real_args, **real_kwargs)
