@@ -113,7 +113,10 @@ def _one_round(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
 @dataclass
 class _Eviction:
     """``tensor`` freed after the step at ``after`` and made again by ``op`` right before the
-    step at ``before`` (its next read)."""
+    step at ``before`` (its next read). With ``pre``: ``op``'s one input that is not alive
+    there is made first by ``pre``, whose recomputation at ``pre_drop`` (the input's next
+    making) is dropped instead, so that input stays alive from there on (``pre_bytes`` more
+    over that stretch) at no extra time."""
 
     tensor: int
     op: int
@@ -121,7 +124,10 @@ class _Eviction:
     before: int
     bytes: int
     cost: float
-    inputs: tuple[int, ...]  # what ``op`` reads
+    inputs: tuple[int, ...]  # what ``op`` (and ``pre``) read
+    pre: int | None = None
+    pre_drop: int = -1
+    pre_bytes: int = 0
 
 
 @dataclass
@@ -147,7 +153,10 @@ class _Gaps:
 def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
     """The stretches of ``steps`` over which a tensor could be evicted: made by a forward op
     with no other output and no view of it in the graph, alive and unread between two steps
-    that touch it, and the op's inputs alive at the second (recomputing it is one step)."""
+    that touch it, and the op's inputs alive at the second (recomputing it is one step), or
+    all but one, itself such a tensor made again later by a recomputation that can move to
+    that step (ResNet-50 at 90%: a block's ReLU output, whose input the plan recomputes for
+    the add's backward a few steps after the ReLU's own)."""
     ops, tensors = graph.ops, graph.tensors
     producer = graph.producers()
     has_view = {t.alias_of for t in tensors if t.alias_of is not None}
@@ -156,6 +165,10 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
         and len(ops[producer[x]].outputs) == 1 and t.alias_of is None and x not in has_view
         and t.role == "activation" and ops[producer[x]].time > 0 and t.bytes > 0
         for x, t in enumerate(tensors)]
+    runs: dict[int, list[int]] = {}  # op -> the positions of its computations
+    for p, (kind, i) in enumerate(steps):
+        if kind == "compute":
+            runs.setdefault(i, []).append(p)
     alive = {x for x, t in enumerate(tensors) if t.role in PREEXISTING_ROLES}
     touched: dict[int, int] = {}  # alive evictable tensor -> the last step that made/read it
     found: list[_Eviction] = []
@@ -170,9 +183,21 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
             if a is not None and p - a > 1:
                 k = producer[x]
                 assert k is not None
-                if all(y in alive for y in ops[k].inputs):
+                missing = [y for y in ops[k].inputs if y not in alive]
+                if not missing:
                     found.append(_Eviction(x, k, a, p, int(tensors[x].bytes),
                                            float(ops[k].time), tuple(ops[k].inputs)))
+                elif len(missing) == 1 and evictable[missing[0]]:
+                    y = missing[0]
+                    k2 = producer[y]
+                    assert k2 is not None
+                    later = runs[k2]
+                    at = bisect.bisect_right(later, p)
+                    if at < len(later) and all(z in alive for z in ops[k2].inputs):
+                        found.append(_Eviction(
+                            x, k, a, p, int(tensors[x].bytes), float(ops[k].time),
+                            tuple(ops[k].inputs) + tuple(ops[k2].inputs), pre=k2,
+                            pre_drop=later[at], pre_bytes=int(tensors[y].bytes)))
             if x in touched:
                 touched[x] = p
         for x in op.outputs:
@@ -214,7 +239,9 @@ def _make_room(level: np.ndarray, a: int, p: int, extra: int, budget: int, gain:
             if cost + e.cost >= gain:
                 return None  # (the cheapest left already costs too much)
             if _conflicts(e, busy, reads_at, evicted) or any(
-                    _clash(e, gaps.items[h]) or _clash(gaps.items[h], e) for h in picked):
+                    _clash(e, gaps.items[h]) or _clash(gaps.items[h], e) for h in picked) or (
+                    e.pre is not None and int(level[e.before - 1:e.pre_drop].max())
+                    + e.pre_bytes > budget):
                 mask[g] = False
                 continue
             choice = int(g)
@@ -226,6 +253,8 @@ def _make_room(level: np.ndarray, a: int, p: int, extra: int, budget: int, gain:
         picked.append(choice)
         cost += e.cost
         room[max(e.after + 1 - a, 0):max(e.before - a, 0)] -= e.bytes
+        if e.pre is not None:  # (its input alive from its move on)
+            room[max(e.before - 1 - a, 0):max(e.pre_drop - a, 0)] += e.pre_bytes
 
 
 def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
@@ -233,7 +262,7 @@ def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
     """Whether evicting ``e`` would break a change already chosen: its next read is a dropped
     recomputation, an input of its op is evicted over its next read, or a recomputation
     inserted for another eviction reads its tensor within its gap."""
-    if e.before in busy:
+    if e.before in busy or (e.pre is not None and e.pre_drop in busy):
         return True
     if any(a < e.before < b for x in e.inputs for a, b in evicted.get(x, ())):
         return True
@@ -311,6 +340,9 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
                 gaps.free[g] = False
                 level[e.after + 1:e.before] -= e.bytes
                 busy.add(e.before)
+                if e.pre is not None:
+                    level[e.before - 1:e.pre_drop] += e.pre_bytes
+                    busy.add(e.pre_drop)
                 for x in e.inputs:
                     reads_at.setdefault(x, []).append(e.before)
                 evicted.setdefault(e.tensor, []).append((e.after, e.before))
@@ -331,6 +363,9 @@ def _apply(graph: Graph, steps: list[Step], forward_len: int,
         drop.update(c.free_pos)
         for e in c.evictions:
             free_after.setdefault(e.after, []).append(("free", e.tensor))
+            if e.pre is not None:
+                compute_before.setdefault(e.before, []).append(("compute", e.pre))
+                drop.add(e.pre_drop)
             compute_before.setdefault(e.before, []).append(("compute", e.op))
     kept: list[_Placed] = []
     for p, s in enumerate(steps):
