@@ -28,6 +28,7 @@ import functools
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 
 __all__ = ["RELAYOUT", "AutocastState", "autocast_off", "autocast_state", "describe_autocast",
            "in_place_kernel", "kernel", "op_kernel", "relayout_outputs", "want_relayout"]
@@ -219,8 +220,6 @@ def relayout_outputs(node: Any, args: Any, kwargs: Any, out: Any) -> Any:
     strides, the CPU kernel returns a contiguous tensor (HF PatchTST's BatchNorm over a
     transposed input: the trace then viewed a transpose of it, which the real tensor cannot be
     viewed as). Outputs that share an input's storage (views) are left alone."""
-    import torch.utils._pytree as pytree
-
     if not node.meta.get(_WANTED):
         return out
     traced = node.meta.get("val")

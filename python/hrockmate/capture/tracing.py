@@ -32,9 +32,10 @@ CONTRACT (shared by the tracer and the runtime; keep this docstring true):
   graph; the backward is traced with autocast off, as eager runs a ``loss.backward()`` called
   after the autocast region (PyTorch's recommended use). The ops run with autocast off
   (``kernels.autocast_off``), and the trace is valid only for calls under the same regions.
-- ``value_guards``: reads of values of the inputs the trace answered (``capture.values``; a last
-  try, when both paths failed at a read), or None: the graph holds the path those values
-  took, so ``value_guards.failing(tensor_inputs)`` must be None for a call to use it.
+- ``value_guards``: reads of values of the inputs and of small buffers that the trace answered
+  (``capture.values``; a last try, when both paths failed at a read), or None: the graph holds
+  the path those values took, so ``value_guards.failing(value_of)`` must be None for a call to
+  use it (``value_of(("input", k))``: the k-th tensor input, ``value_of(("buffer", name))``).
 
 Details of the mapping (see docs/graph-ir.md for the IR itself):
 - Every ``call_function`` node that computes tensors is an op; ``getitem`` nodes only select a

@@ -105,12 +105,13 @@ class ValueGuards:
     def failing(self, value_of: Callable[[Hashable], torch.Tensor]) -> str | None:
         """None when every read gives what it gave while tracing, on the sources' values now
         (``value_of(key)``); else which read differs, in words."""
-        env: dict[int, Any] = {s: value_of(k).detach() for s, k in self._sources.items()}
+        now = {s: value_of(k).detach() for s, k in self._sources.items()}
         held = self._held
-        if held is not None and all(torch.equal(env[s], v) for s, v in held.items()):
+        if held is not None and all(torch.equal(now[s], v) for s, v in held.items()):
             return None
-        if any(op.in_place for op in self._ops):  # (the replay must not write the sources)
-            env = {s: v.clone() for s, v in env.items()}
+        # (the replay must not write the sources)
+        env: dict[int, Any] = ({s: v.clone() for s, v in now.items()}
+                               if any(op.in_place for op in self._ops) else dict(now))
 
         def filled(template: Any) -> Any:
             return pytree.tree_map(lambda x: env[x.index] if isinstance(x, _Slot) else x,
@@ -130,8 +131,8 @@ class ValueGuards:
                     where = f" at {read.where}" if read.where else ""
                     return (f"a value the model read from its inputs or buffers{where} was "
                             f"{read.expected!r} when traced and is {got!r} now")
-        if all(env[s].untyped_storage().nbytes() <= _HELD_BYTES for s in self._sources):
-            self._held = {s: value_of(k).detach().clone() for s, k in self._sources.items()}
+        if all(v.untyped_storage().nbytes() <= _HELD_BYTES for v in now.values()):
+            self._held = {s: v.clone() for s, v in now.items()}
         return None
 
 
@@ -203,7 +204,8 @@ class ValueReads(TorchDispatchMode):
         tensors = [f for x, f in zip(leaves, found) if isinstance(x, torch.Tensor)]
         if torch.Tag.nondeterministic_seeded in func.tags or not (
                 lifted or all(f is not None for f in tensors)):
-            self._spoil_written(func, args)
+            if any(f is not None for f in tensors):
+                self._spoil_written(func, args)
             return func(*args, **kwargs)
         from_inputs = any(f is not None and f[2] for f in tensors)
         if lifted:  # (a fresh literal: the real tensor is its value)

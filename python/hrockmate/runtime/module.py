@@ -278,8 +278,8 @@ class _PlanRequest:
 
 
 #: Left out when pickling (rebuilt by tracing again at the first training call).
-_NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_guards", "_hr_variants", "_hr_fingerprint",
-                "_hr_snapshot", "_hr_param_slots", "_hr_buffer_slots", "_hr_prepared")
+_NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_variants", "_hr_fingerprint", "_hr_snapshot",
+                "_hr_param_slots", "_hr_buffer_slots", "_hr_prepared")
 # Paths of the model traced for other values of its inputs (``_follow_values``): this many
 # are kept (the one in use included), to switch back without tracing again; what every path
 # shares (the model, the request, the model checks) is not part of one.
@@ -580,8 +580,6 @@ class HRockmate(nn.Module):
         _warn_of_captured_tensors(request.loss_fn, traced)
         object.__setattr__(self, "_hr_traced", traced)
         self.__dict__["_hr_variants"] = []  # (paths of other input values: of the old trace)
-        self.__dict__["_hr_autocast"] = traced.autocast
-        self.__dict__["_hr_guards"] = traced.value_guards
 
         # Slots: the unique parameters and buffers in the model's order, and tensor inputs.
         named_p = list(model.named_parameters())
@@ -767,10 +765,10 @@ class HRockmate(nn.Module):
             if not _needs_grad(model, leaves):
                 return model(*args, **kwargs)  # nothing to differentiate: plain forward
             self._follow_model(args, kwargs)
-        if self.__dict__.get("_hr_autocast", ()) != autocast_state():
+        if self.__dict__["_hr_traced"].autocast != autocast_state():
             self._follow_autocast(args, kwargs)
         inputs = [leaves[j] for j in self._hr_tensor_leaf]
-        guards = self.__dict__.get("_hr_guards")
+        guards = self.__dict__["_hr_traced"].value_guards
         if guards is not None:
             differs = guards.failing(self._guarded_value(inputs))
             if differs is not None:
@@ -863,7 +861,7 @@ class HRockmate(nn.Module):
                    if k.startswith("_hr_") and k not in _SHARED_BY_VARIANTS
                    or k == "predicted_peak_bytes"}
         for i, variant in enumerate(variants):
-            if variant["_hr_guards"].failing(self._guarded_value(inputs)) is None:
+            if variant["_hr_traced"].value_guards.failing(self._guarded_value(inputs)) is None:
                 variants[i] = current
                 self.__dict__.update(variant)
                 logger.info("HRockmate: %s; using the plan traced before for these values",
@@ -879,7 +877,7 @@ class HRockmate(nn.Module):
         """This call runs under other ``torch.autocast`` regions than the trace did: its
         casts and dtypes are in the graph, so trace and plan again under this call's (or raise
         ``ModelChangedError`` with a fixed ``plan=``)."""
-        traced, now = self.__dict__["_hr_autocast"], autocast_state()
+        traced, now = self.__dict__["_hr_traced"].autocast, autocast_state()
         what = (f"HRockmate was traced {describe_autocast(traced)} and is called "
                 f"{describe_autocast(now)}")
         if self._hr_request.plan is not None:
