@@ -191,6 +191,98 @@ def test_an_exchange_may_move_the_recomputation_of_its_ops_input() -> None:
     assert r.time <= before.time - 8.0 + 2.0  # (without the move: nothing refined)
 
 
+def test_an_exchange_may_move_several_recomputations_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in the Checkmate MobileNet at 50%: evicting ``f2``'s output needs ``f2``'s input
+    and that input's input made again first, both recomputed by the plan a few steps after
+    ``f2``'s next read: the two recomputations move up together (one alone did nothing)."""
+    from hrockmate.ir.graph import Op, Tensor
+    from hrockmate.planning import refine as refine_module
+
+    g = Graph(name="three-level", time_unit="units")
+    size = {"b": 300, "d": 300, "e": 400}
+    t = {name: g.add_tensor(Tensor(name, size.get(name, 100), role=role)) for name, role in [
+        ("x", "input"), ("w", "parameter"), ("a0", "activation"), ("a", "activation"),
+        ("b", "activation"), ("c", "activation"), ("d", "activation"), ("loss", "output"),
+        ("dloss", "tangent"), ("gd", "activation"), ("gc", "activation"), ("gb", "activation"),
+        ("ga", "activation"), ("ga0", "activation"), ("gw", "param_grad"),
+        ("e", "activation")]}
+    ops = {}
+    for name, phase, time, ins, outs in [
+            ("f0", "forward", 1.0, ["x", "w"], ["a0"]), ("f1", "forward", 1.0, ["a0"], ["a"]),
+            ("f2", "forward", 2.0, ["a"], ["b"]), ("f3", "forward", 5.0, ["b", "w"], ["c"]),
+            ("f4", "forward", 8.0, ["c"], ["d"]), ("L", "forward", 1.0, ["d"], ["loss"]),
+            ("g", "forward", 1.0, ["c"], ["e"]), ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+            ("f4b", "backward", 1.0, ["gd", "d"], ["gc"]),
+            ("f3b", "backward", 5.0, ["gc", "b", "w"], ["gb"]),
+            ("f2b", "backward", 1.0, ["gb", "b"], ["ga"]),
+            ("f1b", "backward", 1.0, ["ga", "a"], ["ga0"]),
+            ("f0b", "backward", 1.0, ["ga0", "a0"], ["gw"])]:
+        ops[name] = g.add_op(Op(name, phase, time, [t[x] for x in ins], [t[x] for x in outs]))
+    c, f = "compute", "free"
+    steps = [(c, ops["f0"]), (c, ops["f1"]), (f, t["a0"]), (c, ops["f2"]), (f, t["a"]),
+             (c, ops["f3"]), (c, ops["f4"]), (c, ops["L"]), (f, t["d"]), (c, ops["g"]),
+             (f, t["e"])]
+    fl = len(steps)
+    steps += [(c, ops["f4"]), (c, ops["Lb"]), (c, ops["f4b"]), (f, t["gd"]), (f, t["d"]),
+              (f, t["c"]), (c, ops["f3b"]), (f, t["gc"]), (c, ops["f2b"]), (f, t["gb"]),
+              (f, t["b"]), (c, ops["f0"]), (c, ops["f1"]), (c, ops["f1b"]), (f, t["ga"]),
+              (f, t["a"]), (c, ops["f0b"]), (f, t["ga0"]), (f, t["a0"])]
+    before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+    budget = int(before.peak_bytes)
+    r = refine(g, steps, fl, budget)
+    assert r is not None
+    _checked(g, r.steps, r.forward_len, budget, before.time)
+    names = [g.ops[i].name for k, i in r.steps if k == "compute"]
+    assert names.count("f4") == 1 and names.count("f2") == 2  # d kept, b made again
+    assert r.time <= before.time - 8.0 + 2.0
+    monkeypatch.setattr(refine_module, "_MAX_MOVED", 1)
+    assert refine(g, steps, fl, budget) is None
+
+
+def test_one_eviction_may_make_room_for_two_recomputations_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in ResNet-50 at 70%: keeping ``b`` or ``c`` (6 units each) needs ``a``'s 200
+    bytes evicted (10 units): neither alone is worth it, both together are."""
+    from hrockmate.ir.graph import Op, Tensor
+    from hrockmate.planning import refine as refine_module
+
+    g = Graph(name="pair", time_unit="units")
+    size = {"a": 200, "e": 300}
+    t = {name: g.add_tensor(Tensor(name, size.get(name, 100), role=role)) for name, role in [
+        ("x", "input"), ("w", "parameter"), ("a", "activation"), ("b", "activation"),
+        ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
+        ("gd", "activation"), ("gc", "activation"), ("gb", "activation"), ("gw", "param_grad"),
+        ("e", "activation")]}
+    ops = {}
+    for name, phase, time, ins, outs in [
+            ("f1", "forward", 10.0, ["x", "w"], ["a"]), ("f2", "forward", 6.0, ["x", "w"], ["b"]),
+            ("f3", "forward", 6.0, ["b"], ["c"]), ("f4", "forward", 1.0, ["c", "a"], ["d"]),
+            ("L", "forward", 1.0, ["d"], ["loss"]), ("g", "forward", 1.0, ["d"], ["e"]),
+            ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+            ("f4b", "backward", 1.0, ["gd", "a", "c"], ["gc"]),
+            ("f3b", "backward", 1.0, ["gc", "b"], ["gb"]),
+            ("f2b", "backward", 1.0, ["gb", "x"], ["gw"])]:
+        ops[name] = g.add_op(Op(name, phase, time, [t[x] for x in ins], [t[x] for x in outs]))
+    c, f = "compute", "free"
+    steps = [(c, ops["f1"]), (c, ops["f2"]), (c, ops["f3"]), (f, t["b"]), (c, ops["f4"]),
+             (f, t["c"]), (c, ops["L"]), (c, ops["g"]), (f, t["e"])]
+    fl = len(steps)
+    steps += [(c, ops["Lb"]), (f, t["d"]), (c, ops["f2"]), (c, ops["f3"]), (c, ops["f4b"]),
+              (f, t["a"]), (f, t["c"]), (f, t["gd"]), (c, ops["f3b"]), (f, t["gc"]),
+              (f, t["b"]), (c, ops["f2b"]), (f, t["gb"])]
+    before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+    budget = int(before.peak_bytes)
+    r = refine(g, steps, fl, budget)
+    assert r is not None
+    _checked(g, r.steps, r.forward_len, budget, before.time)
+    names = [g.ops[i].name for k, i in r.steps if k == "compute"]
+    assert (names.count("f1"), names.count("f2"), names.count("f3")) == (2, 1, 1)
+    assert r.time == before.time - 12.0 + 10.0
+    monkeypatch.setattr(refine_module, "_PARTNERS", 0)  # each alone
+    assert refine(g, steps, fl, budget) is None
+
+
 def test_dead_recomputation_chains_go_whole_in_one_pass() -> None:
     """A chain of recomputations that only fed each other, ending in one freed unread, is
     removed whole however long it is (it was cut at 16 links), and nothing else is."""

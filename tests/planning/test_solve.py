@@ -614,32 +614,36 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     assert tries == [(60, sizes[0])]
 
 
-def test_later_leaf_sizes_may_replace_a_fallbacks_plan(data_graphs: Path) -> None:
-    # the resnet-like graph at 50%: with leaves of 6 greedy eviction's plan beats the
-    # hierarchy's and is within 1% (of store-all's time) of the lower bound; that must not stop
+def test_later_leaf_sizes_may_replace_a_fallbacks_plan(data_graphs: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # the DenseNet log at 50%: with the first leaf size greedy eviction's plan beats the
+    # hierarchy's; counted as close enough to the lower bound to stop (it was within 1% on the
+    # resnet-like graph before the refinement learnt to beat greedy there), it must not stop
     # the later leaf sizes, one of which plans faster than greedy's
-    g = Graph.load(data_graphs / "resnet_like_train.json")
+    from hrockmate.planning import api
+
+    monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", 0.05)
+    g = Graph.load(data_graphs / "densenet_tiny_oplog.json")
     opts = dict(progress=False, time_limit=60, improve_time=None)
     first = hrockmate.solve_graph(g, 0.5, leaf_size=hierarchy_mod.leaf_sizes(g, None)[0],
                                   **opts)
     assert first.stats.get("fallback") == "greedy" and first.stats["beats_hierarchy_plan"]
     bound = hrockmate.time_lower_bound(g, first.budget_bytes)
-    assert first.time <= bound.time + policy.MIN_GAIN_TO_RETRY * first.baseline_time
+    assert first.time <= bound.time + api.MIN_GAIN_TO_RETRY * first.baseline_time
     plan = hrockmate.solve_graph(g, 0.5, **opts)
     _check(plan, g)
     assert not plan.stats.get("fallback") and plan.time < first.time
 
 
 def test_the_op_level_milp_replaces_a_fallbacks_plan_it_ties(data_graphs: Path) -> None:
-    # the CNN+BN log at 70% (64 ops): every leaf size's plan loses to greedy eviction's, so the
-    # op-level MILP is tried from it; it stalls at that plan's time, within 0.1% of its own
-    # optimum, and its plan is kept (as a later leaf size's plan replaces a fallback's that is
-    # no faster)
+    # the CNN+BN log at 60% (64 ops): every leaf size's plan loses to greedy eviction's, so the
+    # op-level MILP is tried from it; it ties that plan, and its plan is kept (as a later leaf
+    # size's plan replaces a fallback's that is no faster)
     g = Graph.load(data_graphs / "cnn_bn_oplog.json")
     opts = dict(progress=False, time_limit=60, improve_time=None)
-    hierarchy_only = hrockmate.solve_graph(g, 0.7, exact_ops=0, **opts)
+    hierarchy_only = hrockmate.solve_graph(g, 0.6, exact_ops=0, **opts)
     assert hierarchy_only.stats.get("fallback") == "greedy"
-    plan = hrockmate.solve_graph(g, 0.7, **opts)
+    plan = hrockmate.solve_graph(g, 0.6, **opts)
     _check(plan, g)
     assert not plan.stats.get("fallback") and plan.time <= hierarchy_only.time
 

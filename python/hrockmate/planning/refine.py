@@ -113,10 +113,10 @@ def _one_round(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
 @dataclass
 class _Eviction:
     """``tensor`` freed after the step at ``after`` and made again by ``op`` right before the
-    step at ``before`` (its next read). With ``pre``: ``op``'s one input that is not alive
-    there is made first by ``pre``, whose recomputation at ``pre_drop`` (the input's next
-    making) is dropped instead, so that input stays alive from there on (``pre_bytes`` more
-    over that stretch) at no extra time."""
+    step at ``before`` (its next read). Inputs of ``op`` not alive there are made first by
+    ``moved`` (in order): each such op's next recomputation after ``before`` moves up to run
+    there instead, so its output stays alive from there on (more bytes over that stretch) at
+    no extra time."""
 
     tensor: int
     op: int
@@ -124,10 +124,37 @@ class _Eviction:
     before: int
     bytes: int
     cost: float
-    inputs: tuple[int, ...]  # what ``op`` (and ``pre``) read
-    pre: int | None = None
-    pre_drop: int = -1
-    pre_bytes: int = 0
+    inputs: tuple[int, ...]  # what ``op`` and the moved ops read
+    moved: tuple[_Move, ...] = ()
+
+    def drops(self) -> tuple[int, ...]:
+        return tuple(m.drop for m in self.moved)
+
+    def moved_fits(self, level: np.ndarray, budget: int) -> bool:
+        """Whether ``level`` has room for the moved outputs from ``before`` on."""
+        if not self.moved:
+            return True
+        start = self.before - 1
+        end = max(m.drop for m in self.moved)
+        over = level[start:end].copy()
+        for m in self.moved:
+            over[:m.drop - start] += m.bytes
+        return int(over.max()) <= budget
+
+    def apply_moved(self, level: np.ndarray, offset: int = 0) -> None:
+        """Count the moved outputs in ``level`` (indexed from step ``offset``)."""
+        for m in self.moved:
+            level[max(self.before - 1 - offset, 0):max(m.drop - offset, 0)] += m.bytes
+
+
+@dataclass(frozen=True)
+class _Move:
+    """A recomputation of ``op`` (at step ``drop``) moved up to an eviction's ``before``;
+    its output (``bytes``) is then alive from there."""
+
+    op: int
+    drop: int
+    bytes: int
 
 
 @dataclass
@@ -154,8 +181,8 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
     """The stretches of ``steps`` over which a tensor could be evicted: made by a forward op
     with no other output and no view of it in the graph, alive and unread between two steps
     that touch it, and the op's inputs alive at the second (recomputing it is one step), or
-    all but one, itself such a tensor made again later by a recomputation that can move to
-    that step (ResNet-50 at 90%: a block's ReLU output, whose input the plan recomputes for
+    made there by up to ``_MAX_MOVED`` recomputations the plan runs later anyway, moved up
+    (``_moves``; ResNet-50 at 90%: a block's ReLU output, whose input the plan recomputes for
     the add's backward a few steps after the ReLU's own)."""
     ops, tensors = graph.ops, graph.tensors
     producer = graph.producers()
@@ -183,21 +210,12 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
             if a is not None and p - a > 1:
                 k = producer[x]
                 assert k is not None
-                missing = [y for y in ops[k].inputs if y not in alive]
-                if not missing:
+                moved = _moves(graph, ops[k].inputs, p, alive, evictable, producer, runs)
+                if moved is not None:
+                    reads = tuple(ops[k].inputs) + tuple(
+                        y for m in moved for y in ops[m.op].inputs)
                     found.append(_Eviction(x, k, a, p, int(tensors[x].bytes),
-                                           float(ops[k].time), tuple(ops[k].inputs)))
-                elif len(missing) == 1 and evictable[missing[0]]:
-                    y = missing[0]
-                    k2 = producer[y]
-                    assert k2 is not None
-                    later = runs[k2]
-                    at = bisect.bisect_right(later, p)
-                    if at < len(later) and all(z in alive for z in ops[k2].inputs):
-                        found.append(_Eviction(
-                            x, k, a, p, int(tensors[x].bytes), float(ops[k].time),
-                            tuple(ops[k].inputs) + tuple(ops[k2].inputs), pre=k2,
-                            pre_drop=later[at], pre_bytes=int(tensors[y].bytes)))
+                                           float(ops[k].time), reads, moved))
             if x in touched:
                 touched[x] = p
         for x in op.outputs:
@@ -207,24 +225,60 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
     return _Gaps(found)
 
 
+# Recomputations one eviction may move up at most (the Checkmate MobileNet at 50%: a padding
+# whose input's batch norm and ReLU the plan recomputes a few steps after its next read)
+_MAX_MOVED = 16
+# and how many steps up (each check of the room for the moved outputs scans that stretch)
+_MOVE_REACH = 256
+
+
+def _moves(graph: Graph, needed: list[int], p: int, alive: set[int], evictable: list[bool],
+           producer: list[int | None], runs: dict[int, list[int]]) -> tuple[_Move, ...] | None:
+    """The recomputations to move up to step ``p`` so that all of ``needed`` are alive there
+    (inputs first), or None when some cannot be: not evictable, or not made again later."""
+    ops = graph.ops
+    moved: list[_Move] = []
+    made: set[int] = set()
+
+    def make(y: int) -> bool:
+        if y in alive or y in made:
+            return True
+        k = producer[y]
+        if not evictable[y] or k is None or len(made) >= _MAX_MOVED:
+            return False
+        later = runs[k]
+        at = bisect.bisect_right(later, p)
+        if at == len(later) or later[at] - p > _MOVE_REACH:
+            return False
+        made.add(y)
+        if not all(make(z) for z in ops[k].inputs):
+            return False
+        moved.append(_Move(k, later[at], int(graph.tensors[y].bytes)))
+        return True
+
+    return tuple(moved) if all(make(y) for y in needed) else None
+
+
 # Exchanges tried per round at most, and evictions per exchange (each eviction scans the gaps
 # once: bounded work on graphs of 100k ops)
 _MAX_EXCHANGES = 256
 _MAX_EVICTIONS = 32
+_MAX_SCAN = 256  # gaps looked at for one eviction, cheapest per byte first
 
 
-def _make_room(level: np.ndarray, a: int, p: int, extra: int, budget: int, gain: float,
+def _make_room(level: np.ndarray, a: int, p: int, need: np.ndarray, budget: int, gain: float,
                gaps: _Gaps, busy: set[int], reads_at: dict[int, list[int]],
                evicted: dict[int, list[tuple[int, int]]],
                deadline: float | None) -> list[int] | None:
-    """Gaps (indices) whose evictions lower ``level[a:p]`` so that ``extra`` more bytes fit
-    under ``budget`` there, costing less than ``gain`` in all; None when there are none."""
+    """Gaps (indices) whose evictions lower ``level[a:p]`` so that ``need`` (bytes more at
+    each of those steps) fits under ``budget``, costing less than ``gain`` in all; None when
+    there are none."""
     picked: list[int] = []
     cost = 0.0
-    room = level[a:p].copy()
+    room = level[a:p] + need
     mask = gaps.free.copy()
     while True:
-        over = room + extra - budget
+        over = room - budget
         m = int(over.argmax())
         if over[m] <= 0:
             return picked
@@ -234,15 +288,12 @@ def _make_room(level: np.ndarray, a: int, p: int, extra: int, budget: int, gain:
         m += a
         spans = np.flatnonzero(mask & (gaps.after < m) & (gaps.before > m))
         choice = None
-        for g in spans[np.argsort(gaps.price[spans], kind="stable")]:
+        for g in spans[np.argsort(gaps.price[spans], kind="stable")][:_MAX_SCAN]:
             e = gaps.items[g]
-            if cost + e.cost >= gain:
-                return None  # (the cheapest left already costs too much)
-            if _conflicts(e, busy, reads_at, evicted) or any(
+            if cost + e.cost >= gain or _conflicts(e, busy, reads_at, evicted) or any(
                     _clash(e, gaps.items[h]) or _clash(gaps.items[h], e) for h in picked) or (
-                    e.pre is not None and int(level[e.before - 1:e.pre_drop].max())
-                    + e.pre_bytes > budget):
-                mask[g] = False
+                    not e.moved_fits(level, budget)):
+                mask[g] = False  # (costs only grow: one too dear now stays so)
                 continue
             choice = int(g)
             break
@@ -253,8 +304,7 @@ def _make_room(level: np.ndarray, a: int, p: int, extra: int, budget: int, gain:
         picked.append(choice)
         cost += e.cost
         room[max(e.after + 1 - a, 0):max(e.before - a, 0)] -= e.bytes
-        if e.pre is not None:  # (its input alive from its move on)
-            room[max(e.before - 1 - a, 0):max(e.pre_drop - a, 0)] += e.pre_bytes
+        e.apply_moved(room, a)  # (the moved outputs alive from there on)
 
 
 def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
@@ -262,7 +312,7 @@ def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
     """Whether evicting ``e`` would break a change already chosen: its next read is a dropped
     recomputation, an input of its op is evicted over its next read, or a recomputation
     inserted for another eviction reads its tensor within its gap."""
-    if e.before in busy or (e.pre is not None and e.pre_drop in busy):
+    if e.before in busy or any(q in busy for q in e.drops()):
         return True
     if any(a < e.before < b for x in e.inputs for a, b in evicted.get(x, ())):
         return True
@@ -270,10 +320,12 @@ def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
 
 
 def _clash(e: _Eviction, other: _Eviction) -> bool:
-    """Whether ``other``'s recomputation reads ``e``'s tensor within ``e``'s gap, or both
-    recompute right before the same step."""
+    """Whether ``other``'s recomputation reads ``e``'s tensor within ``e``'s gap, both
+    recompute right before the same step, or move the same recomputation (or ``other``
+    moves the one ``e`` recomputes before)."""
     return e.before == other.before or (
-        e.tensor in other.inputs and e.after < other.before < e.before)
+        e.tensor in other.inputs and e.after < other.before < e.before) or (
+        e.before in other.drops() or not set(e.drops()).isdisjoint(other.drops()))
 
 
 def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget: int,
@@ -284,7 +336,8 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
     ops, tensors = graph.ops, graph.tensors
     last_compute: dict[int, int] = {}
     frees_of: dict[int, list[int]] = {}  # tensor -> positions of its frees
-    cands: list[tuple[float, int, list[int], int]] = []
+    # (time saved, its position, the frees dropped, bytes kept, the first of them)
+    cands: list[tuple[float, int, list[int], int, int]] = []
     for p, (kind, i) in enumerate(steps):
         if kind == "free":
             frees_of.setdefault(i, []).append(p)
@@ -305,7 +358,7 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
                 # the base is freed, and again if the base is recomputed)
                 extra += int(tensors[graph.storage_root(x)].bytes)
         if freed:
-            cands.append((float(ops[i].time), p, freed, extra))
+            cands.append((float(ops[i].time), p, freed, extra, min(freed)))
     # most time saved per byte kept first (a knapsack's greedy order; by time alone it did a
     # little worse on the Checkmate ResNet-50 at 30%: +5.48% against +5.42%)
     cands.sort(key=lambda c: -c[0] / max(c[3], 1))
@@ -316,41 +369,88 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
     evicted: dict[int, list[tuple[int, int]]] = {}  # tensor -> its evicted gaps
     gaps: _Gaps | None = None
     exchanges = 0
-    for n, (gain, p, freed, extra) in enumerate(cands):
-        if deadline is not None and n % 64 == 63 and _time.perf_counter() > deadline:
-            break
-        if p in busy:
-            continue
-        a = min(freed)
+    failed: list[int] = []  # candidates that found no room alone
+
+    def room_for(group: list[int]) -> list[_Eviction] | None:
+        """Evictions that make room for keeping every candidate of ``group`` (those in
+        ``level`` and the bookkeeping once found), or None."""
+        nonlocal gaps
+        a = min(cands[c][4] for c in group)
+        p = max(cands[c][1] for c in group)
+        need = np.zeros(p - a, dtype=np.int64)
+        for c in group:
+            need[cands[c][4] - a:cands[c][1] - a] += cands[c][3]
         evictions: list[_Eviction] = []
-        if extra and int(level[a:p].max()) + extra > budget:
-            if exchanges >= _MAX_EXCHANGES:
-                continue
-            if any(a < q < p for x in ops[steps[p][1]].outputs for q in reads_at.get(x, ())):
-                continue
-            exchanges += 1
+        if int((level[a:p] + need).max()) > budget:
             if gaps is None:
                 gaps = _eviction_gaps(graph, steps)
-            picked = _make_room(level, a, p, extra, budget, gain, gaps, busy | {p}, reads_at,
+            gain = sum(cands[c][0] for c in group)
+            own = {cands[c][1] for c in group}
+            picked = _make_room(level, a, p, need, budget, gain, gaps, busy | own, reads_at,
                                 evicted, deadline)
             if picked is None:
-                continue
+                return None
             for g in picked:
                 e = gaps.items[g]
                 gaps.free[g] = False
                 level[e.after + 1:e.before] -= e.bytes
                 busy.add(e.before)
-                if e.pre is not None:
-                    level[e.before - 1:e.pre_drop] += e.pre_bytes
-                    busy.add(e.pre_drop)
+                e.apply_moved(level)
+                busy.update(e.drops())
                 for x in e.inputs:
                     reads_at.setdefault(x, []).append(e.before)
                 evicted.setdefault(e.tensor, []).append((e.after, e.before))
                 evictions.append(e)
-        level[a:p] += extra
+        level[a:p] += need
+        return evictions
+
+    def blocked(c: int) -> bool:
+        """Whether an inserted recomputation reads an output of ``c`` while it is freed."""
+        _, p, _, _, a = cands[c]
+        return any(a < q < p for x in ops[steps[p][1]].outputs for q in reads_at.get(x, ()))
+
+    for n, (gain, p, freed, extra, a) in enumerate(cands):
+        if deadline is not None and n % 64 == 63 and _time.perf_counter() > deadline:
+            break
+        if p in busy:
+            continue
+        if extra and int(level[a:p].max()) + extra > budget:
+            if exchanges >= _MAX_EXCHANGES or blocked(n):
+                continue
+            exchanges += 1
+        evictions = room_for([n])
+        if evictions is None:
+            failed.append(n)
+            continue
         busy.add(p)
         chosen.append(_Choice(p, freed, evictions))
+    # two recomputations kept for one set of evictions: each alone gains less than they cost
+    # (ResNet-50 at 70%: one block output of 784 MiB made again makes room for two of 392)
+    exchanges = 0
+    taken: set[int] = set()
+    for k, c in enumerate(failed):
+        if deadline is not None and _time.perf_counter() > deadline:
+            break
+        for d in failed[k + 1:k + 1 + _PARTNERS]:
+            if c in taken or d in taken or exchanges >= _MAX_EXCHANGES:
+                break
+            pc, pd = cands[c][1], cands[d][1]
+            if (pc in busy or pd in busy or blocked(c) or blocked(d)
+                    or max(cands[c][4], cands[d][4]) >= min(pc, pd)):  # (no overlap)
+                continue
+            exchanges += 1
+            evictions = room_for([c, d])
+            if evictions is None:
+                continue
+            taken.update((c, d))
+            busy.update((pc, pd))
+            chosen.append(_Choice(pc, cands[c][2], evictions))
+            chosen.append(_Choice(pd, cands[d][2], []))
     return chosen
+
+
+# Candidates after a failed one tried as its partner
+_PARTNERS = 16
 
 
 def _apply(graph: Graph, steps: list[Step], forward_len: int,
@@ -363,9 +463,9 @@ def _apply(graph: Graph, steps: list[Step], forward_len: int,
         drop.update(c.free_pos)
         for e in c.evictions:
             free_after.setdefault(e.after, []).append(("free", e.tensor))
-            if e.pre is not None:
-                compute_before.setdefault(e.before, []).append(("compute", e.pre))
-                drop.add(e.pre_drop)
+            for m in e.moved:
+                compute_before.setdefault(e.before, []).append(("compute", m.op))
+                drop.add(m.drop)
             compute_before.setdefault(e.before, []).append(("compute", e.op))
     kept: list[_Placed] = []
     for p, s in enumerate(steps):
