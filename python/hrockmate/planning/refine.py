@@ -9,10 +9,12 @@ that slack into time, on any valid schedule:
    recomputations saving the most time per byte kept go first, each only where the simulator's
    memory timeline has room for the outputs over that stretch, or where evicting cheaper
    tensors makes room (*exchange*): a tensor whose forward op reads only tensors alive at its
-   next read is freed after a read and made again right before the next one, when all such
-   evictions together cost less time than the recomputation dropped. This is how an op-level
-   plan keeps a batch norm's output and recomputes the ReLU after it, where a plan made of
-   whole blocks re-runs the block;
+   next read (or made there by recomputations the plan runs a little later anyway, moved up)
+   is freed after a read and made again right before the next one, when all such evictions
+   together cost less time than the recomputation dropped. This is how an op-level plan keeps
+   a batch norm's output and recomputes the ReLU after it, where a plan made of whole blocks
+   re-runs the block. Recomputations that found no room alone are tried in pairs (one
+   eviction can make room for two, neither worth it alone);
 2. *dead recomputations*: a recomputation none of whose outputs is read before it is freed
    again (it fed a recomputation dropped in 1) is dropped;
 3. *earlier frees*: every free moves up to just after the last read of its tensor.
@@ -128,33 +130,41 @@ class _Eviction:
     moved: tuple[_Move, ...] = ()
 
     def drops(self) -> tuple[int, ...]:
-        return tuple(m.drop for m in self.moved)
+        return tuple(m.drop for m in self.moved if m.drop >= 0)
+
+    def fresh(self) -> list[int]:
+        """The outputs made for this eviction alone (freed once ``op`` has run)."""
+        return [m.output for m in self.moved if m.drop < 0]
 
     def moved_fits(self, level: np.ndarray, budget: int) -> bool:
         """Whether ``level`` has room for the moved outputs from ``before`` on."""
         if not self.moved:
             return True
         start = self.before - 1
-        end = max(m.drop for m in self.moved)
+        end = max(start + 1, *(m.drop for m in self.moved))
         over = level[start:end].copy()
         for m in self.moved:
-            over[:m.drop - start] += m.bytes
+            over[:max(m.drop - start, 1)] += m.bytes
         return int(over.max()) <= budget
 
     def apply_moved(self, level: np.ndarray, offset: int = 0) -> None:
         """Count the moved outputs in ``level`` (indexed from step ``offset``)."""
         for m in self.moved:
-            level[max(self.before - 1 - offset, 0):max(m.drop - offset, 0)] += m.bytes
+            lo = max(self.before - 1 - offset, 0)
+            level[lo:max(m.drop - offset, lo + 1)] += m.bytes
 
 
 @dataclass(frozen=True)
 class _Move:
     """A recomputation of ``op`` (at step ``drop``) moved up to an eviction's ``before``;
-    its output (``bytes``) is then alive from there."""
+    its output (``bytes``) is then alive from there. With ``drop`` -1 a recomputation added
+    for the eviction alone, its output freed after the eviction's op."""
 
     op: int
     drop: int
     bytes: int
+    output: int
+    time: float = 0.0  # (added, if drop is -1)
 
 
 @dataclass
@@ -215,7 +225,8 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
                     reads = tuple(ops[k].inputs) + tuple(
                         y for m in moved for y in ops[m.op].inputs)
                     found.append(_Eviction(x, k, a, p, int(tensors[x].bytes),
-                                           float(ops[k].time), reads, moved))
+                                           float(ops[k].time) + sum(m.time for m in moved),
+                                           reads, moved))
             if x in touched:
                 touched[x] = p
         for x in op.outputs:
@@ -235,7 +246,8 @@ _MOVE_REACH = 256
 def _moves(graph: Graph, needed: list[int], p: int, alive: set[int], evictable: list[bool],
            producer: list[int | None], runs: dict[int, list[int]]) -> tuple[_Move, ...] | None:
     """The recomputations to move up to step ``p`` so that all of ``needed`` are alive there
-    (inputs first), or None when some cannot be: not evictable, or not made again later."""
+    (inputs first): the next run of each op after ``p`` within reach, else a run added; None
+    when some cannot be made (not evictable, or too many)."""
     ops = graph.ops
     moved: list[_Move] = []
     made: set[int] = set()
@@ -246,14 +258,15 @@ def _moves(graph: Graph, needed: list[int], p: int, alive: set[int], evictable: 
         k = producer[y]
         if not evictable[y] or k is None or len(made) >= _MAX_MOVED:
             return False
-        later = runs[k]
-        at = bisect.bisect_right(later, p)
-        if at == len(later) or later[at] - p > _MOVE_REACH:
-            return False
         made.add(y)
         if not all(make(z) for z in ops[k].inputs):
             return False
-        moved.append(_Move(k, later[at], int(graph.tensors[y].bytes)))
+        later = runs[k]
+        at = bisect.bisect_right(later, p)
+        if at < len(later) and later[at] - p <= _MOVE_REACH:
+            moved.append(_Move(k, later[at], int(graph.tensors[y].bytes), y))
+        else:
+            moved.append(_Move(k, -1, int(graph.tensors[y].bytes), y, float(ops[k].time)))
         return True
 
     return tuple(moved) if all(make(y) for y in needed) else None
@@ -465,8 +478,10 @@ def _apply(graph: Graph, steps: list[Step], forward_len: int,
             free_after.setdefault(e.after, []).append(("free", e.tensor))
             for m in e.moved:
                 compute_before.setdefault(e.before, []).append(("compute", m.op))
-                drop.add(m.drop)
+                if m.drop >= 0:
+                    drop.add(m.drop)
             compute_before.setdefault(e.before, []).append(("compute", e.op))
+            compute_before[e.before].extend(("free", y) for y in e.fresh())
     kept: list[_Placed] = []
     for p, s in enumerate(steps):
         fwd = p < forward_len
