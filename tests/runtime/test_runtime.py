@@ -1064,6 +1064,81 @@ def test_reads_of_input_values_are_guarded_at_each_call(
         fixed(x, padded)
 
 
+class _AttendsAtMarkedPositions(nn.Module):
+    """Gathers the rows its input mask marks, as Longformer's global attention does with
+    ``global_attention_mask.nonzero()``: a shape that depends on the mask's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.glob = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, marks: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).relu()
+        rows, cols = marks.nonzero(as_tuple=True)
+        g = self.glob(h[rows, cols])  # (marked positions, 8)
+        return h.square().mean() + g.tanh().sum() / len(x)
+
+
+def test_shapes_from_input_values_are_traced_for_those_values(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``nonzero`` of a mask from the inputs is traced as ``nonzero_static`` of the count it
+    has: other positions with the same count run the same plan, another count traces and
+    plans again (it raised "DynamicOutputShapeException: aten.nonzero")."""
+    torch.manual_seed(0)
+    model = _AttendsAtMarkedPositions()
+    x = torch.randn(4, 6, 8)
+    marks = torch.zeros(4, 6, dtype=torch.long)
+    marks[:, 0] = 1
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x, marks))
+    assert any(str(n.target) == "aten.nonzero_static.default"
+               for n in hm.traced.gm.graph.nodes)
+    first = hm.traced
+    moved = torch.zeros_like(marks)
+    moved[:, 3] = 1  # the same count elsewhere
+    with caplog.at_level("WARNING", logger="hrockmate"):
+        _accumulated_steps_equal(hm, ref, (x, moved))
+    assert hm.traced is first and "planned again" not in caplog.text
+    more = marks.clone()
+    more[1, 4] = 1  # one more: another shape
+    with caplog.at_level("WARNING", logger="hrockmate"):
+        _accumulated_steps_equal(hm, ref, (x, more))
+    assert "was 4 when traced and is 5 now" in caplog.text and hm.traced is not first
+    hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+    _accumulated_steps_equal(hm, ref, (x, more))
+
+
+class _LossOnValidPixels(nn.Module):
+    """A depth loss over the pixels its target marks valid, as transformers' GLPN computes it
+    (``pred[target > 0]``), after a BatchNorm whose count of batches each step updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 1, 3, padding=1), nn.BatchNorm2d(1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        pred = self.bn(self.conv(x)).squeeze(1).exp()
+        valid = target > 0
+        diff = torch.log(target[valid]) - torch.log(pred[valid])
+        return diff.square().mean() + pred.masked_select(valid).mean()
+
+
+def test_boolean_masks_from_the_inputs_index_by_their_positions() -> None:
+    torch.manual_seed(0)
+    model = _LossOnValidPixels()
+    x, target = torch.randn(2, 3, 8, 8), torch.rand(2, 8, 8)
+    target[:, :2] = 0  # (invalid pixels)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x, target))
+    guards = hm.traced.value_guards
+    assert guards is not None and len(guards) >= 1
+    # (BatchNorm's count of batches, written at each step and read by no guard, is no source)
+    assert ("buffer", "bn.num_batches_tracked") not in guards.sources
+    _accumulated_steps_equal(hm, ref, (x, target))
+    hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+    _accumulated_steps_equal(hm, ref, (x, target))
+
+
 class _PadsFromBuffers(nn.Module):
     """Computes its padding from small integer buffers' values, as HF EnCodec does."""
 

@@ -21,6 +21,12 @@ the real result instead of reaching the fake tensor, which would raise):
   before the call runs, and a different result means the graph is not this call's (the
   runtime traces and plans again).
 
+A shape that depends on followed values (``nonzero`` of a mask, ``x[mask]``,
+``masked_select``: Longformer's global attention positions, GLPN's valid pixels) is traced for
+the count the real values give, as ``nonzero_static`` of that size feeding an indexing by
+positions (how ATen computes a boolean index); with values from the inputs the count is a
+guard, so another count traces and plans again.
+
 Not followed: random ops, tensors the model closes over (the user may change them in place),
 parameters, buffers other than small ones followed as sources, anything written in place from
 a value not followed, and tensors over ``MAX_BYTES`` (sized from the traced result before any
@@ -73,6 +79,7 @@ class _Read:
     args: Any
     expected: Any
     where: str | None  # the model's code that read it
+    what: str = "a value the model read from its inputs or buffers"
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -120,7 +127,11 @@ class ValueGuards:
         with torch.no_grad(), autocast_off():
             for op in self._ops:
                 a, kw = filled(op.args)
-                out = op.func(*a, **kw)
+                try:
+                    out = op.func(*a, **kw)
+                except Exception as exc:  # (another count of rows: shapes no longer match)
+                    return (f"the ops on the model's inputs or buffers that its reads depend "
+                            f"on fail on this call's values ({type(exc).__name__}: {exc})")
                 for slot, val in zip(op.outs, pytree.tree_leaves(out)):
                     if slot is not None:
                         env[slot] = val
@@ -129,8 +140,8 @@ class ValueGuards:
                 got = read.func(*a, **kw)
                 if not _same(got, read.expected):
                     where = f" at {read.where}" if read.where else ""
-                    return (f"a value the model read from its inputs or buffers{where} was "
-                            f"{read.expected!r} when traced and is {got!r} now")
+                    return (f"{read.what}{where} was {read.expected!r} when traced and is "
+                            f"{got!r} now")
         if all(v.untyped_storage().nbytes() <= _HELD_BYTES for v in now.values()):
             self._held = {s: v.clone() for s, v in now.items()}
         return None
@@ -160,17 +171,25 @@ class ValueReads(TorchDispatchMode):
 
     def guards(self) -> ValueGuards | None:
         """The reads of input values as guards (None when there were none): only the ops
-        they need, and every in-place op (a write through a view changes its base too)."""
+        they need, with every in-place op that writes a storage they need (a write through a
+        view changes its base too; BatchNorm's count of batches, a buffer written at every
+        step, is no guard's source unless a read needs it)."""
         if not self._reads:
             return None
+        storage = {slot: real.untyped_storage().data_ptr()
+                   for _, real, slot, _ in self._real.values()}
         needed = {x.index for r in self._reads for x in pytree.tree_leaves(r.args)
                   if isinstance(x, _Slot)}
+        needed_storages = {storage.get(s) for s in needed}
         kept: list[_Op] = []
         for op in reversed(self._ops):
-            if op.in_place or any(s in needed for s in op.outs if s is not None):
+            if any(s in needed for s in op.outs if s is not None) or (
+                    op.in_place and any(storage.get(s) in needed_storages
+                                        for s in _written_slots(op))):
                 kept.append(op)
-                needed.update(x.index for x in pytree.tree_leaves(op.args)
-                              if isinstance(x, _Slot))
+                reads = {x.index for x in pytree.tree_leaves(op.args) if isinstance(x, _Slot)}
+                needed.update(reads)
+                needed_storages.update(storage.get(s) for s in reads)
         kept.reverse()
         sources = {s: k for s, k in self._source_slots.items() if s in needed}
         return ValueGuards(sources, kept, list(self._reads))
@@ -198,6 +217,10 @@ class ValueReads(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _MASKED:
+            rewritten = self._by_positions(func, args, kwargs)
+            if rewritten is not None:
+                return rewritten
         leaves, spec = pytree.tree_flatten((args, kwargs))
         lifted = func in _LIFTS
         found = [self._lookup(x) if isinstance(x, torch.Tensor) else None for x in leaves]
@@ -222,6 +245,23 @@ class ValueReads(TorchDispatchMode):
             if from_inputs:
                 self._reads.append(_Read(func, recorded, value, self._where()))
             return value
+        if func is _NONZERO:
+            # a data-dependent shape, known from the real values: traced as ``nonzero_static``
+            # of that size, the count guarded when it comes from the inputs (Longformer's
+            # global attention positions)
+            with _disable_current_modes():
+                real_out = func(*real_args, **real_kwargs)
+            count = int(real_out.shape[0])
+            if from_inputs:
+                self._reads.append(_Read(
+                    _count_nonzero, recorded, count, self._where(),
+                    "the number of positions a mask from the model's inputs selects (nonzero, "
+                    "boolean indexing: a shape traced for each count)"))
+            out = torch.ops.aten.nonzero_static.default(args[0], size=count)
+            slot = self._follow(out, real_out, from_inputs)
+            if self._record:
+                self._ops.append(_Op(func, recorded, [slot], False))
+            return out
         out = func(*args, **kwargs)
         outs = pytree.tree_leaves(out)
         if sum(x.untyped_storage().nbytes() for x in outs
@@ -240,6 +280,38 @@ class ValueReads(TorchDispatchMode):
             self._ops.append(_Op(func, recorded, slots, _writes(func)))
         return out
 
+    def _by_positions(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> Any:
+        """``x[mask]`` or ``x.masked_select(mask)`` with a followed mask, as ``x`` indexed
+        by the mask's positions (``nonzero``, traced for the count it has: see above), which
+        is how ATen computes them; None when the mask is not followed."""
+        if func is _MASKED_SELECT:
+            x, mask = args
+            if self._lookup(mask) is None or mask.dtype != torch.bool:
+                return None
+            shape = torch.broadcast_shapes(x.shape, mask.shape)
+            if tuple(x.shape) != tuple(shape):
+                x = self.__torch_dispatch__(_EXPAND, (), (x, list(shape)))
+            if tuple(mask.shape) != tuple(shape):
+                mask = self.__torch_dispatch__(_EXPAND, (), (mask, list(shape)))
+            return self.__torch_dispatch__(_INDEX, (), (x, [mask]))
+        x, indices = args
+        if not any(i is not None and i.dtype in (torch.bool, torch.uint8)
+                   and self._lookup(i) is not None for i in indices):
+            return None
+        expanded: list[Any] = []
+        for i in indices:
+            if i is None or i.dtype not in (torch.bool, torch.uint8) or self._lookup(i) is None:
+                expanded.append(i)
+                continue
+            if i.dtype == torch.uint8:
+                i = self.__torch_dispatch__(torch.ops.aten.ne.Scalar, (), (i, 0))
+            positions = self.__torch_dispatch__(_NONZERO, (), (i,))
+            expanded.extend(self.__torch_dispatch__(torch.ops.aten.select.int, (),
+                                                    (positions, 1, d))
+                            for d in range(i.dim()))
+        return self.__torch_dispatch__(func, (), (x, expanded), kwargs)
+
     def _spoil_written(self, func: Any, args: tuple[Any, ...]) -> None:
         """A followed tensor written in place by an op on other values (``x[i] = y`` with
         ``y`` computed from parameters) is followed no more, nor are its views."""
@@ -250,6 +322,26 @@ class ValueReads(TorchDispatchMode):
                 found = self._lookup(args[i])
                 if found is not None:
                     self._spoiled.add(found[0].untyped_storage().data_ptr())
+
+
+_NONZERO = torch.ops.aten.nonzero.default
+_INDEX = torch.ops.aten.index.Tensor
+_MASKED_SELECT = torch.ops.aten.masked_select.default
+_EXPAND = torch.ops.aten.expand.default
+_MASKED = (_INDEX, _MASKED_SELECT)
+
+
+def _count_nonzero(x: torch.Tensor) -> int:
+    """How many rows ``nonzero(x)`` has (a guard's read)."""
+    return int(torch.count_nonzero(x))
+
+
+def _written_slots(op: _Op) -> list[int]:
+    """The followed tensors an in-place op writes."""
+    args = op.args[0]
+    return [args[i].index for i, a in enumerate(op.func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write and i < len(args)
+            and isinstance(args[i], _Slot)]
 
 
 def _writes(func: Any) -> bool:
