@@ -847,7 +847,7 @@ def test_bad_arguments_are_reported() -> None:
         trace_model(frozen, torch.randn(2, 4), cost="none")
 
 
-def test_in_place_update_of_an_input_is_rejected() -> None:
+def test_in_place_update_of_an_input_needing_grad_is_rejected() -> None:
     class M(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -857,8 +857,13 @@ def test_in_place_update_of_an_input_is_rejected() -> None:
             x.mul_(2)  # modifies the caller's input
             return self.lin(x)
 
+    # one that needs no gradient is written back as a buffer update is
+    traced = trace_model(M(), torch.randn(2, 4), cost="none")
+    assert list(traced.input_updates) == [0]
+    update = traced.graph.tensors[traced.input_updates[0]]
+    assert traced.graph.tensors[update.updates].role == "input"
     with pytest.raises(TraceError, match="modifies its input"):
-        trace_model(M(), torch.randn(2, 4), cost="none")
+        trace_model(M(), torch.randn(2, 4, requires_grad=True) * 1.0, cost="none")
 
 
 class _PlainTensorAttribute(nn.Module):

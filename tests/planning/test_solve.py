@@ -874,6 +874,11 @@ def test_long_milps_show_their_elapsed_time(monkeypatch: pytest.MonkeyPatch) -> 
         def refresh(self) -> None:
             self.refreshed += 1
 
+        def update(self, n: int = 1) -> None:
+            # (the blocks' bar of a hierarchical second try, when a loaded machine stops the
+            # op-level MILP short of its optimum)
+            self.n += n
+
         def close(self) -> None:
             self.closed = True
 

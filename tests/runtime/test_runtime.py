@@ -1139,6 +1139,47 @@ def test_boolean_masks_from_the_inputs_index_by_their_positions() -> None:
     _accumulated_steps_equal(hm, ref, (x, target))
 
 
+class _ClampsItsPositions(nn.Module):
+    """A question-answering head that clamps its start positions in place, as transformers'
+    Splinter, RemBERT, CANINE, LUKE and MarkupLM heads do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        logits = self.fc(x).squeeze(-1)
+        start.clamp_(0, logits.shape[1] - 1)
+        return nn.functional.cross_entropy(logits, start) + logits.square().mean()
+
+
+def test_an_input_updated_in_place_is_written_back_as_eager_does() -> None:
+    torch.manual_seed(0)
+    model, x = _ClampsItsPositions(), torch.randn(4, 6, 8)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x, torch.tensor([1, 7, 3, 9])))
+    assert hm.traced.input_updates
+    for plan in (None, hrockmate.recompute_all_schedule(hm.traced.graph)):
+        if plan is not None:
+            hm.use_plan(plan)
+        for step in range(2):
+            ours, theirs = torch.tensor([1, 7, 3, 9]), torch.tensor([1, 7, 3, 9])
+            hm(x, ours).backward()
+            ref(x, theirs).backward()
+            assert torch.equal(ours, theirs) and ours.tolist() == [1, 5, 3, 5]
+            for p, q in zip(model.parameters(), ref.parameters()):
+                assert p.grad is not None and torch.equal(p.grad, q.grad)
+
+    class ScalesItsInput(nn.Module):
+        def forward(self, y: torch.Tensor) -> torch.Tensor:
+            return y.mul_(2).square().sum()
+
+    # one that needs a gradient is still refused (with the remedy)
+    y = torch.ones(4, requires_grad=True) * 1.0
+    with pytest.raises(hrockmate.TraceError, match="make that update out of place"):
+        HRockmate(ScalesItsInput(), y)
+
+
 class _PadsFromBuffers(nn.Module):
     """Computes its padding from small integer buffers' values, as HF EnCodec does."""
 

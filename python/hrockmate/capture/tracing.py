@@ -178,6 +178,9 @@ class Traced:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     autocast: AutocastState = ()
     value_guards: ValueGuards | None = None
+    # sample leaf index -> IR tensor id of its new value: inputs the model updates in place
+    # (written back into the caller's tensor once, as buffers are)
+    input_updates: dict[int, int] = field(default_factory=dict)
     trace_seconds: float = 0.0
     cost_seconds: float = 0.0
 
@@ -1146,11 +1149,13 @@ def _build(
         elif isinstance(desc, d.InputMutationAOTOutput):
             idx = _input_index(desc.mutated_input)
             kind, key = flat_kinds[idx]
-            if kind != "buffer":
+            if kind not in ("buffer", "input") or (
+                    kind == "input" and flat_real[idx].requires_grad):
                 raise TraceError(
                     f"the model modifies its {kind} {key!r} in place during the forward pass; "
-                    "hrockmate supports in-place updates of buffers only (e.g. BatchNorm "
-                    "running statistics): make that update out of place"
+                    "hrockmate supports in-place updates of buffers (e.g. BatchNorm "
+                    "running statistics) and of inputs that need no gradient (a QA head's "
+                    "start_positions.clamp_()) only: make that update out of place"
                 )
             mutations[idx] = val
         elif isinstance(desc, d.MetadataMutationAOTOutput):
@@ -1363,7 +1368,10 @@ def _build(
                    if flat_kinds[i][0] == "param"}
     input_grads = {flat_kinds[i][1]: tensor_of[(n, None)] for i, n in grads.items()
                    if flat_kinds[i][0] == "input"}
-    buffer_updates = {flat_kinds[i][1]: tensor_of[(n, None)] for i, n in mutations.items()}
+    buffer_updates = {flat_kinds[i][1]: tensor_of[(n, None)] for i, n in mutations.items()
+                      if flat_kinds[i][0] == "buffer"}
+    input_updates = {int(flat_kinds[i][1]): tensor_of[(n, None)] for i, n in mutations.items()
+                     if flat_kinds[i][0] == "input"}
     return Traced(
         graph=ir,
         gm=gm,
@@ -1375,6 +1383,7 @@ def _build(
         param_grads=param_grads,
         input_grads=input_grads,
         buffer_updates=buffer_updates,
+        input_updates=input_updates,
         input_spec=pytree.tree_flatten(())[1],
         input_meta=[],
     )
@@ -1725,7 +1734,8 @@ def run_joint(
     graph = traced.gm.graph
     if keep is None:
         keep = set(traced.output_ids) | set(traced.param_grads.values()) | set(
-            traced.input_grads.values()) | set(traced.buffer_updates.values())
+            traced.input_grads.values()) | set(traced.buffer_updates.values()) | set(
+            traced.input_updates.values())
     keep_at: dict[fx.Node, list[tuple[int, int | None]]] = {}
     for tid in keep:
         node, index = traced.tensor_nodes[tid]

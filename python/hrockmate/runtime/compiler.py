@@ -290,6 +290,7 @@ class _Compiler:
             return self._stash(t, grad_slot[t], slot_uses, copy)
         buffer_of_update = {tid: b for b, tid in tr.buffer_updates.items()}
         buffer_tensor: dict[str, int] = {}
+        input_tensor: dict[int, int] = {}  # sample leaf -> its tensor id
         head_fwd: list[str] = [f"E = [None] * {n_t}"]
         head_bwd: list[str] = []
         for tid, (kind, key) in tr.sources.items():
@@ -307,12 +308,20 @@ class _Compiler:
                         "which is not a tensor"
                     )
                 head_fwd.append(f"E[{tid}] = X[{slot}]")
+                input_tensor[int(key)] = tid
             elif kind == "tangent":
                 head_bwd.append(f"E[{tid}] = T[{int(key)}]")
             elif kind == "constant":  # a tensor the model closes over: the same object each call
                 head_fwd.append(f"E[{tid}] = {self._const(getattr(tr.gm, key))}")
             else:
                 raise RuntimeScheduleError(f"unknown source kind {kind!r} for tensor {tid}")
+        # what each written-back value is copied into, and the old value's tensor
+        update_target: dict[int, tuple[str, int | None]] = {
+            tid: (f"B[{self.buffer_slot[b]}]", buffer_tensor.get(b))
+            for b, tid in tr.buffer_updates.items()}
+        update_target.update({  # (a QA head clamps its start positions in place, as eager)
+            tid: (f"X[{self.input_slot[leaf]}]", input_tensor.get(leaf))
+            for leaf, tid in tr.input_updates.items()})
 
         mask_of_unpack, mask_of_pack = self._compact_masks()
         float_masks = set(mask_of_unpack.values())
@@ -488,15 +497,15 @@ class _Compiler:
             done[k] += 1
             for t, _ in fresh:
                 alive[t] = True
-                b = buffer_of_update.get(t)
-                if b is not None and t not in written_back:
+                target = update_target.get(t)
+                if target is not None and t not in written_back:
                     written_back.add(t)
-                    bt = buffer_tensor.get(b)
-                    if bt is not None and last_read.get(bt, -1) > pos:
-                        # a later recomputation reads the buffer: keep its old value for it
-                        lines.append(f"E[{bt}] = E[{bt}].clone()")
-                        extra_bytes += g.tensors[bt].bytes
-                    lines.append(f"B[{self.buffer_slot[b]}].copy_(E[{t}])")
+                    dest, old_value = target
+                    if old_value is not None and last_read.get(old_value, -1) > pos:
+                        # a later recomputation reads the old value: keep it for it
+                        lines.append(f"E[{old_value}] = E[{old_value}].clone()")
+                        extra_bytes += g.tensors[old_value].bytes
+                    lines.append(f"{dest}.copy_(E[{t}])")
             out.extend(lines)
         tail = []
         for t in grad_slot:
@@ -559,8 +568,7 @@ class _Compiler:
             modelled_peak_bytes=self._modelled_peak,
             extra_bytes=rng_bytes + extra_bytes + allocator_slack_bytes(g, tr.device),
             possible_extra_bytes=possible_state_bytes + sum(
-                g.tensors[bt].bytes for b, bt in buffer_tensor.items()
-                if b in tr.buffer_updates),
+                g.tensors[old].bytes for _, old in update_target.values() if old is not None),
         )
 
     def _compact_masks(self) -> tuple[dict[int, int], dict[int, int]]:

@@ -905,12 +905,16 @@ fn validate_with(g: &Graph, check_links: bool) -> Result<(), GraphError> {
                         "a 'buffer_update' must name the buffer it updates",
                     ));
                 }
-                (Role::BufferUpdate, Some(x)) if g.tensors[x].role != Role::Buffer => {
+                // (an input updated in place, as a QA head clamps its start positions, is
+                // written back as a buffer is)
+                (Role::BufferUpdate, Some(x))
+                    if !matches!(g.tensors[x].role, Role::Buffer | Role::Input) =>
+                {
                     return Err(field_err(
                         &tl(t),
                         "updates",
                         format!(
-                            "must point at a 'buffer', but {} is a '{}'",
+                            "must point at a 'buffer' or an 'input', but {} is a '{}'",
                             tl(x),
                             g.tensors[x].role.as_str()
                         ),
