@@ -14,13 +14,27 @@ import hrockmate
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.schedule import recompute_all_schedule
 from hrockmate.planning import strategies
-from hrockmate.planning.refine import refine
+from hrockmate.planning.refine import Refined, refine
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "graphs"
 
 
 def _steps(schedule: hrockmate.Schedule) -> tuple[list[tuple[str, int]], int]:
     return [(str(k), int(i)) for k, i in schedule.steps], int(schedule.forward_len)
+
+
+def _small_graph(name: str, size: dict[str, int] | None, roles: list[tuple[str, str]],
+                 ops: list[tuple[str, str, float, list[str], list[str]]]
+                 ) -> tuple[Graph, dict[str, int], dict[str, int]]:
+    """A hand-made graph: tensors (name, role) of ``size[name]`` bytes (100 by default) and
+    ops (name, phase, time, inputs, outputs); the ids of both by name."""
+    from hrockmate.ir.graph import Op, Tensor
+
+    g = Graph(name=name, time_unit="units")
+    t = {x: g.add_tensor(Tensor(x, (size or {}).get(x, 100), role=role)) for x, role in roles}
+    made = {o: g.add_op(Op(o, phase, time, [t[x] for x in ins], [t[x] for x in outs]))
+            for o, phase, time, ins, outs in ops}
+    return g, t, made
 
 
 def _checked(g: Graph, steps: list[tuple[str, int]], fl: int, budget: int,
@@ -96,28 +110,33 @@ def test_solve_graph_refines_the_hierarchy_plan(monkeypatch: pytest.MonkeyPatch)
     assert plan.peak_bytes <= plan.budget_bytes
 
 
+def _refined_at_its_peak(g: Graph, steps: list[tuple[str, int]], fl: int
+                         ) -> tuple[Refined, hrockmate.SimulationResult, list[str]]:
+    """``steps`` refined within their own peak (checked), the simulation before, and the
+    names of the ops the refined schedule computes."""
+    before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+    r = refine(g, steps, fl, int(before.peak_bytes))
+    assert r is not None
+    _checked(g, r.steps, r.forward_len, int(before.peak_bytes), before.time)
+    return r, before, [g.ops[i].name for k, i in r.steps if k == "compute"]
+
+
 def _chain_with_a_cheap_op() -> tuple[Graph, list[tuple[str, int]], int]:
     """An expensive op (f1, 10 units) feeding a cheap one (f2, 1 unit), and a schedule that
     frees f1's output after the forward and runs f1 again for the backward while f2's output
     stays alive, unread, across the whole of it."""
-    from hrockmate.ir.graph import Op, Tensor
-
-    g = Graph(name="exchange", time_unit="units")
-    t = {name: g.add_tensor(Tensor(name, 100, role=role)) for name, role in [
+    g, t, ops = _small_graph("exchange", None, [
         ("x", "input"), ("w", "parameter"), ("a", "activation"), ("b", "activation"),
         ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
         ("gd", "activation"), ("gc", "activation"), ("gb", "activation"), ("ga", "activation"),
-        ("gw", "param_grad")]}
-    ops = {}
-    for name, phase, time, ins, outs in [
-            ("f1", "forward", 10.0, ["x", "w"], ["a"]), ("f2", "forward", 1.0, ["a"], ["b"]),
-            ("f3", "forward", 10.0, ["b"], ["c"]), ("f4", "forward", 1.0, ["c"], ["d"]),
-            ("L", "forward", 1.0, ["d"], ["loss"]), ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
-            ("f4b", "backward", 1.0, ["gd", "c"], ["gc"]),
-            ("f3b", "backward", 10.0, ["gc", "b"], ["gb"]),
-            ("f2b", "backward", 1.0, ["gb", "a"], ["ga"]),
-            ("f1b", "backward", 10.0, ["ga", "x"], ["gw"])]:
-        ops[name] = g.add_op(Op(name, phase, time, [t[x] for x in ins], [t[x] for x in outs]))
+        ("gw", "param_grad")], [
+        ("f1", "forward", 10.0, ["x", "w"], ["a"]), ("f2", "forward", 1.0, ["a"], ["b"]),
+        ("f3", "forward", 10.0, ["b"], ["c"]), ("f4", "forward", 1.0, ["c"], ["d"]),
+        ("L", "forward", 1.0, ["d"], ["loss"]), ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+        ("f4b", "backward", 1.0, ["gd", "c"], ["gc"]),
+        ("f3b", "backward", 10.0, ["gc", "b"], ["gb"]),
+        ("f2b", "backward", 1.0, ["gb", "a"], ["ga"]),
+        ("f1b", "backward", 10.0, ["ga", "x"], ["gw"])])
     c, f = "compute", "free"
     steps = [(c, ops["f1"]), (c, ops["f2"]), (f, t["a"]), (c, ops["f3"]), (c, ops["f4"]),
              (c, ops["L"])]
@@ -147,45 +166,46 @@ def test_an_exchange_keeps_the_expensive_output_and_recomputes_the_cheap_one() -
     assert r.time == before.time - 10.0 + 1.0
 
 
-def test_an_exchange_may_move_the_recomputation_of_its_ops_input() -> None:
-    """As in ResNet-50 at 90%: the plan recomputes the expensive ``f4`` for the backward while
-    the cheap ``f2``'s output stays alive across it, and recomputes ``f1``'s output (``f2``'s
-    input) later for ``f1b``. Keeping ``f4``'s output needs ``f2``'s output evicted, and
-    ``f2`` can run again only after ``f1``: ``f1``'s later recomputation moves up to run
-    before it (no extra time), and ``f1``'s output stays alive from there."""
-    from hrockmate.ir.graph import Op, Tensor
-
-    g = Graph(name="two-level", time_unit="units")
-    size = {"b": 300, "d": 300, "e": 400}  # (keeping d over g fits only with b evicted)
-    t = {name: g.add_tensor(Tensor(name, size.get(name, 100), role=role)) for name, role in [
+def _two_level_exchange(f1b_reads_a: bool) -> tuple[Graph, list[tuple[str, int]], int]:
+    """``f1 -> f2 -> f3 -> f4``; the plan recomputes the expensive ``f4`` for the backward
+    while the cheap ``f2``'s output ``b`` stays alive across it (keeping ``d`` over ``g``
+    fits only with ``b`` evicted), and frees ``f1``'s output after ``f2``: made again later
+    for ``f1b`` if that reads it, else never."""
+    g, t, ops = _small_graph("two-level", {"b": 300, "d": 300, "e": 400}, [
         ("x", "input"), ("w", "parameter"), ("a", "activation"), ("b", "activation"),
         ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
         ("gd", "activation"), ("gc", "activation"), ("gb", "activation"), ("ga", "activation"),
-        ("gw", "param_grad"), ("e", "activation")]}
-    ops = {}
-    for name, phase, time, ins, outs in [
-            ("f1", "forward", 1.0, ["x", "w"], ["a"]), ("f2", "forward", 2.0, ["a"], ["b"]),
-            ("f3", "forward", 5.0, ["b", "w"], ["c"]), ("f4", "forward", 8.0, ["c"], ["d"]),
-            ("L", "forward", 1.0, ["d"], ["loss"]), ("g", "forward", 1.0, ["c"], ["e"]),
-            ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
-            ("f4b", "backward", 1.0, ["gd", "d"], ["gc"]),
-            ("f3b", "backward", 5.0, ["gc", "b", "w"], ["gb"]),
-            ("f2b", "backward", 1.0, ["gb", "b"], ["ga"]),
-            ("f1b", "backward", 1.0, ["ga", "a"], ["gw"])]:
-        ops[name] = g.add_op(Op(name, phase, time, [t[x] for x in ins], [t[x] for x in outs]))
+        ("gw", "param_grad"), ("e", "activation")], [
+        ("f1", "forward", 1.0, ["x", "w"], ["a"]), ("f2", "forward", 2.0, ["a"], ["b"]),
+        ("f3", "forward", 5.0, ["b", "w"], ["c"]), ("f4", "forward", 8.0, ["c"], ["d"]),
+        ("L", "forward", 1.0, ["d"], ["loss"]), ("g", "forward", 1.0, ["c"], ["e"]),
+        ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+        ("f4b", "backward", 1.0, ["gd", "d"], ["gc"]),
+        ("f3b", "backward", 5.0, ["gc", "b", "w"], ["gb"]),
+        ("f2b", "backward", 1.0, ["gb", "b"], ["ga"]),
+        ("f1b", "backward", 1.0, ["ga", "a" if f1b_reads_a else "x"], ["gw"])])
     c, f = "compute", "free"
     steps = [(c, ops["f1"]), (c, ops["f2"]), (f, t["a"]), (c, ops["f3"]), (c, ops["f4"]),
              (c, ops["L"]), (f, t["d"]), (c, ops["g"]), (f, t["e"])]
     fl = len(steps)
     steps += [(c, ops["f4"]), (c, ops["Lb"]), (c, ops["f4b"]), (f, t["gd"]), (f, t["d"]),
               (f, t["c"]), (c, ops["f3b"]), (f, t["gc"]), (c, ops["f2b"]), (f, t["gb"]),
-              (f, t["b"]), (c, ops["f1"]), (c, ops["f1b"]), (f, t["ga"]), (f, t["a"])]
-    before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
-    budget = int(before.peak_bytes)
-    r = refine(g, steps, fl, budget)
-    assert r is not None
-    _checked(g, r.steps, r.forward_len, budget, before.time)
-    names = [g.ops[i].name for k, i in r.steps if k == "compute"]
+              (f, t["b"])]
+    if f1b_reads_a:
+        steps += [(c, ops["f1"]), (c, ops["f1b"]), (f, t["ga"]), (f, t["a"])]
+    else:
+        steps += [(c, ops["f1b"]), (f, t["ga"])]
+    return g, steps, fl
+
+
+def test_an_exchange_may_move_the_recomputation_of_its_ops_input() -> None:
+    """As in ResNet-50 at 90%: the plan recomputes the expensive ``f4`` for the backward while
+    the cheap ``f2``'s output stays alive across it, and recomputes ``f1``'s output (``f2``'s
+    input) later for ``f1b``. Keeping ``f4``'s output needs ``f2``'s output evicted, and
+    ``f2`` can run again only after ``f1``: ``f1``'s later recomputation moves up to run
+    before it (no extra time), and ``f1``'s output stays alive from there."""
+    g, steps, fl = _two_level_exchange(f1b_reads_a=True)
+    r, before, names = _refined_at_its_peak(g, steps, fl)
     assert names.count("f4") == 1 and names.count("f2") == 2  # d kept, b made again
     # (a later round keeps a, which then costs nothing more: f1 runs once)
     assert r.time <= before.time - 8.0 + 2.0  # (without the move: nothing refined)
@@ -196,29 +216,24 @@ def test_an_exchange_may_move_several_recomputations_up(
     """As in the Checkmate MobileNet at 50%: evicting ``f2``'s output needs ``f2``'s input
     and that input's input made again first, both recomputed by the plan a few steps after
     ``f2``'s next read: the two recomputations move up together (one alone did nothing)."""
-    from hrockmate.ir.graph import Op, Tensor
     from hrockmate.planning import refine as refine_module
 
-    g = Graph(name="three-level", time_unit="units")
-    size = {"b": 300, "d": 300, "e": 400}
-    t = {name: g.add_tensor(Tensor(name, size.get(name, 100), role=role)) for name, role in [
+    g, t, ops = _small_graph("three-level", {"b": 300, "d": 300, "e": 400}, [
+
         ("x", "input"), ("w", "parameter"), ("a0", "activation"), ("a", "activation"),
         ("b", "activation"), ("c", "activation"), ("d", "activation"), ("loss", "output"),
         ("dloss", "tangent"), ("gd", "activation"), ("gc", "activation"), ("gb", "activation"),
         ("ga", "activation"), ("ga0", "activation"), ("gw", "param_grad"),
-        ("e", "activation")]}
-    ops = {}
-    for name, phase, time, ins, outs in [
-            ("f0", "forward", 1.0, ["x", "w"], ["a0"]), ("f1", "forward", 1.0, ["a0"], ["a"]),
-            ("f2", "forward", 2.0, ["a"], ["b"]), ("f3", "forward", 5.0, ["b", "w"], ["c"]),
-            ("f4", "forward", 8.0, ["c"], ["d"]), ("L", "forward", 1.0, ["d"], ["loss"]),
-            ("g", "forward", 1.0, ["c"], ["e"]), ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
-            ("f4b", "backward", 1.0, ["gd", "d"], ["gc"]),
-            ("f3b", "backward", 5.0, ["gc", "b", "w"], ["gb"]),
-            ("f2b", "backward", 1.0, ["gb", "b"], ["ga"]),
-            ("f1b", "backward", 1.0, ["ga", "a"], ["ga0"]),
-            ("f0b", "backward", 1.0, ["ga0", "a0"], ["gw"])]:
-        ops[name] = g.add_op(Op(name, phase, time, [t[x] for x in ins], [t[x] for x in outs]))
+        ("e", "activation")], [
+        ("f0", "forward", 1.0, ["x", "w"], ["a0"]), ("f1", "forward", 1.0, ["a0"], ["a"]),
+        ("f2", "forward", 2.0, ["a"], ["b"]), ("f3", "forward", 5.0, ["b", "w"], ["c"]),
+        ("f4", "forward", 8.0, ["c"], ["d"]), ("L", "forward", 1.0, ["d"], ["loss"]),
+        ("g", "forward", 1.0, ["c"], ["e"]), ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+        ("f4b", "backward", 1.0, ["gd", "d"], ["gc"]),
+        ("f3b", "backward", 5.0, ["gc", "b", "w"], ["gb"]),
+        ("f2b", "backward", 1.0, ["gb", "b"], ["ga"]),
+        ("f1b", "backward", 1.0, ["ga", "a"], ["ga0"]),
+        ("f0b", "backward", 1.0, ["ga0", "a0"], ["gw"])])
     c, f = "compute", "free"
     steps = [(c, ops["f0"]), (c, ops["f1"]), (f, t["a0"]), (c, ops["f2"]), (f, t["a"]),
              (c, ops["f3"]), (c, ops["f4"]), (c, ops["L"]), (f, t["d"]), (c, ops["g"]),
@@ -228,12 +243,8 @@ def test_an_exchange_may_move_several_recomputations_up(
               (f, t["c"]), (c, ops["f3b"]), (f, t["gc"]), (c, ops["f2b"]), (f, t["gb"]),
               (f, t["b"]), (c, ops["f0"]), (c, ops["f1"]), (c, ops["f1b"]), (f, t["ga"]),
               (f, t["a"]), (c, ops["f0b"]), (f, t["ga0"]), (f, t["a0"])]
-    before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+    r, before, names = _refined_at_its_peak(g, steps, fl)
     budget = int(before.peak_bytes)
-    r = refine(g, steps, fl, budget)
-    assert r is not None
-    _checked(g, r.steps, r.forward_len, budget, before.time)
-    names = [g.ops[i].name for k, i in r.steps if k == "compute"]
     assert names.count("f4") == 1 and names.count("f2") == 2  # d kept, b made again
     assert r.time <= before.time - 8.0 + 2.0
     monkeypatch.setattr(refine_module, "_MAX_MOVED", 1)
@@ -246,40 +257,11 @@ def test_an_exchange_may_add_the_recomputation_of_its_ops_input(
     reads ``x``): evicting ``b`` adds a run of ``f1`` for ``f2`` alone, its output freed at
     once, when both together cost less than the recomputation of ``f4`` dropped (the U-Net
     log at 50%: +22.8% -> +20.9%)."""
-    from hrockmate.ir.graph import Op, Tensor
     from hrockmate.planning import refine as refine_module
 
-    g = Graph(name="added", time_unit="units")
-    size = {"b": 300, "d": 300, "e": 400}
-    t = {name: g.add_tensor(Tensor(name, size.get(name, 100), role=role)) for name, role in [
-        ("x", "input"), ("w", "parameter"), ("a", "activation"), ("b", "activation"),
-        ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
-        ("gd", "activation"), ("gc", "activation"), ("gb", "activation"), ("ga", "activation"),
-        ("gw", "param_grad"), ("e", "activation")]}
-    ops = {}
-    for name, phase, time, ins, outs in [
-            ("f1", "forward", 1.0, ["x", "w"], ["a"]), ("f2", "forward", 2.0, ["a"], ["b"]),
-            ("f3", "forward", 5.0, ["b", "w"], ["c"]), ("f4", "forward", 8.0, ["c"], ["d"]),
-            ("L", "forward", 1.0, ["d"], ["loss"]), ("g", "forward", 1.0, ["c"], ["e"]),
-            ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
-            ("f4b", "backward", 1.0, ["gd", "d"], ["gc"]),
-            ("f3b", "backward", 5.0, ["gc", "b", "w"], ["gb"]),
-            ("f2b", "backward", 1.0, ["gb", "b"], ["ga"]),
-            ("f1b", "backward", 1.0, ["ga", "x"], ["gw"])]:
-        ops[name] = g.add_op(Op(name, phase, time, [t[x] for x in ins], [t[x] for x in outs]))
-    c, f = "compute", "free"
-    steps = [(c, ops["f1"]), (c, ops["f2"]), (f, t["a"]), (c, ops["f3"]), (c, ops["f4"]),
-             (c, ops["L"]), (f, t["d"]), (c, ops["g"]), (f, t["e"])]
-    fl = len(steps)
-    steps += [(c, ops["f4"]), (c, ops["Lb"]), (c, ops["f4b"]), (f, t["gd"]), (f, t["d"]),
-              (f, t["c"]), (c, ops["f3b"]), (f, t["gc"]), (c, ops["f2b"]), (f, t["gb"]),
-              (f, t["b"]), (c, ops["f1b"]), (f, t["ga"])]
-    before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+    g, steps, fl = _two_level_exchange(f1b_reads_a=False)
+    r, before, names = _refined_at_its_peak(g, steps, fl)
     budget = int(before.peak_bytes)
-    r = refine(g, steps, fl, budget)
-    assert r is not None
-    _checked(g, r.steps, r.forward_len, budget, before.time)
-    names = [g.ops[i].name for k, i in r.steps if k == "compute"]
     assert names.count("f4") == 1 and names.count("f2") == 2  # d kept, b made again
     # (a later round keeps a instead of making it again: f1 runs once)
     assert r.time <= before.time - 8.0 + 2.0 + 1.0
@@ -291,26 +273,21 @@ def test_one_eviction_may_make_room_for_two_recomputations_kept(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """As in ResNet-50 at 70%: keeping ``b`` or ``c`` (6 units each) needs ``a``'s 200
     bytes evicted (10 units): neither alone is worth it, both together are."""
-    from hrockmate.ir.graph import Op, Tensor
     from hrockmate.planning import refine as refine_module
 
-    g = Graph(name="pair", time_unit="units")
-    size = {"a": 200, "e": 300}
-    t = {name: g.add_tensor(Tensor(name, size.get(name, 100), role=role)) for name, role in [
+    g, t, ops = _small_graph("pair", {"a": 200, "e": 300}, [
+
         ("x", "input"), ("w", "parameter"), ("a", "activation"), ("b", "activation"),
         ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
         ("gd", "activation"), ("gc", "activation"), ("gb", "activation"), ("gw", "param_grad"),
-        ("e", "activation")]}
-    ops = {}
-    for name, phase, time, ins, outs in [
-            ("f1", "forward", 10.0, ["x", "w"], ["a"]), ("f2", "forward", 6.0, ["x", "w"], ["b"]),
-            ("f3", "forward", 6.0, ["b"], ["c"]), ("f4", "forward", 1.0, ["c", "a"], ["d"]),
-            ("L", "forward", 1.0, ["d"], ["loss"]), ("g", "forward", 1.0, ["d"], ["e"]),
-            ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
-            ("f4b", "backward", 1.0, ["gd", "a", "c"], ["gc"]),
-            ("f3b", "backward", 1.0, ["gc", "b"], ["gb"]),
-            ("f2b", "backward", 1.0, ["gb", "x"], ["gw"])]:
-        ops[name] = g.add_op(Op(name, phase, time, [t[x] for x in ins], [t[x] for x in outs]))
+        ("e", "activation")], [
+        ("f1", "forward", 10.0, ["x", "w"], ["a"]), ("f2", "forward", 6.0, ["x", "w"], ["b"]),
+        ("f3", "forward", 6.0, ["b"], ["c"]), ("f4", "forward", 1.0, ["c", "a"], ["d"]),
+        ("L", "forward", 1.0, ["d"], ["loss"]), ("g", "forward", 1.0, ["d"], ["e"]),
+        ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+        ("f4b", "backward", 1.0, ["gd", "a", "c"], ["gc"]),
+        ("f3b", "backward", 1.0, ["gc", "b"], ["gb"]),
+        ("f2b", "backward", 1.0, ["gb", "x"], ["gw"])])
     c, f = "compute", "free"
     steps = [(c, ops["f1"]), (c, ops["f2"]), (c, ops["f3"]), (f, t["b"]), (c, ops["f4"]),
              (f, t["c"]), (c, ops["L"]), (c, ops["g"]), (f, t["e"])]
@@ -318,12 +295,8 @@ def test_one_eviction_may_make_room_for_two_recomputations_kept(
     steps += [(c, ops["Lb"]), (f, t["d"]), (c, ops["f2"]), (c, ops["f3"]), (c, ops["f4b"]),
               (f, t["a"]), (f, t["c"]), (f, t["gd"]), (c, ops["f3b"]), (f, t["gc"]),
               (f, t["b"]), (c, ops["f2b"]), (f, t["gb"])]
-    before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+    r, before, names = _refined_at_its_peak(g, steps, fl)
     budget = int(before.peak_bytes)
-    r = refine(g, steps, fl, budget)
-    assert r is not None
-    _checked(g, r.steps, r.forward_len, budget, before.time)
-    names = [g.ops[i].name for k, i in r.steps if k == "compute"]
     assert (names.count("f1"), names.count("f2"), names.count("f3")) == (2, 1, 1)
     assert r.time == before.time - 12.0 + 10.0
     monkeypatch.setattr(refine_module, "_PARTNERS", 0)  # each alone
