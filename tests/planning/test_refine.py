@@ -356,3 +356,23 @@ def test_kept_views_count_their_base_storage() -> None:
             new_steps, new_fl = refine_module._apply(g, steps, fl, choices)
             over += hrockmate.simulate(g, hrockmate.Schedule(new_steps, new_fl)).peak_bytes > budget
     assert cases >= 200 and over <= 0.05 * cases, (over, cases)
+
+
+def test_one_gap_that_covers_all_is_taken_before_cheaper_ones_per_byte() -> None:
+    """Evictions are taken cheapest per byte first, and those can add up to more than the
+    time saved where one dearer per byte alone would do: that one is tried first (the
+    Checkmate MobileNet at 50%)."""
+    import numpy as np
+
+    from hrockmate.planning.refine import _Eviction, _Gaps, _make_room
+
+    level = np.full(10, 1000, dtype=np.int64)
+    small = _Eviction(tensor=0, op=0, after=1, before=8, bytes=100, cost=5.0, inputs=())
+    large = _Eviction(tensor=1, op=1, after=1, before=8, bytes=300, cost=20.0, inputs=())
+    need = np.zeros(10, dtype=np.int64)
+    need[3:6] = 250  # (250 over the budget of 1000 at steps 3-5)
+    picked = _make_room(level, 0, 10, need, 1000, 22.0, _Gaps([small, large]), set(), {}, {},
+                        None)
+    assert picked == [1]  # (the small one first, then the large: 25 units, more than 22)
+    assert _make_room(level, 0, 10, need, 1000, 19.0, _Gaps([small, large]), set(), {}, {},
+                      None) is None
