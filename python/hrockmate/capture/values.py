@@ -296,12 +296,16 @@ class ValueReads(TorchDispatchMode):
                 mask = self.__torch_dispatch__(_EXPAND, (), (mask, list(shape)))
             return self.__torch_dispatch__(_INDEX, (), (x, [mask]))
         x, indices = args
-        if not any(i is not None and i.dtype in (torch.bool, torch.uint8)
-                   and self._lookup(i) is not None for i in indices):
+
+        def followed_mask(i: Any) -> bool:
+            return (i is not None and i.dtype in (torch.bool, torch.uint8)
+                    and self._lookup(i) is not None)
+
+        if not any(followed_mask(i) for i in indices):
             return None
         expanded: list[Any] = []
         for i in indices:
-            if i is None or i.dtype not in (torch.bool, torch.uint8) or self._lookup(i) is None:
+            if not followed_mask(i):
                 expanded.append(i)
                 continue
             if i.dtype == torch.uint8:
@@ -315,10 +319,8 @@ class ValueReads(TorchDispatchMode):
     def _spoil_written(self, func: Any, args: tuple[Any, ...]) -> None:
         """A followed tensor written in place by an op on other values (``x[i] = y`` with
         ``y`` computed from parameters) is followed no more, nor are its views."""
-        schema = func._schema
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write and i < len(args) \
-                    and isinstance(args[i], torch.Tensor):
+        for i in _written_positions(func):
+            if i < len(args) and isinstance(args[i], torch.Tensor):
                 found = self._lookup(args[i])
                 if found is not None:
                     self._spoiled.add(found[0].untyped_storage().data_ptr())
@@ -336,14 +338,18 @@ def _count_nonzero(x: torch.Tensor) -> int:
     return int(torch.count_nonzero(x))
 
 
+def _written_positions(func: Any) -> list[int]:
+    """The positions of the arguments ``func`` writes in place."""
+    return [i for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
 def _written_slots(op: _Op) -> list[int]:
     """The followed tensors an in-place op writes."""
     args = op.args[0]
-    return [args[i].index for i, a in enumerate(op.func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write and i < len(args)
-            and isinstance(args[i], _Slot)]
+    return [args[i].index for i in _written_positions(op.func)
+            if i < len(args) and isinstance(args[i], _Slot)]
 
 
 def _writes(func: Any) -> bool:
-    return any(a.alias_info is not None and a.alias_info.is_write
-               for a in func._schema.arguments)
+    return bool(_written_positions(func))

@@ -141,10 +141,8 @@ class _Eviction:
         if not self.moved:
             return True
         start = self.before - 1
-        end = max(start + 1, *(m.drop for m in self.moved))
-        over = level[start:end].copy()
-        for m in self.moved:
-            over[:max(m.drop - start, 1)] += m.bytes
+        over = level[start:max(start + 1, *(m.drop for m in self.moved))].copy()
+        self.apply_moved(over, start)
         return int(over.max()) <= budget
 
     def apply_moved(self, level: np.ndarray, offset: int = 0) -> None:
@@ -152,6 +150,12 @@ class _Eviction:
         for m in self.moved:
             lo = max(self.before - 1 - offset, 0)
             level[lo:max(m.drop - offset, lo + 1)] += m.bytes
+
+    def apply(self, level: np.ndarray, offset: int = 0) -> None:
+        """Count the eviction in ``level`` (indexed from step ``offset``): its tensor gone over
+        the gap, the moved outputs alive from ``before`` on."""
+        level[max(self.after + 1 - offset, 0):max(self.before - offset, 0)] -= self.bytes
+        self.apply_moved(level, offset)
 
 
 @dataclass(frozen=True)
@@ -333,8 +337,7 @@ def _cheapest_per_byte(level: np.ndarray, a: int, room: np.ndarray, budget: int,
         mask[choice] = False
         picked.append(choice)
         cost += e.cost
-        room[max(e.after + 1 - a, 0):max(e.before - a, 0)] -= e.bytes
-        e.apply_moved(room, a)  # (the moved outputs alive from there on)
+        e.apply(room, a)
 
 
 def _one_gap_for_all(level: np.ndarray, a: int, room: np.ndarray, budget: int, gain: float,
@@ -354,8 +357,7 @@ def _one_gap_for_all(level: np.ndarray, a: int, room: np.ndarray, budget: int, g
         if _conflicts(e, busy, reads_at, evicted) or not e.moved_fits(level, budget):
             continue
         after = room.copy()
-        after[max(e.after + 1 - a, 0):max(e.before - a, 0)] -= e.bytes
-        e.apply_moved(after, a)
+        e.apply(after, a)
         if int(after.max()) <= budget:
             return int(g)
     return None
@@ -447,9 +449,8 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
             for g in picked:
                 e = gaps.items[g]
                 gaps.free[g] = False
-                level[e.after + 1:e.before] -= e.bytes
+                e.apply(level)
                 busy.add(e.before)
-                e.apply_moved(level)
                 busy.update(e.drops())
                 for x in e.inputs:
                     reads_at.setdefault(x, []).append(e.before)
