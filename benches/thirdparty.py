@@ -1,6 +1,7 @@
 """Third-party models with HRockmate, as a user gets them: Hugging Face GPT-2, BERT, T5,
-Llama and CLIP, timm's ViT and EfficientNet-B0, torchvision's ResNet18 and MobileNetV3 (``hrockmate.thirdparty``, random
-weights, library defaults), each at a few budgets.
+Llama, CLIP and Wav2Vec2 with its CTC loss, timm's ViT and EfficientNet-B0, torchvision's
+ResNet18 and MobileNetV3 (``hrockmate.thirdparty``, random weights, library defaults), each at
+a few budgets.
 
 Per model and budget, in one process:
 - ``works``: HRockmate built and trained; ``exact``: one training step's parameter gradients

@@ -1,8 +1,8 @@
 """Models nobody here wrote, built from configs with random weights (nothing downloaded):
-Hugging Face transformers GPT-2, BERT, T5, Llama and CLIP, timm's ViT and EfficientNet-B0,
-torchvision's ResNet18 and MobileNetV3. They serve the third-party tests (``tiny``) and
-``benches/thirdparty.py`` (``small``, sized so that activations, not parameter gradients, make
-most of the peak).
+Hugging Face transformers GPT-2, BERT, T5, Llama, CLIP and Wav2Vec2 (speech recognition with
+a CTC loss), timm's ViT and EfficientNet-B0, torchvision's ResNet18 and MobileNetV3. They
+serve the third-party tests (``tiny``) and ``benches/thirdparty.py`` (``small``, sized so that
+activations, not parameter gradients, make most of the peak).
 
 The transformers models run at their library defaults (``use_cache=True``, ``ModelOutput``
 outputs, sdpa attention where the model has it), with a padded ``attention_mask`` and the loss
@@ -118,6 +118,34 @@ def clip(size: str = "tiny") -> _Built:
     return tf.CLIPModel(cfg), sample, "loss"
 
 
+# (batch, audio samples, layers, width, longest label sequence) of the speech model per size
+_SPEECH = {"tiny": (2, 1600, 2, 32, 10), "small": (4, 16000, 4, 128, 40)}
+
+
+def wav2vec2_ctc(size: str = "tiny") -> _Built:
+    """Speech recognition with a CTC loss: labels of different lengths (padded with -100) and
+    a padded second row of audio. SpecAugment's time masks (drawn with numpy) and LayerDrop (a
+    Python decision on a random tensor's value) are off: a trace would fix their draws."""
+    tf = _require("transformers")
+    batch, samples, layers, width, longest = _pick(size, _SPEECH)
+    convs = layers + 1  # (strides 5, 2, 2, ...: about one frame per 5 * 2**layers samples)
+    cfg = tf.Wav2Vec2Config(
+        vocab_size=32, hidden_size=width, num_hidden_layers=layers,
+        num_attention_heads=width // 16, intermediate_size=2 * width,
+        conv_dim=(width,) * convs, conv_stride=(5,) + (2,) * layers,
+        conv_kernel=(10,) + (3,) * layers, num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, layerdrop=0.0, mask_time_prob=0.0)
+    gen = torch.Generator().manual_seed(0)
+    audio = torch.randn(batch, samples, generator=gen)
+    mask = torch.ones(batch, samples, dtype=torch.long)
+    mask[1, samples - samples // 4:] = 0
+    labels = torch.randint(1, cfg.vocab_size, (batch, longest), generator=gen)
+    lengths = torch.arange(batch) * (longest // 2) // max(1, batch - 1) + longest // 2
+    labels[torch.arange(longest)[None] >= lengths[:, None]] = -100
+    sample = {"input_values": audio, "attention_mask": mask, "labels": labels}
+    return tf.Wav2Vec2ForCTC(cfg), sample, "loss"
+
+
 class Classifier(nn.Module):
     """A vision model and its loss in one module: the targets are an argument of every call
     (what a loss_fn closing over them could not give)."""
@@ -174,6 +202,7 @@ BUILDERS: dict[str, Callable[[str], _Built]] = {
     "t5": t5,
     "llama": llama,
     "clip": clip,
+    "wav2vec2_ctc": wav2vec2_ctc,
     "vit": vit,
     "efficientnet_b0": efficientnet_b0,
     "resnet18": resnet18,

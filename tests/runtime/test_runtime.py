@@ -1139,6 +1139,63 @@ def test_boolean_masks_from_the_inputs_index_by_their_positions() -> None:
     _accumulated_steps_equal(hm, ref, (x, target))
 
 
+class _CtcHead(nn.Module):
+    """A CTC loss as transformers' speech models compute it: labels padded with -100, their
+    range checked, targets selected with ``masked_select`` (``concatenated``) or passed
+    padded, lengths from the mask."""
+
+    def __init__(self, concatenated: bool) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 16), nn.Linear(16, 6)
+        self.concatenated = concatenated
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.out(self.fc(x).relu())
+        if labels.max() >= self.out.out_features:
+            raise ValueError("labels out of range")
+        log_probs = logits.log_softmax(-1).transpose(0, 1)
+        valid = labels >= 0
+        targets = labels.masked_select(valid) if self.concatenated else labels.clamp(min=0)
+        frames = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        return nn.functional.ctc_loss(log_probs, targets, frames, valid.sum(-1),
+                                      zero_infinity=True)
+
+
+def _ctc_labels(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(1, 6, (3, 5), generator=g)
+    lengths = torch.randint(1, 6, (3,), generator=g)
+    labels[torch.arange(5)[None] >= lengths[:, None]] = -100
+    return labels
+
+
+@pytest.mark.parametrize("concatenated", [True, False], ids=["concatenated", "padded"])
+def test_ctc_losses_train_for_any_target_lengths(concatenated: bool) -> None:
+    """PyTorch's fake tensors have no CTC loss (its table's size is a value of the target
+    lengths): traced as ops whose table is sized for the longest target the targets can hold,
+    targets selected by a mask in the labels' fixed shape; batches with other lengths run the
+    same plan, bitwise (it raised "DynamicOutputShapeException: aten._ctc_loss")."""
+    torch.manual_seed(0)
+    model, x = _CtcHead(concatenated), torch.randn(3, 12, 8)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x, _ctc_labels(0)))
+    traced = hm.traced
+    targets = {str(n.target) for n in traced.gm.graph.nodes}
+    assert {"hrockmate.ctc_loss.default", "hrockmate.ctc_loss_backward.default"} <= targets
+    assert not any("aten._ctc_loss" in t for t in targets)
+    op = next(i for i, n in enumerate(traced.op_nodes)
+              if str(n.target) == "hrockmate.ctc_loss.default")
+    table = traced.graph.tensors[traced.graph.ops[op].outputs[1]]
+    longest = 15 if concatenated else 5  # (every label in one sample / a row of labels)
+    assert table.bytes >= 3 * 12 * (2 * longest + 1) * 4
+    for plan in (None, hrockmate.recompute_all_schedule(traced.graph)):
+        if plan is not None:
+            hm.use_plan(plan)
+        for seed in range(4):  # (different lengths and counts of labels)
+            _accumulated_steps_equal(hm, ref, (x, _ctc_labels(seed)), steps=1)
+    assert hm.traced is traced
+
+
 class _ClampsItsPositions(nn.Module):
     """A question-answering head that clamps its start positions in place, as transformers'
     Splinter, RemBERT, CANINE, LUKE and MarkupLM heads do."""

@@ -4,7 +4,8 @@ PyTorch's and the measured peak within the budget.
 
 The transformers models run at their default settings (``use_cache=True``, ``ModelOutput``
 outputs, sdpa attention), with a padded ``attention_mask`` and the loss computed inside the
-model (from ``labels``; CLIP's contrastive loss with ``return_loss=True``; ``loss_fn="loss"``);
+model (from ``labels``; CLIP's contrastive loss with ``return_loss=True``; Wav2Vec2's CTC loss
+over labels of several lengths; ``loss_fn="loss"``);
 the vision models are wrapped with their loss in a module that takes the targets as an argument
 (timm's EfficientNet-B0 with stochastic depth and dropout).
 The models are ``hrockmate.thirdparty``'s, at size ``tiny``. These tests need the ``models``
@@ -44,6 +45,7 @@ BUDGETS: dict[str, tuple[float, float]] = {
     "t5": (0.7, 0.4),
     "llama": (0.7, 0.4),
     "clip": (0.7, 0.4),
+    "wav2vec2_ctc": (0.7, 0.5),
     "vit": (0.7, 0.4),
     "efficientnet_b0": (0.7, 0.4),
     "resnet18": (0.8, 0.6),
@@ -220,3 +222,32 @@ def test_gpt2_padded_mask_traces_its_compiler_path() -> None:
             _assert_same(p.grad, q.grad, f"grad of {pname}")
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
+
+
+def test_wav2vec2_ctc_trains_one_plan_for_any_label_lengths() -> None:
+    """transformers' CTC loss selects the labels with ``masked_select`` and sizes its table by
+    the longest: one trace and plan serve batches whose counts and lengths of labels differ
+    (it was refused: PyTorch's fake tensors have no CTC loss)."""
+    torch.manual_seed(0)
+    model, sample, loss_fn = BUILDERS["wav2vec2_ctc"]("tiny")
+    model.train()
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, sample, budget=0.6, loss_fn=loss_fn, cost="estimate")
+    traced = hm.traced
+    assert hm.recomputed_ops > 0
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        labels = sample["labels"].clone()
+        lengths = torch.randint(1, labels.shape[1] + 1, (labels.shape[0],), generator=gen)
+        labels[torch.arange(labels.shape[1])[None] >= lengths[:, None]] = -100
+        batch = dict(sample, labels=labels)
+        torch.manual_seed(step)  # (dropout draws the same numbers in both)
+        loss = _loss(_call(hm, batch), loss_fn)
+        torch.manual_seed(step)
+        ref_loss = _loss(_call(ref, batch), loss_fn)
+        loss.backward()
+        ref_loss.backward()
+        _assert_same(loss.detach(), ref_loss.detach(), f"step {step}: loss")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            _assert_same(p.grad, q.grad, f"step {step}: grad of {name}")
+    assert hm.traced is traced

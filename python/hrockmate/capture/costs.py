@@ -49,6 +49,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from hrockmate.capture.ctc import SIZED_FOR_LONGEST
 from hrockmate.capture.kernels import kernel, op_kernel, relayout_outputs, want_relayout
 from hrockmate.capture.tracing import (
     Traced,
@@ -213,6 +214,8 @@ def _correct_outputs(traced: Traced, op_id: int, args: Any, kwargs: Any, out: An
         if isinstance(real, torch.Tensor):
             real_of[tid] = real
     changed = 0
+    # (an output sized for the worst case of values the trace does not fix keeps its size)
+    upper_bound = traced.op_nodes[op_id].target in SIZED_FOR_LONGEST
     for tid in op.outputs:
         t, real = g.tensors[tid], real_of.get(tid)
         if real is None:
@@ -225,7 +228,7 @@ def _correct_outputs(traced: Traced, op_id: int, args: Any, kwargs: Any, out: An
             t.alias_of = None
             t.bytes = nbytes
             changed += 1
-        elif nbytes != t.bytes:
+        elif nbytes > t.bytes or (nbytes < t.bytes and not upper_bound):
             t.bytes = nbytes
             changed += 1
     return changed

@@ -104,6 +104,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hrockmate.capture import ctc
 from hrockmate.capture.kernels import AutocastState, autocast_off, autocast_state, op_kernel
 from hrockmate.capture.values import MAX_BYTES, ValueGuards, ValueReads
 from hrockmate.ir.graph import Graph, Op, Tensor
@@ -691,6 +692,7 @@ def _capture_joint(
             "no gradient flows in this model: no parameter or input that requires grad "
             "influences its output; check requires_grad and that the output is not detached"
         )
+    ctc.rewrite_backwards(box["joint"])
     return box["joint"]
 
 

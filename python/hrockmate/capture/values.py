@@ -44,6 +44,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from hrockmate.capture import ctc
 from hrockmate.capture.kernels import autocast_off
 
 __all__ = ["ValueGuards", "ValueReads"]
@@ -80,6 +81,22 @@ class _Read:
     expected: Any
     where: str | None  # the model's code that read it
     what: str = "a value the model read from its inputs or buffers"
+
+
+@dataclass
+class _Selection:
+    """Values of the inputs selected by a followed mask (``x.masked_select(mask)``, ``x[mask]``
+    with a mask of x's shape): ``result``, traced for the count the sample gives (``reads``:
+    the indices of that count's reads). A CTC op reads them as targets in a fixed shape
+    instead (``padded``, made once); the count needs no guard when nothing else uses
+    ``result``."""
+
+    result: torch.Tensor
+    x: torch.Tensor
+    mask: torch.Tensor
+    reads: range
+    padded: torch.Tensor | None = None
+    used: bool = False
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -165,6 +182,7 @@ class ValueReads(TorchDispatchMode):
         self._source_slots: dict[int, Hashable] = {}
         self._record = sources is not None
         self._slots = 0
+        self._selections: dict[int, _Selection] = {}  # id of the result -> its selection
         for key, (traced, real) in (sources or {}).items():
             slot = self._follow(traced, real, True)
             self._source_slots[slot] = key
@@ -174,11 +192,14 @@ class ValueReads(TorchDispatchMode):
         they need, with every in-place op that writes a storage they need (a write through a
         view changes its base too; BatchNorm's count of batches, a buffer written at every
         step, is no guard's source unless a read needs it)."""
-        if not self._reads:
+        unneeded = {i for s in self._selections.values() if s.padded is not None and not s.used
+                    for i in s.reads}  # (counts only CTC's fixed-shape targets depend on)
+        reads = [r for i, r in enumerate(self._reads) if i not in unneeded]
+        if not reads:
             return None
         storage = {slot: real.untyped_storage().data_ptr()
                    for _, real, slot, _ in self._real.values()}
-        needed = {x.index for r in self._reads for x in pytree.tree_leaves(r.args)
+        needed = {x.index for r in reads for x in pytree.tree_leaves(r.args)
                   if isinstance(x, _Slot)}
         needed_storages = {storage.get(s) for s in needed}
         kept: list[_Op] = []
@@ -187,12 +208,12 @@ class ValueReads(TorchDispatchMode):
                     op.in_place and any(storage.get(s) in needed_storages
                                         for s in _written_slots(op))):
                 kept.append(op)
-                reads = {x.index for x in pytree.tree_leaves(op.args) if isinstance(x, _Slot)}
-                needed.update(reads)
-                needed_storages.update(storage.get(s) for s in reads)
+                inputs = {x.index for x in pytree.tree_leaves(op.args) if isinstance(x, _Slot)}
+                needed.update(inputs)
+                needed_storages.update(storage.get(s) for s in inputs)
         kept.reverse()
         sources = {s: k for s, k in self._source_slots.items() if s in needed}
-        return ValueGuards(sources, kept, list(self._reads))
+        return ValueGuards(sources, kept, reads)
 
     def _follow(self, traced: torch.Tensor, real: torch.Tensor, from_inputs: bool) -> int:
         entry = self._real.get(id(traced))
@@ -217,6 +238,10 @@ class ValueReads(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in ctc.FORWARDS:
+            return self._ctc(func, args, kwargs)
+        if self._selections:
+            self._note_uses((args, kwargs))
         if func in _MASKED:
             rewritten = self._by_positions(func, args, kwargs)
             if rewritten is not None:
@@ -284,7 +309,8 @@ class ValueReads(TorchDispatchMode):
                       ) -> Any:
         """``x[mask]`` or ``x.masked_select(mask)`` with a followed mask, as ``x`` indexed
         by the mask's positions (``nonzero``, traced for the count it has: see above), which
-        is how ATen computes them; None when the mask is not followed."""
+        is how ATen computes them; None when the mask is not followed. A selection of
+        followed values by one mask of their shape is kept (``_Selection``)."""
         if func is _MASKED_SELECT:
             x, mask = args
             if self._lookup(mask) is None or mask.dtype != torch.bool:
@@ -303,18 +329,59 @@ class ValueReads(TorchDispatchMode):
 
         if not any(followed_mask(i) for i in indices):
             return None
+        first = len(self._reads)
         expanded: list[Any] = []
+        masks: list[torch.Tensor] = []
         for i in indices:
             if not followed_mask(i):
                 expanded.append(i)
                 continue
             if i.dtype == torch.uint8:
                 i = self.__torch_dispatch__(torch.ops.aten.ne.Scalar, (), (i, 0))
+            masks.append(i)
             positions = self.__torch_dispatch__(_NONZERO, (), (i,))
             expanded.extend(self.__torch_dispatch__(torch.ops.aten.select.int, (),
                                                     (positions, 1, d))
                             for d in range(i.dim()))
-        return self.__torch_dispatch__(func, (), (x, expanded), kwargs)
+        result = self.__torch_dispatch__(func, (), (x, expanded), kwargs)
+        if len(indices) == 1 and tuple(masks[0].shape) == tuple(x.shape) \
+                and self._lookup(x) is not None and isinstance(result, torch.Tensor):
+            self._selections[id(result)] = _Selection(result, x, masks[0],
+                                                      range(first, len(self._reads)))
+        return result
+
+    def _note_uses(self, tree: Any) -> None:
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                found = self._selections.get(id(leaf))
+                if found is not None and found.result is leaf:
+                    found.used = True
+
+    def _ctc(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """ATen's CTC forward ``func`` as ``ctc``'s (a fake kernel sized for the longest
+        target); targets selected from the inputs by a followed mask in a fixed shape, their
+        count not guarded for it (module ``ctc``)."""
+        # (all by position, defaults given, as the schema orders them)
+        args = (*args, *(kwargs.get(a.name, a.default_value)
+                         for a in func._schema.arguments[len(args):]))
+        targets = args[1]
+        self._note_uses((args[0], *args[2:]))
+        found = self._selections.get(id(targets))
+        if found is not None and found.result is targets:
+            if found.padded is None:
+                found.padded = self._padded(found)
+            targets = found.padded
+        return ctc.substitute(args, targets)
+
+    def _padded(self, s: _Selection) -> torch.Tensor:
+        """The values ``s`` selects first, in order, then ``x``'s first value up to x's size:
+        a shape that does not depend on the mask."""
+        run = self.__torch_dispatch__
+        flat_x = run(_RESHAPE, (), (s.x, [-1]))
+        flat_mask = run(_RESHAPE, (), (s.mask, [-1]))
+        positions = run(_NONZERO_STATIC, (), (flat_mask,),
+                        {"size": flat_mask.shape[0], "fill_value": 0})
+        return run(_INDEX, (), (flat_x, [run(torch.ops.aten.select.int, (), (positions, 1, 0))]))
 
     def _spoil_written(self, func: Any, args: tuple[Any, ...]) -> None:
         """A followed tensor written in place by an op on other values (``x[i] = y`` with
@@ -331,6 +398,8 @@ _INDEX = torch.ops.aten.index.Tensor
 _MASKED_SELECT = torch.ops.aten.masked_select.default
 _EXPAND = torch.ops.aten.expand.default
 _MASKED = (_INDEX, _MASKED_SELECT)
+_RESHAPE = torch.ops.aten.reshape.default
+_NONZERO_STATIC = torch.ops.aten.nonzero_static.default
 
 
 def _count_nonzero(x: torch.Tensor) -> int:
