@@ -458,7 +458,8 @@ class _DictIO(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: float = 1.0) -> dict[str, Any]:
         y = self.lin(x) * scale
-        return {"y": y, "masked": y.masked_fill(mask, 0.0), "tag": "done", "n": 2}
+        # (a None among the tensors: transformers' LLaVA returns one in its image outputs)
+        return {"y": y, "aux": None, "masked": y.masked_fill(mask, 0.0), "tag": "done", "n": 2}
 
 
 def test_keyword_inputs_and_structured_outputs() -> None:
@@ -468,6 +469,7 @@ def test_keyword_inputs_and_structured_outputs() -> None:
     hm = hrockmate.HRockmate(model, sample)
     out, ref_out = hm(**sample), ref(**sample)
     assert out["tag"] == "done" and out["n"] == 2 and set(out) == set(ref_out)
+    assert out["aux"] is None and torch.equal(out["masked"], ref_out["masked"].detach())
     (out["y"].sum() + out["masked"].square().sum()).backward()
     (ref_out["y"].sum() + ref_out["masked"].square().sum()).backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):

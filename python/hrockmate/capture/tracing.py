@@ -45,8 +45,8 @@ Details of the mapping (see docs/graph-ir.md for the IR itself):
   the op schema's alias annotations) has ``alias_of`` set and ``bytes`` 0; other tensors own a
   storage of ``untyped_storage().nbytes()`` bytes (on CUDA rounded up to the caching
   allocator's 512-byte blocks, as ``torch.cuda.memory_allocated`` counts them).
-- ``output_spec`` is ``(treespec, leaves)`` where ``leaves`` holds ``None`` where a tensor leaf
-  goes, a ``TensorHolder`` for a non-tensor leaf that holds tensors computed by the iteration
+- ``output_spec`` is ``(treespec, leaves)`` where ``leaves`` holds ``TensorLeaf`` where a
+  tensor leaf goes, a ``TensorHolder`` for a non-tensor leaf that holds tensors computed by the iteration
   (e.g. a transformers cache: its tensors are outputs too, in the order it rebuilds from), and
   the other non-tensor leaves as they are; ``rebuild_output(output_spec, tensors)`` rebuilds.
 - Outputs without a gradient (not requiring grad, or not the member ``loss_fn`` names) have no
@@ -110,10 +110,9 @@ from hrockmate.capture.values import MAX_BYTES, ValueGuards, ValueReads
 from hrockmate.ir.graph import Graph, Op, Tensor
 
 __all__ = [
-    "COST_MODES", "LossFn", "TensorHolder", "TraceError", "Traced", "coerce_like",
+    "COST_MODES", "LossFn", "TensorHolder", "TensorLeaf", "TraceError", "Traced", "coerce_like",
     "flatten_output", "placeholder_values", "rebuild_output", "run_joint", "select_loss",
-    "select_member",
-    "split_sample", "trace", "trace_graph", "trace_model",
+    "select_member", "split_sample", "trace", "trace_graph", "trace_model",
 ]
 
 COST_MODES = ("measure", "estimate", "none")
@@ -297,6 +296,12 @@ _HOLDER_DEPTH = 6
 _SLOT = ("tensor",)
 
 
+class TensorLeaf:
+    """Where a tensor goes in an output template (``output_spec``): the class itself is the
+    mark (a ``None`` leaf of the output, such as a ModelOutput field left unset in a nested
+    output, stays ``None``)."""
+
+
 class TensorHolder:
     """A non-tensor leaf of the model's output that holds tensors computed by the iteration
     (e.g. a transformers cache object with the keys and values of each layer). Those tensors
@@ -387,15 +392,15 @@ def _is_traced(x: torch.Tensor) -> bool:
 def flatten_output(out: Any, is_traced: Callable[[torch.Tensor], bool]
                    ) -> tuple[list[torch.Tensor], tuple[pytree.TreeSpec, list[Any]]]:
     """The tensors of a model output in order, and ``(treespec, leaves)`` to rebuild it:
-    ``leaves`` holds ``None`` where a tensor leaf goes, a ``TensorHolder`` for a non-tensor
-    leaf holding traced tensors, and other leaves as they are."""
+    ``leaves`` holds ``TensorLeaf`` where a tensor leaf goes, a ``TensorHolder`` for a
+    non-tensor leaf holding traced tensors, and other leaves as they are."""
     out_leaves, spec = pytree.tree_flatten(out)
     tensors: list[torch.Tensor] = []
     template: list[Any] = []
     for x in out_leaves:
         if isinstance(x, torch.Tensor):
             tensors.append(x)
-            template.append(None)
+            template.append(TensorLeaf)
         else:
             holder = TensorHolder.find(x, is_traced, tensors)
             template.append(x if holder is None else holder)
@@ -407,8 +412,8 @@ def rebuild_output(output_spec: tuple[pytree.TreeSpec, list[Any]],
     """The model's output structure around ``tensors`` (in ``output_ids`` order)."""
     spec, template = output_spec
     it = iter(tensors)
-    leaves = [next(it) if x is None else x.rebuild(it) if isinstance(x, TensorHolder) else x
-              for x in template]
+    leaves = [next(it) if x is TensorLeaf else x.rebuild(it) if isinstance(x, TensorHolder)
+              else x for x in template]
     return pytree.tree_unflatten(leaves, spec)
 
 

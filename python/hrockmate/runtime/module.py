@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from hrockmate.capture.kernels import autocast_off, autocast_state, describe_autocast
-from hrockmate.capture.tracing import rebuild_output
+from hrockmate.capture.tracing import TensorLeaf, rebuild_output
 from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
 
@@ -610,7 +610,8 @@ class HRockmate(nn.Module):
         )
         self._hr_input_grad_leaves = {int(k) for k in traced.input_grads}
         self._hr_out_leaves, self._hr_out_spec = _output_structure(traced)
-        self._hr_single_output = self._hr_out_leaves == [None] and self._hr_out_spec.is_leaf()
+        self._hr_single_output = (self._hr_out_leaves == [TensorLeaf]
+                                  and self._hr_out_spec.is_leaf())
         self._hr_device = traced.device
 
         # (hierarchies built for this trace: reused by replan() with the same options)
