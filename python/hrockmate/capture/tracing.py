@@ -46,9 +46,10 @@ Details of the mapping (see docs/graph-ir.md for the IR itself):
   storage of ``untyped_storage().nbytes()`` bytes (on CUDA rounded up to the caching
   allocator's 512-byte blocks, as ``torch.cuda.memory_allocated`` counts them).
 - ``output_spec`` is ``(treespec, leaves)`` where ``leaves`` holds ``TensorLeaf`` where a
-  tensor leaf goes, a ``TensorHolder`` for a non-tensor leaf that holds tensors computed by the iteration
-  (e.g. a transformers cache: its tensors are outputs too, in the order it rebuilds from), and
-  the other non-tensor leaves as they are; ``rebuild_output(output_spec, tensors)`` rebuilds.
+  tensor leaf goes, a ``TensorHolder`` for a non-tensor leaf that holds tensors computed by
+  the iteration (e.g. a transformers cache: its tensors are outputs too, in the order it
+  rebuilds from), and the other non-tensor leaves as they are;
+  ``rebuild_output(output_spec, tensors)`` rebuilds.
 - Outputs without a gradient (not requiring grad, or not the member ``loss_fn`` names) have no
   tangent; ``sources`` holds tangents only for the others.
 - ``input_spec`` is the treespec of ``(args, kwargs)``; ``sample`` given as a tensor means
