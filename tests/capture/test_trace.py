@@ -20,6 +20,7 @@ from hrockmate import models
 from hrockmate.capture.tracing import (
     CUDA_LARGE_POOL_SLACK,
     CUDA_OVERSIZE_SLACK,
+    TensorLeaf,
     Traced,
     TraceError,
     allocator_slack_bytes,
@@ -282,7 +283,7 @@ def test_dict_sample_several_outputs_and_constants() -> None:
     assert len(traced.output_ids) == 3
     spec, leaves = traced.output_spec
     rebuilt = pytree.tree_unflatten(
-        [f"T{i}" if x is None else x for i, x in enumerate(leaves)], spec
+        [f"T{i}" if x is TensorLeaf else x for i, x in enumerate(leaves)], spec
     )
     assert rebuilt["stats"][1:] == ("tag", 3) and isinstance(rebuilt["h"], str)
     assert [m if not isinstance(m, tuple) else m[0] for m in traced.input_meta] == [

@@ -1141,6 +1141,51 @@ def test_boolean_masks_from_the_inputs_index_by_their_positions() -> None:
     _accumulated_steps_equal(hm, ref, (x, target))
 
 
+class _SplitsByRealItems(nn.Module):
+    """Drops padding items (all zeros) and splits the rest per sample by counts read with
+    ``tolist()``, as transformers' SmolVLM does with its images; pools with indices repeated
+    by those counts (``repeat_interleave``, as Qwen2-VL repeats its patches per image)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, items: torch.Tensor) -> torch.Tensor:
+        real = items.abs().sum(-1) > 0  # (batch, items)
+        counts = real.sum(1)
+        feats = self.fc(items[real]).tanh()  # (real items, 8)
+        owner = torch.repeat_interleave(torch.arange(len(items)), counts)
+        pooled = torch.zeros(len(items), 8).index_add(0, owner, feats)
+        pieces = [p.square().mean() for p in feats.split(counts.tolist()) if len(p)]
+        return torch.stack(pieces).sum() + pooled.square().mean()
+
+
+def test_counts_read_as_lists_and_repeats_from_the_inputs_are_guarded(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``tolist()`` of a value of the inputs is answered (it read the tensor below
+    functionalization's wrapper and failed) and ``repeat_interleave`` by such counts traced
+    with its length (it raised "DynamicOutputShapeException: aten.repeat_interleave"); both
+    guarded: other counts trace and plan again."""
+    torch.manual_seed(0)
+    model = _SplitsByRealItems()
+    items = torch.randn(3, 4, 8)
+    items[0, 3] = 0
+    items[2, 1:] = 0  # (padding items)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, items)
+    first = hm.traced
+    _accumulated_steps_equal(hm, ref, items)
+    moved = items.clone()
+    moved[0, 3], moved[0, 1] = items[0, 1], 0  # the same counts, other items
+    _accumulated_steps_equal(hm, ref, moved)
+    assert hm.traced is first
+    more = items.clone()
+    more[2, 1] = 1.0  # another count
+    with caplog.at_level("WARNING", logger="hrockmate"):
+        _accumulated_steps_equal(hm, ref, more)
+    assert hm.traced is not first and "when traced" in caplog.text
+
+
 class _CtcHead(nn.Module):
     """A CTC loss as transformers' speech models compute it: labels padded with -100, their
     range checked, targets selected with ``masked_select`` (``concatenated``) or passed

@@ -224,6 +224,11 @@ class ValueReads(TorchDispatchMode):
             self._slots += 1
             slot = self._slots
         self._real[id(traced)] = (weakref.ref(traced), real, slot, from_inputs)
+        inner = getattr(traced, "elem", None)
+        if isinstance(inner, torch.Tensor):
+            # a functionalization wrapper's tensor: its ``tolist()`` reads that one, below the
+            # wrapper (transformers' Qwen2-VL: ``grid_thw.tolist()``)
+            self._real[id(inner)] = (weakref.ref(inner), real, slot, from_inputs)
         return slot
 
     def _lookup(self, t: Any) -> tuple[torch.Tensor, int, bool] | None:
@@ -270,19 +275,19 @@ class ValueReads(TorchDispatchMode):
             if from_inputs:
                 self._reads.append(_Read(func, recorded, value, self._where()))
             return value
-        if func is _NONZERO:
-            # a data-dependent shape, known from the real values: traced as ``nonzero_static``
-            # of that size, the count guarded when it comes from the inputs (Longformer's
-            # global attention positions)
+        sized = _SIZED_BY_VALUES.get(func)
+        if sized is not None and kwargs.get("output_size") is None:
+            # a data-dependent shape, known from the real values: traced in a form of that
+            # fixed size (``nonzero_static``, ``output_size=``), the size guarded when it comes
+            # from the inputs (Longformer's global attention positions; Qwen2-VL's patches
+            # per image, repeated by its images' grid sizes)
+            length_of, fixed, what = sized
             with _disable_current_modes():
                 real_out = func(*real_args, **real_kwargs)
-            count = int(real_out.shape[0])
+            length = int(real_out.shape[0])
             if from_inputs:
-                self._reads.append(_Read(
-                    _count_nonzero, recorded, count, self._where(),
-                    "the number of positions a mask from the model's inputs selects (nonzero, "
-                    "boolean indexing: a shape traced for each count)"))
-            out = torch.ops.aten.nonzero_static.default(args[0], size=count)
+                self._reads.append(_Read(length_of, recorded, length, self._where(), what))
+            out = fixed(args, kwargs, length)
             slot = self._follow(out, real_out, from_inputs)
             if self._record:
                 self._ops.append(_Op(func, recorded, [slot], False))
@@ -405,6 +410,27 @@ _NONZERO_STATIC = torch.ops.aten.nonzero_static.default
 def _count_nonzero(x: torch.Tensor) -> int:
     """How many rows ``nonzero(x)`` has (a guard's read)."""
     return int(torch.count_nonzero(x))
+
+
+def _repeated_length(repeats: torch.Tensor, output_size: int | None = None) -> int:
+    """How long ``repeat_interleave(repeats)`` is (a guard's read)."""
+    return int(repeats.sum())
+
+
+_REPEAT_INTERLEAVE = torch.ops.aten.repeat_interleave.Tensor
+#: Ops whose result's length is a value of their arguments: (that length, as a guard reads
+#: it; the op in a form of a given length; the length in words, for the guard's message).
+_SIZED_BY_VALUES: dict[Any, tuple[Callable[..., int], Callable[..., Any], str]] = {
+    _NONZERO: (_count_nonzero,
+               lambda args, kwargs, n: _NONZERO_STATIC(args[0], size=n),
+               "the number of positions a mask from the model's inputs selects (nonzero, "
+               "boolean indexing: a shape traced for each count)"),
+    _REPEAT_INTERLEAVE: (_repeated_length,
+                         lambda args, kwargs, n: _REPEAT_INTERLEAVE(
+                             *args, **{**kwargs, "output_size": n}),
+                         "the length of repeat_interleave's result from the model's inputs (a "
+                         "shape traced for each length)"),
+}
 
 
 def _written_positions(func: Any) -> list[int]:
