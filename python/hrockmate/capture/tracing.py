@@ -720,6 +720,36 @@ def _distribution_checks_off() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _tensor_literals_read() -> Iterator[None]:
+    """``torch.tensor(data)`` with tensors of the trace in ``data`` (transformers' Qwen2-VL
+    makes its rope deltas from a list of 0-d results) reads their values: PyTorch's C++ copies
+    their memory, which fake tensors do not have ("data is not allocated yet"). Values of the
+    inputs or of constants are answered (``ValueReads``, guarded where they come from the
+    inputs); others stop the trace as any read of a value does. The dtype is the one
+    ``torch.tensor`` infers from the tensors' dtypes."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = torch.tensor
+
+    def tensor(data: Any, **kwargs: Any) -> torch.Tensor:
+        if not any(isinstance(x, torch.Tensor) and _is_traced(x)
+                   for x in pytree.tree_leaves(data)):
+            return original(data, **kwargs)
+        if kwargs.get("dtype") is None:
+            with _disable_current_modes():  # (real stand-ins of the same dtypes)
+                kwargs["dtype"] = original(pytree.tree_map_only(
+                    torch.Tensor, lambda x: torch.zeros(x.shape, dtype=x.dtype), data)).dtype
+        return original(pytree.tree_map_only(torch.Tensor, lambda x: x.tolist(), data),
+                        **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
+
+
+@contextlib.contextmanager
 def _checkpoints_as_plain_calls(found: list[str]) -> Iterator[None]:
     """The model's own activation checkpointing (``torch.utils.checkpoint.checkpoint``: what
     transformers' ``gradient_checkpointing_enable``, ``checkpoint_sequential`` and
@@ -1538,7 +1568,8 @@ def trace_model(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with preserved_rng(device), host_draws_recorded(host_draws), torch.enable_grad(), \
                 _eager_faithful_dispatch(device), _quiet_tracing_noise(), \
-                _distribution_checks_off(), _module_annotations(model, module_stack), \
+                _distribution_checks_off(), _tensor_literals_read(), \
+                _module_annotations(model, module_stack), \
                 torch._functorch.config.patch(backward_pass_autocast="off"), \
                 _checkpoints_as_plain_calls(checkpointed), \
                 _compiling_paths() if compiling_paths else contextlib.nullcontext():
