@@ -1145,7 +1145,8 @@ class _SplitsByRealItems(nn.Module):
     """Drops padding items (all zeros) and splits the rest per sample by counts read with
     ``tolist()``, as transformers' SmolVLM does with its images; pools with indices repeated
     by those counts (``repeat_interleave``, as Qwen2-VL repeats its patches per image) and
-    weights by a ``torch.tensor`` of 0-d results (as Qwen2-VL makes its rope deltas)."""
+    weights by a ``torch.tensor`` of 0-d results (as Qwen2-VL makes its rope deltas) and by
+    ``unique_consecutive`` of the counts (as Qwen2.5-VL finds its attention windows)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1156,7 +1157,8 @@ class _SplitsByRealItems(nn.Module):
         counts = real.sum(1)
         feats = self.fc(items[real]).tanh()  # (real items, 8)
         owner = torch.repeat_interleave(torch.arange(len(items)), counts)
-        weight = torch.tensor([c + 1 for c in counts]).float()
+        distinct = torch.unique_consecutive(counts.sort().values)  # (no form of fixed size)
+        weight = torch.tensor([c + 1 for c in counts]).float() * distinct.float().mean()
         pooled = torch.zeros(len(items), 8).index_add(0, owner, feats) * weight[:, None]
         pieces = [p.square().mean() for p in feats.split(counts.tolist()) if len(p)]
         return torch.stack(pieces).sum() + pooled.square().mean()
@@ -1166,9 +1168,10 @@ def test_counts_read_as_lists_and_repeats_from_the_inputs_are_guarded(
         caplog: pytest.LogCaptureFixture) -> None:
     """``tolist()`` of a value of the inputs is answered (it read the tensor below
     functionalization's wrapper and failed), ``repeat_interleave`` by such counts traced with
-    its length (it raised "DynamicOutputShapeException: aten.repeat_interleave") and
+    its length (it raised "DynamicOutputShapeException: aten.repeat_interleave"),
     ``torch.tensor`` of such values made from their values (it failed: "data is not allocated
-    yet"); all guarded: other counts trace and plan again."""
+    yet") and ``unique_consecutive`` of them a constant of the graph (it raised
+    "DynamicOutputShapeException"); all guarded: other counts trace and plan again."""
     torch.manual_seed(0)
     model = _SplitsByRealItems()
     items = torch.randn(3, 4, 8)

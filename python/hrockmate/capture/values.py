@@ -42,6 +42,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from hrockmate.capture import ctc
@@ -102,6 +103,12 @@ class _Selection:
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
+    if isinstance(a, (tuple, list)) or isinstance(a, torch.Tensor):
+        la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+        return len(la) == len(lb) and all(
+            x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else _same(x, y)
+            for x, y in zip(la, lb))
     return bool(a == b)
 
 
@@ -292,7 +299,10 @@ class ValueReads(TorchDispatchMode):
             if self._record:
                 self._ops.append(_Op(func, recorded, [slot], False))
             return out
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            return self._constant(func, real_args, real_kwargs, recorded, from_inputs)
         outs = pytree.tree_leaves(out)
         if sum(x.untyped_storage().nbytes() for x in outs
                if isinstance(x, torch.Tensor)) > MAX_BYTES:
@@ -308,6 +318,26 @@ class ValueReads(TorchDispatchMode):
                 slots.append(None)
         if self._record:
             self._ops.append(_Op(func, recorded, slots, _writes(func)))
+        return out
+
+    def _constant(self, func: Any, real_args: Any, real_kwargs: Any, recorded: Any,
+                  from_inputs: bool) -> Any:
+        """An op on followed values whose result's shape fake tensors cannot know and that has
+        no form of a fixed size (``unique_consecutive``: Qwen2.5-VL's attention windows from
+        its images' grid sizes): its result is a constant of the graph, the whole of it a
+        guard when it comes from the inputs."""
+        with _disable_current_modes():
+            real_out = func(*real_args, **real_kwargs)
+            expected = pytree.tree_map_only(torch.Tensor, torch.clone, real_out)
+        if from_inputs:
+            self._reads.append(_Read(
+                func, recorded, expected, self._where(), f"the result of {func} on values of "
+                "the model's inputs (a shape traced for each result)"))
+        out = pytree.tree_map_only(torch.Tensor, _LIFT_FRESH, real_out)
+        slots = [self._follow(fake, real, from_inputs) if isinstance(fake, torch.Tensor) else None
+                 for fake, real in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out))]
+        if self._record:
+            self._ops.append(_Op(func, recorded, slots, False))
         return out
 
     def _by_positions(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -405,6 +435,7 @@ _EXPAND = torch.ops.aten.expand.default
 _MASKED = (_INDEX, _MASKED_SELECT)
 _RESHAPE = torch.ops.aten.reshape.default
 _NONZERO_STATIC = torch.ops.aten.nonzero_static.default
+_LIFT_FRESH = torch.ops.aten.lift_fresh_copy.default
 
 
 def _count_nonzero(x: torch.Tensor) -> int:
