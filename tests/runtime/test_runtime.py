@@ -1192,6 +1192,40 @@ def test_counts_read_as_lists_and_repeats_from_the_inputs_are_guarded(
     assert hm.traced is not first and "when traced" in caplog.text
 
 
+class _AddsAtMarkedPositions(nn.Module):
+    """Adds features at the positions an input mask marks, in place, as transformers'
+    Qwen3-VL adds its deepstack image features at the image tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.extra = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, marks: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        mask = marks > 0
+        extra = self.extra(x[mask])  # (marked positions, 8)
+        h[mask, :] = h[mask, :] + extra
+        return h.tanh().square().mean()
+
+
+def test_writes_through_masks_from_the_inputs_train() -> None:
+    """``h[mask, :] = ...`` with a mask from the inputs: autograd differentiates a write by
+    positions (it recorded the mask, and the backward's ``grad[mask]`` raised
+    "DynamicOutputShapeException: aten.nonzero" in the backward's trace)."""
+    torch.manual_seed(0)
+    model = _AddsAtMarkedPositions()
+    x, marks = torch.randn(2, 5, 8), torch.zeros(2, 5, dtype=torch.long)
+    marks[:, 1:3] = 1
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x, marks))
+    _accumulated_steps_equal(hm, ref, (x, marks))
+    moved = torch.zeros_like(marks)
+    moved[:, 2:4] = 1  # the same count elsewhere: the same plan
+    _accumulated_steps_equal(hm, ref, (x, moved))
+    hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+    _accumulated_steps_equal(hm, ref, (x, moved))
+
+
 class _CtcHead(nn.Module):
     """A CTC loss as transformers' speech models compute it: labels padded with -100, their
     range checked, targets selected with ``masked_select`` (``concatenated``) or passed

@@ -43,12 +43,13 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from hrockmate.capture import ctc
 from hrockmate.capture.kernels import autocast_off
 
-__all__ = ["ValueGuards", "ValueReads"]
+__all__ = ["MaskWritesByPositions", "ValueGuards", "ValueReads"]
 
 MAX_BYTES = 16 << 20
 _HELD_BYTES = 4096  # (sources compared with their last values instead of replaying reads)
@@ -428,6 +429,51 @@ class ValueReads(TorchDispatchMode):
                     self._spoiled.add(found[0].untyped_storage().data_ptr())
 
 
+class MaskWritesByPositions(TorchFunctionMode):
+    """``x[mask] = y`` (``__setitem__``, ``index_put``) with a mask that ``reads`` follows, as
+    ``x[mask.nonzero(as_tuple=True)] = y``, which is how PyTorch expands a boolean index: the
+    count of positions is then traced and guarded as ``nonzero``'s is (``ValueReads``). Done
+    above autograd, which would otherwise record the write's backward with the mask itself,
+    and ``grad[mask]`` has a shape fake tensors cannot know (Qwen3-VL adds its deepstack
+    features at the image tokens' positions). A read ``x[mask]`` needs no such rewrite: its
+    backward writes through the mask, a fixed shape."""
+
+    def __init__(self, reads: ValueReads) -> None:
+        super().__init__()
+        self._reads = reads
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__setitem__ and len(args) == 3:
+            x, key, value = args
+            key = self._positions(key if isinstance(key, tuple) else (key,))
+            if key is not None:
+                args = (x, key, value)
+        elif func in _INDEX_PUTS and len(args) >= 2 and isinstance(args[1], (tuple, list)):
+            key = self._positions(tuple(args[1]))
+            if key is not None:
+                args = (args[0], key, *args[2:])
+        return func(*args, **kwargs)
+
+    def _positions(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """``key`` with each followed boolean mask replaced by its positions (one long index
+        per dimension); None when it has none."""
+        if not any(isinstance(k, torch.Tensor) and k.dtype == torch.bool
+                   and self._reads._lookup(k) is not None for k in key):
+            return None
+        out: list[Any] = []
+        for k in key:
+            if isinstance(k, torch.Tensor) and k.dtype == torch.bool \
+                    and self._reads._lookup(k) is not None:
+                out.extend(k.nonzero(as_tuple=True))
+            else:
+                out.append(k)
+        return tuple(out)
+
+
+_INDEX_PUTS = (torch.Tensor.index_put_, torch.Tensor.index_put, torch.index_put,
+               torch.index_put_)
 _NONZERO = torch.ops.aten.nonzero.default
 _INDEX = torch.ops.aten.index.Tensor
 _MASKED_SELECT = torch.ops.aten.masked_select.default
