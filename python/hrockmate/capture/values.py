@@ -24,8 +24,12 @@ the real result instead of reaching the fake tensor, which would raise):
 A shape that depends on followed values (``nonzero`` of a mask, ``x[mask]``,
 ``masked_select``: Longformer's global attention positions, GLPN's valid pixels) is traced for
 the count the real values give, as ``nonzero_static`` of that size feeding an indexing by
-positions (how ATen computes a boolean index); with values from the inputs the count is a
-guard, so another count traces and plans again.
+positions (how ATen computes a boolean index), ``repeat_interleave`` with ``output_size=``
+(Qwen2-VL); with values from the inputs the count is a guard, so another count traces and
+plans again. An op with no form of a fixed size (``unique_consecutive``) gives a constant of
+the graph, its whole result a guard. Writes through such masks are made by positions above
+autograd (``MaskWritesByPositions``). Concatenated CTC targets selected from the inputs keep
+the labels' fixed shape instead, their count no guard (``hrockmate.capture.ctc``).
 
 Not followed: random ops, tensors the model closes over (the user may change them in place),
 parameters, buffers other than small ones followed as sources, anything written in place from
