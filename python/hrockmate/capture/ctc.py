@@ -26,8 +26,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-__all__ = ["BACKWARDS", "FORWARDS", "SIZED_FOR_LONGEST", "ctc_loss", "ctc_loss_backward",
-           "rewrite_backwards", "substitute"]
+__all__ = ["BACKWARDS", "FORWARDS", "SIZED_FOR_LONGEST", "by_position", "ctc_loss",
+           "ctc_loss_backward", "rewrite_backwards", "substitute"]
 
 
 def _exact(targets: Tensor, target_lengths: Tensor) -> Tensor:
@@ -88,6 +88,13 @@ BACKWARDS = (_ATEN._ctc_loss_backward.Tensor, _ATEN._ctc_loss_backward.default)
 SIZED_FOR_LONGEST = (torch.ops.hrockmate.ctc_loss.default,)
 
 
+def by_position(func: torch._ops.OpOverload, args: tuple[object, ...],
+                kwargs: dict[str, object]) -> tuple[object, ...]:
+    """``func``'s arguments all by position, as its schema orders them, defaults filled in."""
+    return (*args, *(kwargs.get(a.name, a.default_value)
+                     for a in func._schema.arguments[len(args):]))
+
+
 def substitute(args: tuple[object, ...], targets: Tensor) -> tuple[Tensor, Tensor]:
     """This module's forward for ATen's on ``args`` (all by position), with ``targets`` in
     place of the targets given; int-list lengths become tensors."""
@@ -110,8 +117,7 @@ def rewrite_backwards(joint: fx.GraphModule) -> None:
         made = alpha.args[0] if isinstance(alpha, fx.Node) and alpha.args else None
         if not isinstance(made, fx.Node) or made.target is not forward:
             continue
-        args = (*node.args, *(node.kwargs.get(a.name, a.default_value)
-                              for a in node.target._schema.arguments[len(node.args):]))
+        args = by_position(node.target, node.args, node.kwargs)
         old = [a for a in args[2:5] if isinstance(a, fx.Node)]
         node.args = (args[0], args[1], *made.args[1:4], *args[5:])
         node.kwargs = {}
@@ -128,6 +134,6 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
         n = todo.pop()
         if n.users or n.op != "call_function" or n.is_impure():
             continue
-        inputs = [a for a in n.all_input_nodes]
+        inputs = list(n.all_input_nodes)
         graph.erase_node(n)
         todo.extend(inputs)

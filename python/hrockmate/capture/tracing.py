@@ -103,7 +103,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import traceback as fx_traceback
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from hrockmate.capture import ctc
 from hrockmate.capture.kernels import AutocastState, autocast_off, autocast_state, op_kernel
@@ -727,8 +727,6 @@ def _tensor_literals_read() -> Iterator[None]:
     inputs or of constants are answered (``ValueReads``, guarded where they come from the
     inputs); others stop the trace as any read of a value does. The dtype is the one
     ``torch.tensor`` infers from the tensors' dtypes."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     original = torch.tensor
 
     def tensor(data: Any, **kwargs: Any) -> torch.Tensor:

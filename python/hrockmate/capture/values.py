@@ -299,11 +299,8 @@ class ValueReads(TorchDispatchMode):
             length = int(real_out.shape[0])
             if from_inputs:
                 self._reads.append(_Read(length_of, recorded, length, self._where(), what))
-            out = fixed(args, kwargs, length)
-            slot = self._follow(out, real_out, from_inputs)
-            if self._record:
-                self._ops.append(_Op(func, recorded, [slot], False))
-            return out
+            return self._followed_result(func, recorded, fixed(args, kwargs, length), real_out,
+                                         from_inputs)
         try:
             out = func(*args, **kwargs)
         except DynamicOutputShapeException:
@@ -338,7 +335,14 @@ class ValueReads(TorchDispatchMode):
             self._reads.append(_Read(
                 func, recorded, expected, self._where(), f"the result of {func} on values of "
                 "the model's inputs (a shape traced for each result)"))
-        out = pytree.tree_map_only(torch.Tensor, _LIFT_FRESH, real_out)
+        return self._followed_result(func, recorded,
+                                     pytree.tree_map_only(torch.Tensor, _LIFT_FRESH, real_out),
+                                     real_out, from_inputs)
+
+    def _followed_result(self, func: Any, recorded: Any, out: Any, real_out: Any,
+                         from_inputs: bool) -> Any:
+        """``out``, what the trace holds for ``func``'s result, followed with ``real_out``
+        (its value) and the op recorded for the guards' replay."""
         slots = [self._follow(fake, real, from_inputs) if isinstance(fake, torch.Tensor) else None
                  for fake, real in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out))]
         if self._record:
@@ -401,9 +405,7 @@ class ValueReads(TorchDispatchMode):
         """ATen's CTC forward ``func`` as ``ctc``'s (a fake kernel sized for the longest
         target); targets selected from the inputs by a followed mask in a fixed shape, their
         count not guarded for it (module ``ctc``)."""
-        # (all by position, defaults given, as the schema orders them)
-        args = (*args, *(kwargs.get(a.name, a.default_value)
-                         for a in func._schema.arguments[len(args):]))
+        args = ctc.by_position(func, args, kwargs)
         targets = args[1]
         self._note_uses((args[0], *args[2:]))
         found = self._selections.get(id(targets))
@@ -463,17 +465,12 @@ class MaskWritesByPositions(TorchFunctionMode):
     def _positions(self, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """``key`` with each followed boolean mask replaced by its positions (one long index
         per dimension); None when it has none."""
-        if not any(isinstance(k, torch.Tensor) and k.dtype == torch.bool
-                   and self._reads._lookup(k) is not None for k in key):
+        masks = [isinstance(k, torch.Tensor) and k.dtype == torch.bool
+                 and self._reads._lookup(k) is not None for k in key]
+        if not any(masks):
             return None
-        out: list[Any] = []
-        for k in key:
-            if isinstance(k, torch.Tensor) and k.dtype == torch.bool \
-                    and self._reads._lookup(k) is not None:
-                out.extend(k.nonzero(as_tuple=True))
-            else:
-                out.append(k)
-        return tuple(out)
+        return tuple(p for k, mask in zip(key, masks)
+                     for p in (k.nonzero(as_tuple=True) if mask else (k,)))
 
 
 _INDEX_PUTS = (torch.Tensor.index_put_, torch.Tensor.index_put, torch.index_put,
