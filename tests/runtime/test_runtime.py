@@ -1193,8 +1193,9 @@ def test_counts_read_as_lists_and_repeats_from_the_inputs_are_guarded(
 
 
 class _AddsAtMarkedPositions(nn.Module):
-    """Adds features at the positions an input mask marks, in place, as transformers'
-    Qwen3-VL adds its deepstack image features at the image tokens."""
+    """Adds features at the positions an input mask marks (1), in place, as transformers'
+    Qwen3-VL adds its deepstack image features at the image tokens; zeroes the padded ones
+    (-1), as Wav2Vec2 zeroes its padded frames."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1205,23 +1206,29 @@ class _AddsAtMarkedPositions(nn.Module):
         mask = marks > 0
         extra = self.extra(x[mask])  # (marked positions, 8)
         h[mask, :] = h[mask, :] + extra
+        h[marks < 0] = 0.0
         return h.tanh().square().mean()
 
 
 def test_writes_through_masks_from_the_inputs_train() -> None:
     """``h[mask, :] = ...`` with a mask from the inputs: autograd differentiates a write by
     positions (it recorded the mask, and the backward's ``grad[mask]`` raised
-    "DynamicOutputShapeException: aten.nonzero" in the backward's trace)."""
+    "DynamicOutputShapeException: aten.nonzero" in the backward's trace). A constant written
+    through such a mask stays a write through the mask: its count is no guard."""
     torch.manual_seed(0)
     model = _AddsAtMarkedPositions()
     x, marks = torch.randn(2, 5, 8), torch.zeros(2, 5, dtype=torch.long)
     marks[:, 1:3] = 1
+    marks[1, 4] = -1
     ref = copy.deepcopy(model)
     hm = HRockmate(model, (x, marks))
+    first = hm.traced
     _accumulated_steps_equal(hm, ref, (x, marks))
     moved = torch.zeros_like(marks)
-    moved[:, 2:4] = 1  # the same count elsewhere: the same plan
+    moved[:, 2:4] = 1  # the same count elsewhere, another count of padding: the same plan
+    moved[:, 4] = -1
     _accumulated_steps_equal(hm, ref, (x, moved))
+    assert hm.traced is first
     hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
     _accumulated_steps_equal(hm, ref, (x, moved))
 

@@ -436,13 +436,16 @@ class ValueReads(TorchDispatchMode):
 
 
 class MaskWritesByPositions(TorchFunctionMode):
-    """``x[mask] = y`` (``__setitem__``, ``index_put``) with a mask that ``reads`` follows, as
-    ``x[mask.nonzero(as_tuple=True)] = y``, which is how PyTorch expands a boolean index: the
-    count of positions is then traced and guarded as ``nonzero``'s is (``ValueReads``). Done
-    above autograd, which would otherwise record the write's backward with the mask itself,
-    and ``grad[mask]`` has a shape fake tensors cannot know (Qwen3-VL adds its deepstack
-    features at the image tokens' positions). A read ``x[mask]`` needs no such rewrite: its
-    backward writes through the mask, a fixed shape."""
+    """``x[mask] = y`` (``__setitem__``, ``index_put``) with a mask that ``reads`` follows and
+    a ``y`` that needs a gradient, as ``x[mask.nonzero(as_tuple=True)] = y``, which is how
+    PyTorch expands a boolean index: the count of positions is then traced and guarded as
+    ``nonzero``'s is (``ValueReads``). Done above autograd, which would otherwise record the
+    write's backward with the mask itself, and ``y``'s gradient ``grad[mask]`` has a shape
+    fake tensors cannot know (Qwen3-VL adds its deepstack features at the image tokens'
+    positions). Writes of values without a gradient stay as they are, unguarded: their
+    backward writes through the mask, a fixed shape (Wav2Vec2 zeroes its padded frames with
+    ``h[~mask] = 0``: a guard there would trace again for every count of padded frames); so
+    does a read ``x[mask]``."""
 
     def __init__(self, reads: ValueReads) -> None:
         super().__init__()
@@ -451,12 +454,13 @@ class MaskWritesByPositions(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.__setitem__ and len(args) == 3:
+        if func is torch.Tensor.__setitem__ and len(args) == 3 and _needs_grad(args[2]):
             x, key, value = args
             key = self._positions(key if isinstance(key, tuple) else (key,))
             if key is not None:
                 args = (x, key, value)
-        elif func in _INDEX_PUTS and len(args) >= 2 and isinstance(args[1], (tuple, list)):
+        elif func in _INDEX_PUTS and len(args) >= 3 and isinstance(args[1], (tuple, list)) \
+                and _needs_grad(args[2]):
             key = self._positions(tuple(args[1]))
             if key is not None:
                 args = (args[0], key, *args[2:])
@@ -471,6 +475,10 @@ class MaskWritesByPositions(TorchFunctionMode):
             return None
         return tuple(p for k, mask in zip(key, masks)
                      for p in (k.nonzero(as_tuple=True) if mask else (k,)))
+
+
+def _needs_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 _INDEX_PUTS = (torch.Tensor.index_put_, torch.Tensor.index_put, torch.index_put,
