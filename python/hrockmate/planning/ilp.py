@@ -476,8 +476,11 @@ def build_model(
     if unconstrained:
         return _Model(b, R, S, P, None, scale)
 
-    # peak variable for the min-peak variant
-    peak_col = b.col(1.0, 0.0, math.inf, False) if minimize_peak else None
+    # peak variable for the min-peak variant, bounded below by what the stages' own nodes hold
+    # (the LP relaxation's bound is weak: without this floor HiGHS often found the lowest peak
+    # at once and spent its whole time limit failing to prove it)
+    peak_col = (b.col(1.0, _peak_floor(p, a, mem, counted_mask, out_mem, scale), math.inf,
+                      False) if minimize_peak else None)
     # memory sums whole bytes: half a byte of slack accepts a peak equal to the budget, and
     # the solver's feasibility and integrality tolerances are taken off, so a solution the
     # solver accepts as feasible is within the budget when its binaries are rounded
@@ -535,6 +538,30 @@ def build_model(
                 prev_frees.append((c, mem[x]))
             prev_u = u
     return _Model(b, R, S, P, peak_col, scale)
+
+
+def _peak_floor(p: LevelProblem, a: _Analysis, mem: list[float], counted_mask: np.ndarray,
+                out_mem: list[float], scale: float) -> float:
+    """A lower bound on the model's peak (in units of ``scale``): node t runs in stage t, and
+    while it runs, the memory rows count its outputs, what its option saves and needs beside,
+    the inputs it reads (freed only after it) and the values kept to the end."""
+    nv = len(p.values)
+    kept = [x for x in range(nv) if p.values[x].keep and counted_mask[x]]
+    floor = 0.0
+    for t, nd in enumerate(p.nodes):
+        made = [x for x in kept if p.values[x].producer is not None
+                and p.values[x].producer < t]  # type: ignore[operator]
+        least = math.inf
+        for o, opt in enumerate(nd.options):
+            read = nd.inputs if nd.option_inputs is None else nd.option_inputs[o]
+            alive = {x for x in read if counted_mask[x]}.union(made)
+            alive.difference_update(nd.outputs)
+            need = (out_mem[t] + (opt.saved + opt.overhead) / scale
+                    + sum(mem[x] for x in alive))
+            least = min(least, need)
+        floor = max(floor, least)
+    # (a hair below: the rows hold it up to HiGHS's tolerances)
+    return max(0.0, floor * (1 - 1e-9) - 1e-9)
 
 
 # ---------------------------------------------------------------------------------------------
