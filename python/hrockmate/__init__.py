@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "trace_model": "hrockmate.capture.tracing",
     "Traced": "hrockmate.capture.tracing",
     "TraceError": "hrockmate.capture.tracing",
+    "FiniteAssumptionError": "hrockmate.capture.values",
     "measure_peak_memory": "hrockmate.capture.memory",
     "PeakMeasurement": "hrockmate.capture.memory",
     "solve": "hrockmate.planning.api",

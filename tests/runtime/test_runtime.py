@@ -1233,6 +1233,71 @@ def test_writes_through_masks_from_the_inputs_train() -> None:
     _accumulated_steps_equal(hm, ref, (x, moved))
 
 
+class _ClampsNonFinite(nn.Module):
+    """Layers that clamp their hidden states in training when some are not finite, as the
+    DETR family's and Mask2Former's do (``isfinite(...).all()``), and one that tests with
+    ``isinf``/``isnan`` and ``any``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, lin in enumerate(self.lins):
+            x = self.norm(x + torch.relu(lin(x)))
+            if self.training:
+                bad = (not torch.isfinite(x).all() if k % 2 == 0
+                       else bool(torch.isinf(x).any() or torch.isnan(x).any()))
+                if bad:
+                    big = torch.finfo(x.dtype).max - 1000
+                    x = torch.clamp(x, min=-big, max=big)
+        return x.pow(2).mean()
+
+
+def test_finiteness_tests_of_activations_are_assumed_and_checked() -> None:
+    """A test of activations for finiteness is read as finite (the graph holds that branch,
+    bitwise eager's), and each call checks it held: values that are not finite raise (it
+    raised "cannot trace ... DataDependentOutputException" at the first test)."""
+    torch.manual_seed(0)
+    model, x = _ClampsNonFinite(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x,), budget=0.7)
+    assert len(hm.traced.finite_assumptions) == 4  # (the isinf/isnan layer tests twice)
+    assert all("test_runtime.py" in w for w in hm.traced.finite_assumptions)
+    _accumulated_steps_equal(hm, ref, (x,))
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(hrockmate.FiniteAssumptionError, match="not|inf or NaN"):
+        hm(bad)
+    _accumulated_steps_equal(hm, ref, (torch.randn(4, 8),))  # (and it goes on)
+
+
+class _LossWithMatching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        pred = self.lin(x)
+        return hungarian_loss(pred, target)
+
+
+def hungarian_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    cost = torch.cdist(pred, target)
+    order = torch.as_tensor(cost.detach().cpu().numpy().argmin(1))  # (a matching on the host)
+    return (pred - target[order]).pow(2).mean()
+
+
+def test_a_read_in_a_loss_says_to_compute_the_loss_outside() -> None:
+    """Values handed to numpy (``.numpy()``: scipy's Hungarian matching in DETR-style losses)
+    are a read of values; in a loss, the error says to compute it outside (it was told
+    apart from reads and named the first try's failure before)."""
+    model = _LossWithMatching()
+    with pytest.raises(hrockmate.TraceError, match="compute that loss on its outputs outside"):
+        HRockmate(model, (torch.randn(6, 8), torch.randn(6, 4)), budget=0.5)
+
+
 class _CtcHead(nn.Module):
     """A CTC loss as transformers' speech models compute it: labels padded with -100, their
     range checked, targets selected with ``masked_select`` (``concatenated``) or passed

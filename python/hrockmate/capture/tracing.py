@@ -85,6 +85,7 @@ import logging
 import math
 import operator
 import os
+import re
 import sys
 import sysconfig
 import threading
@@ -107,7 +108,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from hrockmate.capture import ctc
 from hrockmate.capture.kernels import AutocastState, autocast_off, autocast_state, op_kernel
-from hrockmate.capture.values import MAX_BYTES, MaskWritesByPositions, ValueGuards, ValueReads
+from hrockmate.capture.values import (
+    MAX_BYTES,
+    FinitenessTests,
+    MaskWritesByPositions,
+    ValueGuards,
+    ValueReads,
+)
 from hrockmate.ir.graph import Graph, Op, Tensor
 
 __all__ = [
@@ -179,6 +186,9 @@ class Traced:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     autocast: AutocastState = ()
     value_guards: ValueGuards | None = None
+    # where the model tested values for finiteness and the graph assumed them finite
+    # (``capture.values``): the last of ``output_ids`` is then whether all held at a call
+    finite_assumptions: list[str] = field(default_factory=list)
     # sample leaf index -> IR tensor id of its new value: inputs the model updates in place
     # (written back into the caller's tensor once, as buffers are)
     input_updates: dict[int, int] = field(default_factory=dict)
@@ -825,6 +835,11 @@ def _new_cache_entries_cleared() -> Iterator[None]:
                 cached.cache_clear()
 
 
+# (``t.numpy()`` of a traced tensor: its values handed to numpy, e.g. scipy's Hungarian
+# matching in DETR-style losses)
+_NUMPY_OF_TRACED = ".numpy() is not supported for tensor subclasses"
+
+
 def _reads_tensor_values(exc: BaseException) -> bool:
     """Whether tracing failed because the model read a tensor's value (``.item()``, ``if`` on
     a tensor, a data-dependent output shape), here or in an exception it was raised from."""
@@ -839,7 +854,8 @@ def _reads_tensor_values(exc: BaseException) -> bool:
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
-        if isinstance(cur, kinds):
+        if isinstance(cur, kinds) or (isinstance(cur, RuntimeError) and _NUMPY_OF_TRACED
+                                      in str(cur)):
             return True
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
@@ -964,6 +980,11 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
+# code locations (``_failing_code``) inside a loss: transformers' ``loss/`` package, the
+# Hungarian matchers of DETR-style models
+_IN_A_LOSS = re.compile(r"loss|matcher|hungarian|linear_sum_assignment", re.IGNORECASE)
+
+
 def _explain(exc: BaseException, module_path: str, model: nn.Module,
              random_reads: set[str] | frozenset[str] = frozenset()) -> str:
     """The error for a failed trace. ``random_reads``: where the model read a value of random
@@ -992,6 +1013,11 @@ def _explain(exc: BaseException, module_path: str, model: nn.Module,
                 "decoder_layerdrop to 0.0) or leave this module out of hrockmate")
     first = _first_line(exc) or type(exc).__name__
     hint = _UNTRACEABLE_HINT
+    if code is not None and not in_backward and _IN_A_LOSS.search(code):
+        hint += (". The read is in a loss computed inside the model (a matching of "
+                 "predictions to targets, a check of predicted boxes): call the model without "
+                 "its labels and compute that loss on its outputs outside hrockmate (the "
+                 "outputs carry their gradients into the planned backward)")
     if in_backward:
         hint += (". In the backward, this is typically an op whose gradient has a "
                  "data-dependent shape, such as assigning through a boolean mask "
@@ -1534,6 +1560,7 @@ def trace_model(
     # (position among the traced function's arguments, a copy of the value, which the
     # model's in-place ops on it then change, not the user's tensor)
     guarded_sources: dict[Any, tuple[int, torch.Tensor]] = {}
+    last_try: list[bool] = []
     reads_box: dict[str, ValueReads] = {}
 
     def follow_inputs_and_small_buffers() -> None:
@@ -1552,8 +1579,15 @@ def trace_model(
         # (on top of AOTAutograd's modes; writes through masks matter only where values of
         # the inputs are followed: the function mode costs about 8% of a trace's time)
         writes = MaskWritesByPositions(reads) if guarded_sources else contextlib.nullcontext()
-        with reads, writes:
-            return step(*flat)
+        tests = FinitenessTests(reads) if last_try else contextlib.nullcontext()
+        with reads, writes, tests:
+            outs = step(*flat)
+            held = reads.assumptions_held()
+        if held is None:
+            return outs
+        # (after the model's outputs, which rebuild_output takes: the runtime checks it)
+        out_box["count"] += 1
+        return (*outs, held)
 
     flat_real: list[torch.Tensor] = [*params.values(), *buffers.values()]
     flat_real += [leaves[i] for i in tensor_leaf_pos]
@@ -1610,6 +1644,7 @@ def trace_model(
         if _reads_tensor_values(exc):
             # the last try: the eager path, reads of values of the inputs answered and guarded
             follow_inputs_and_small_buffers()
+            last_try.append(True)  # (isfinite's tests: a function mode, in this try only)
             try:
                 with _new_cache_entries_cleared():
                     joint = capture(False)
@@ -1668,6 +1703,12 @@ def trace_model(
     traced.device = device
     traced.autocast = autocast_state()
     traced.value_guards = guards
+    assumed = reads_box["last"].assumptions if "last" in reads_box else []
+    traced.finite_assumptions = [a.where or "the model's code" for a in assumed]
+    if assumed:
+        logger.info("the model tests values for finiteness (%s); the graph assumes them finite "
+                    "and each call checks that", ", ".join(dict.fromkeys(
+                        traced.finite_assumptions)))
     updated = sorted(k for kind, k in (guards.sources if guards else ())
                      if kind == "buffer" and k in traced.buffer_updates)
     if updated:

@@ -31,6 +31,14 @@ the graph, its whole result a guard. Writes through such masks are made by posit
 autograd (``MaskWritesByPositions``). Concatenated CTC targets selected from the inputs keep
 the labels' fixed shape instead, their count no guard (``hrockmate.capture.ctc``).
 
+- **Finiteness tests of activations** (DETR-family and Mask2Former layers clamp their hidden
+  states in training ``if not torch.isfinite(hidden_states).all()``): a test of values that
+  are not followed (``isfinite``, ``isinf``, ``isnan``, then ``all``/``any``/``not``) is read
+  as the finite outcome, the only one a graph for every batch can hold, and the tested value
+  becomes an assumption (``ValueReads.assumptions``): the traced step also returns whether every
+  assumption held, and the runtime checks that at each call (``FiniteAssumptionError``: plain
+  PyTorch would have taken the other branch there).
+
 Not followed: random ops, tensors the model closes over (the user may change them in place),
 parameters, buffers other than small ones followed as sources, anything written in place from
 a value not followed, and tensors over ``MAX_BYTES`` (sized from the traced result before any
@@ -53,12 +61,35 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from hrockmate.capture import ctc
 from hrockmate.capture.kernels import autocast_off
 
-__all__ = ["MaskWritesByPositions", "ValueGuards", "ValueReads"]
+__all__ = ["FiniteAssumptionError", "FinitenessTests", "MaskWritesByPositions", "ValueGuards",
+           "ValueReads"]
 
 MAX_BYTES = 16 << 20
 _HELD_BYTES = 4096  # (sources compared with their last values instead of replaying reads)
 
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+_aten = torch.ops.aten
+# per element, what a test of finite values gives
+_FINITE_TESTS = {_aten.isfinite: True, _aten.isinf: False, _aten.isnan: False,
+                 _aten.isposinf: False, _aten.isneginf: False}
+# ops whose result holds one value wherever their argument does: the same, or its negation
+_KEEP_UNIFORM = (_aten.all, _aten.any, _aten.clone, _aten.alias, _aten.view, _aten.reshape,
+                 _aten._to_copy, _aten.detach)
+_NEGATE = (_aten.logical_not, _aten.bitwise_not)
+_SCALAR_READS = (_aten._local_scalar_dense, _aten.is_nonzero, _aten.item)
+
+
+class FiniteAssumptionError(RuntimeError):
+    """Values the traced graph assumed finite (a finiteness test in the model's code, read as
+    "finite") were not at this call: plain PyTorch takes the other branch there."""
+
+
+@dataclass
+class _Assumption:
+    tensor: torch.Tensor  # the traced 0-d test the model read
+    expected: bool  # what the graph assumed it reads
+    where: str | None
 
 
 @dataclass(frozen=True)
@@ -195,6 +226,10 @@ class ValueReads(TorchDispatchMode):
         self._record = sources is not None
         self._slots = 0
         self._selections: dict[int, _Selection] = {}  # id of the result -> its selection
+        # id -> (the traced tensor, the value each of its elements has wherever the tested
+        # values are finite): results of finiteness tests of values not followed
+        self._uniform: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+        self.assumptions: list[_Assumption] = []
         for key, (traced, real) in (sources or {}).items():
             slot = self._follow(traced, real, True)
             self._source_slots[slot] = key
@@ -257,6 +292,9 @@ class ValueReads(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in ctc.FORWARDS:
             return self._ctc(func, args, kwargs)
+        tested = self._finiteness(func, args, kwargs)
+        if tested is not None:
+            return tested[0]
         if self._selections:
             self._note_uses((args, kwargs))
         if func in _MASKED:
@@ -321,6 +359,52 @@ class ValueReads(TorchDispatchMode):
         if self._record:
             self._ops.append(_Op(func, recorded, slots, _writes(func)))
         return out
+
+    def _finiteness(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> tuple[Any] | None:
+        """A finiteness test of values not followed, an op carrying its outcome, or a read of
+        it (module docstring): (the result,), else None."""
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        packet = func.overloadpacket
+        if packet in _FINITE_TESTS:
+            if self._lookup(args[0]) is not None:
+                return None  # (followed values are read as they are)
+            uniform = _FINITE_TESTS[packet]
+        else:
+            entry = self._uniform.get(id(args[0]))
+            if entry is None or entry[0]() is not args[0]:
+                return None
+            uniform = entry[1]
+            if func in _SCALAR_READS or packet in _SCALAR_READS:
+                if args[0].numel() != 1:
+                    return None
+                self.assumptions.append(_Assumption(args[0], uniform, self._where()))
+                return (uniform,)
+            if packet in _NEGATE:
+                uniform = not uniform
+            elif packet not in _KEEP_UNIFORM:
+                return None
+        out = func(*args, **kwargs)
+        self.mark_test(args[0] if packet in _FINITE_TESTS else None, out, uniform)
+        return (out,)
+
+    def mark_test(self, tested: torch.Tensor | None, out: Any, uniform: bool) -> None:
+        """``out`` holds ``uniform`` in each element wherever the values are finite (a test of
+        ``tested``, a value not followed, or an op on such a result: ``tested`` None)."""
+        if isinstance(out, torch.Tensor) and (
+                tested is None or isinstance(tested, torch.Tensor)
+                and self._lookup(tested) is None):
+            self._uniform[id(out)] = (weakref.ref(out), uniform)
+
+    def assumptions_held(self) -> torch.Tensor | None:
+        """Traced at the end of the step: whether every assumption held (a 0-d bool), or
+        None when there was none."""
+        if not self.assumptions:
+            return None
+        held = [a.tensor.reshape(()) if a.expected else torch.logical_not(a.tensor.reshape(()))
+                for a in self.assumptions]
+        return torch.stack(held).all() if len(held) > 1 else held[0].clone()
 
     def _constant(self, func: Any, real_args: Any, real_kwargs: Any, recorded: Any,
                   from_inputs: bool) -> Any:
@@ -433,6 +517,25 @@ class ValueReads(TorchDispatchMode):
                 found = self._lookup(args[i])
                 if found is not None:
                     self._spoiled.add(found[0].untyped_storage().data_ptr())
+
+
+class FinitenessTests(TorchFunctionMode):
+    """Marks ``torch.isfinite``'s results for ``ValueReads`` (module docstring): ATen composes
+    it from other ops (``isinf`` and ``isnan`` reach the dispatch mode as they are)."""
+
+    def __init__(self, reads: ValueReads) -> None:
+        super().__init__()
+        self._reads = reads
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _ISFINITE and isinstance(out, torch.Tensor):
+            self._reads.mark_test(args[0], out, True)
+        return out
+
+
+_ISFINITE = (torch.isfinite, torch.Tensor.isfinite)
 
 
 class MaskWritesByPositions(TorchFunctionMode):

@@ -3,7 +3,12 @@ straight-line Python (``compiler``), inside autograd; docs/runtime.md describes 
 
 from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
-from hrockmate.runtime.module import HRockmate, InputMismatchError, ModelChangedError
+from hrockmate.runtime.module import (
+    FiniteAssumptionError,
+    HRockmate,
+    InputMismatchError,
+    ModelChangedError,
+)
 
-__all__ = ["HRockmate", "InputMismatchError", "ModelChangedError", "Program",
-           "RuntimeScheduleError", "compile_schedule", "keep_freed_cpu_memory"]
+__all__ = ["FiniteAssumptionError", "HRockmate", "InputMismatchError", "ModelChangedError",
+           "Program", "RuntimeScheduleError", "compile_schedule", "keep_freed_cpu_memory"]

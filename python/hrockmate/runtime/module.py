@@ -49,10 +49,12 @@ import torch.utils._pytree as pytree
 
 from hrockmate.capture.kernels import autocast_off, autocast_state, describe_autocast
 from hrockmate.capture.tracing import TensorLeaf, rebuild_output
+from hrockmate.capture.values import FiniteAssumptionError
 from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
 
-__all__ = ["HRockmate", "InputMismatchError", "ModelChangedError", "RuntimeScheduleError"]
+__all__ = ["FiniteAssumptionError", "HRockmate", "InputMismatchError", "ModelChangedError",
+           "RuntimeScheduleError"]
 
 
 logger = logging.getLogger(__name__)
@@ -793,6 +795,15 @@ class HRockmate(nn.Module):
         wired = [params[j] for j in program.chunk_params[0]]
         wired += [inputs[j] for j in program.chunk_inputs[0]]
         outs = _ForwardSegment.apply(state, token, *wired)
+        assumed = self.__dict__["_hr_traced"].finite_assumptions
+        if assumed and not bool(outs[-1]):  # (the step's last output: capture.values)
+            raise FiniteAssumptionError(
+                f"values the model tests for finiteness (at {_listed(sorted(set(assumed)))}) "
+                "hold inf or NaN at this call: plain PyTorch takes the model's other branch "
+                "there (DETR-style layers clamp such values), and the traced graph holds only "
+                "the finite one. Training has likely diverged (lower the learning rate, check "
+                "the inputs for inf/NaN); torch.autograd.set_detect_anomaly(True) on the plain "
+                "model shows where they first appear")
         if self._hr_single_output:
             return outs[0]
         return _rebuild_outputs(self._hr_out_leaves, self._hr_out_spec, outs)
