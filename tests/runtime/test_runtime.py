@@ -1233,6 +1233,43 @@ def test_writes_through_masks_from_the_inputs_train() -> None:
     _accumulated_steps_equal(hm, ref, (x, moved))
 
 
+class _ReturnsViews(nn.Module):
+    """Outputs that are views of another output (DETR-style heads: ``logits =
+    intermediate_logits[:, -1]``) or of one intermediate (AOTAutograd then differentiates
+    that base, an output of its own)."""
+
+    def __init__(self, of_an_output: bool) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())))
+        self.a, self.b = nn.Linear(32, 8), nn.Linear(32, 8)
+        self.of_an_output = of_an_output
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.body(x)
+        h = torch.stack([self.a(x), self.b(torch.relu(x))])
+        if self.of_an_output:
+            return {"all": h, "last": h[-1]}
+        return {"first": h[0], "last": h[-1]}
+
+
+@pytest.mark.parametrize("of_an_output", [True, False], ids=["of_an_output", "of_a_base"])
+def test_outputs_that_are_views_carry_their_gradients(of_an_output: bool) -> None:
+    """A loss computed outside on an output that is a view: the runtime makes it again from
+    its base's returned tensor, as AOTAutograd does (views of another output had no gradient
+    at all: every .grad stayed None; views of one intermediate failed to trace, "internal:
+    tangent of an unexpected output kind IntermediateBaseAOTOutput")."""
+    torch.manual_seed(0)
+    model, x = _ReturnsViews(of_an_output), torch.randn(64, 32)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x,), budget=0.8)
+    for step in range(2):
+        for m in (hm, ref):
+            out = m(x)
+            (out["last"].square().sum() + 0.5 * sum(v.sum() for v in out.values())).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None and torch.equal(p.grad, q.grad), (step, name)
+
+
 class _ClampsNonFinite(nn.Module):
     """Layers that clamp their hidden states in training when some are not finite, as the
     DETR family's and Mask2Former's do (``isfinite(...).all()``), and one that tests with

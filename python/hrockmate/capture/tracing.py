@@ -187,8 +187,10 @@ class Traced:
     autocast: AutocastState = ()
     value_guards: ValueGuards | None = None
     # where the model tested values for finiteness and the graph assumed them finite
-    # (``capture.values``): the last of ``output_ids`` is then whether all held at a call
+    # (``capture.values``), and the position in ``output_ids`` of whether all held at a call
+    # (after the model's outputs; views' bases AOTAutograd adds come after it)
     finite_assumptions: list[str] = field(default_factory=list)
+    finite_check: int | None = None
     # sample leaf index -> IR tensor id of its new value: inputs the model updates in place
     # (written back into the caller's tensor once, as buffers are)
     input_updates: dict[int, int] = field(default_factory=dict)
@@ -1201,11 +1203,17 @@ def _build(
     user_out: dict[int, fx.Node] = {}
     grads: dict[int, fx.Node] = {}
     mutations: dict[int, fx.Node] = {}
+    # outputs that are views of one intermediate: AOTAutograd differentiates that base (an
+    # extra output, after the model's) and makes the views from it (the runtime does too)
+    base_position: dict[Any, int] = {}
     for val, desc in zip(out_vals, out_descs):
         if val is None:
             continue
         if isinstance(desc, d.PlainAOTOutput):
             user_out[desc.idx] = val
+        elif isinstance(desc, d.IntermediateBaseAOTOutput):
+            base_position[desc] = n_user_outputs + len(base_position)
+            user_out[base_position[desc]] = val
         elif isinstance(desc, d.GradAOTOutput):
             grads[_input_index(desc.grad_of)] = val
         elif isinstance(desc, d.InputMutationAOTOutput):
@@ -1225,7 +1233,7 @@ def _build(
                 "the model changes the shape or strides of one of its inputs in place "
                 "(e.g. x.t_() on an argument); use an out-of-place view instead"
             )
-        # intermediate bases and other bookkeeping outputs are not results of the iteration
+        # other bookkeeping outputs are not results of the iteration
 
     _forward_results_first(graph)
 
@@ -1417,14 +1425,18 @@ def _build(
         if any(o in mutates_fix for o in op.outputs):
             op.mutates_buffer = True
 
-    output_ids = [tensor_of[(user_out[k], None)] for k in range(n_user_outputs) if k in user_out]
-    if len(output_ids) != n_user_outputs:
+    n_outputs = n_user_outputs + len(base_position)
+    output_ids = [tensor_of[(user_out[k], None)] for k in range(n_outputs) if k in user_out]
+    if len(output_ids) != n_outputs:
         raise TraceError("internal: some model outputs are missing from the joint graph")
     for tid, (kind, key) in list(sources.items()):
         if kind == "tangent":
-            if not isinstance(key, d.PlainAOTOutput):
+            if isinstance(key, d.PlainAOTOutput):
+                sources[tid] = ("tangent", key.idx)
+            elif key in base_position:
+                sources[tid] = ("tangent", base_position[key])
+            else:
                 raise TraceError(f"internal: tangent of an unexpected output kind {key}")
-            sources[tid] = ("tangent", key.idx)
 
     param_grads = {flat_kinds[i][1]: tensor_of[(n, None)] for i, n in grads.items()
                    if flat_kinds[i][0] == "param"}
@@ -1705,6 +1717,7 @@ def trace_model(
     traced.value_guards = guards
     assumed = reads_box["last"].assumptions if "last" in reads_box else []
     traced.finite_assumptions = [a.where or "the model's code" for a in assumed]
+    traced.finite_check = out_box["count"] - 1 if assumed else None
     if assumed:
         logger.info("the model tests values for finiteness (%s); the graph assumes them finite "
                     "and each call checks that", ", ".join(dict.fromkeys(

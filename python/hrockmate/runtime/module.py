@@ -614,6 +614,7 @@ class HRockmate(nn.Module):
         self._hr_out_leaves, self._hr_out_spec = _output_structure(traced)
         self._hr_single_output = (self._hr_out_leaves == [TensorLeaf]
                                   and self._hr_out_spec.is_leaf())
+        self._hr_output_views = _output_views(traced)
         self._hr_device = traced.device
 
         # (hierarchies built for this trace: reused by replan() with the same options)
@@ -795,8 +796,17 @@ class HRockmate(nn.Module):
         wired = [params[j] for j in program.chunk_params[0]]
         wired += [inputs[j] for j in program.chunk_inputs[0]]
         outs = _ForwardSegment.apply(state, token, *wired)
-        assumed = self.__dict__["_hr_traced"].finite_assumptions
-        if assumed and not bool(outs[-1]):  # (the step's last output: capture.values)
+        if self._hr_output_views:
+            # an output that is a view of another (``logits = stacked[:, -1]``) is made again
+            # from that one's returned tensor, as AOTAutograd does: it has no gradient of its
+            # own in the graph, and a view returned by the function itself carried none
+            outs = list(outs)
+            for k, j in self._hr_output_views:
+                v = outs[k]
+                outs[k] = outs[j].as_strided(v.size(), v.stride(), v.storage_offset())
+        traced = self.__dict__["_hr_traced"]
+        if traced.finite_check is not None and not bool(outs[traced.finite_check]):
+            assumed = traced.finite_assumptions
             raise FiniteAssumptionError(
                 f"values the model tests for finiteness (at {_listed(sorted(set(assumed)))}) "
                 "hold inf or NaN at this call: plain PyTorch takes the model's other branch "
@@ -979,6 +989,23 @@ def _output_structure(traced: Any) -> tuple[list[Any], Any]:
     """(leaf template, spec): see ``output_spec`` in ``hrockmate.capture.tracing``."""
     spec, leaves = traced.output_spec
     return list(leaves), spec
+
+
+def _output_views(traced: Any) -> list[tuple[int, int]]:
+    """(k, j): the k-th output is a view of the j-th's storage and has no gradient planned
+    (the trace differentiates only its base)."""
+    tensors = traced.graph.tensors
+    position = {t: j for j, t in enumerate(traced.output_ids)}
+    with_tangent = {int(v[1]) for v in traced.sources.values() if v[0] == "tangent"}
+    views = []
+    for k, t in enumerate(traced.output_ids):
+        root = t
+        while tensors[root].alias_of is not None:
+            root = tensors[root].alias_of
+        j = position.get(root)
+        if root != t and j is not None and k not in with_tangent:
+            views.append((k, j))
+    return views
 
 
 def _rebuild_outputs(template: list[Any], spec: Any, outs: Sequence[torch.Tensor]) -> Any:
