@@ -1270,6 +1270,37 @@ def test_outputs_that_are_views_carry_their_gradients(of_an_output: bool) -> Non
             assert p.grad is not None and torch.equal(p.grad, q.grad), (step, name)
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(32, 32), nn.Tanh())))
+        self.head_a, self.head_b = nn.Linear(32, 4), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.head_a(h), self.head_b(h)
+
+
+def test_parameters_reached_only_by_outputs_without_gradient_get_none() -> None:
+    """A loss outside on one output of two: eager leaves ``.grad`` None for the parameters
+    only the other output reaches (optimizers then skip them: AdamW would otherwise decay
+    them and move their moments); the plan computes zeros there (they got zeros before)."""
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(64, 32)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x,), budget=0.8)
+    for step in range(2):
+        for m in (hm, ref):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (zeros made for the output without one)
+                m(x)[0].square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if name.startswith("head_b"):
+                assert p.grad is None and q.grad is None, name
+            else:
+                assert torch.equal(p.grad, q.grad), (step, name)
+
+
 class _ClampsNonFinite(nn.Module):
     """Layers that clamp their hidden states in training when some are not finite, as the
     DETR family's and Mask2Former's do (``isfinite(...).all()``), and one that tests with

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -78,6 +78,27 @@ class Program:
     #: every updated buffer (what a planner sets aside so that its plan fits with the runtime's
     #: bytes)
     possible_extra_bytes: int = 0
+    #: per parameter / tensor-input slot, the outputs its gradient depends on (bit k: output
+    #: k's gradient): a gradient that only outputs which received none reach is handed over
+    #: as None, as eager autograd leaves ``.grad`` (the plan computes zeros there)
+    param_tangents: list[int] = field(default_factory=list)
+    input_tangents: list[int] = field(default_factory=list)
+
+
+def _tangents_reaching(graph: Any, sources: dict[int, tuple[str, Any]]) -> list[int]:
+    """Per tensor, the outputs whose gradients reach it (a bitmask over output positions)."""
+    reach = [0] * len(graph.tensors)
+    for tid, (kind, key) in sources.items():
+        if kind == "tangent":
+            reach[int(tid)] |= 1 << int(key)
+    for op in graph.ops:  # (in the traced order: inputs before outputs)
+        mask = 0
+        for x in op.inputs:
+            mask |= reach[x]
+        if mask:
+            for o in op.outputs:
+                reach[o] |= mask
+    return reach
 
 
 def _resolve_generator(node: torch.fx.Node) -> torch.Generator:
@@ -552,6 +573,10 @@ class _Compiler:
             if kind == "tangent":
                 meta = tr.tensor_nodes[int(tid)][0].meta["val"]
                 tangent_layout[int(key)] = (tuple(meta.shape), meta.stride(), meta.dtype)
+        reach = _tangents_reaching(g, tr.sources)
+        param_tangents, input_tangents = [0] * n_params, [0] * len(self.input_slot)
+        for t, (kind, j) in grad_slot.items():
+            (param_tangents if kind == "GP" else input_tangents)[j] |= reach[t]
         return Program(
             forward=_Segment(self._exec(fwd_src, "forward_segment"), fwd_src),
             chunks=chunks,
@@ -569,6 +594,8 @@ class _Compiler:
             extra_bytes=rng_bytes + extra_bytes + allocator_slack_bytes(g, tr.device),
             possible_extra_bytes=possible_state_bytes + sum(
                 g.tensors[old].bytes for _, old in update_target.values() if old is not None),
+            param_tangents=param_tangents,
+            input_tangents=input_tangents,
         )
 
     def _compact_masks(self) -> tuple[dict[int, int], dict[int, int]]:

@@ -88,7 +88,7 @@ def _leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
 class _IterationState:
     """Everything one iteration (one call) shares between its forward and backward chunks."""
 
-    __slots__ = ("program", "params", "buffers", "inputs", "env", "rng", "gp", "gx")
+    __slots__ = ("program", "params", "buffers", "inputs", "env", "rng", "gp", "gx", "ungiven")
 
     def __init__(
         self,
@@ -105,6 +105,7 @@ class _IterationState:
         self.rng: list[Any] = [None] * program.num_rng_slots
         self.gp: list[Any] = [None] * program.num_param_slots
         self.gx: list[Any] = [None] * program.num_input_slots
+        self.ungiven = 0  # outputs that received no gradient (``_zero_missing_gradients``)
 
     def run_chunk(self, i: int, grad_outputs: Sequence[torch.Tensor] = ()) -> list[Any]:
         """Run backward chunk ``i``; return the gradients it hands over (and forget them)."""
@@ -119,11 +120,14 @@ class _IterationState:
             program.chunks[i].fn(env, self.buffers, grad_outputs, self.rng, self.gp, self.gx)
         gp, gx = self.gp, self.gx
         grads: list[Any] = []
+        given = ~self.ungiven  # (outputs that received a gradient)
         for j in program.chunk_params[i]:
-            grads.append(gp[j])
+            reached = program.param_tangents[j] if program.param_tangents else -1
+            grads.append(gp[j] if reached & given else None)
             gp[j] = None  # no extra reference: autograd may take the tensor over as .grad
         for j in program.chunk_inputs[i]:
-            grads.append(gx[j])
+            reached = program.input_tangents[j] if program.input_tangents else -1
+            grads.append(gx[j] if reached & given else None)
             gx[j] = None
         if i == len(program.chunks) - 1:
             self.release()
@@ -136,10 +140,10 @@ class _IterationState:
 
 
 def _zero_missing_gradients(grads: list[torch.Tensor | None], program: Program,
-                            device: torch.device) -> None:
+                            device: torch.device) -> int:
     """Zeros (in the planned layout) for the outputs planned with a gradient that received
     none, as autograd would materialize them; warns, since they cost memory the plan did not
-    expect (pass loss_fn to plan for the loss alone)."""
+    expect (pass loss_fn to plan for the loss alone). Returns those outputs as a bitmask."""
     missing = []
     for i, layout in enumerate(program.tangent_layout):
         if layout is not None and grads[i] is None:
@@ -155,6 +159,7 @@ def _zero_missing_gradients(grads: list[torch.Tensor | None], program: Program,
             "that only the loss is planned for",
             stacklevel=2,
         )
+    return sum(1 << i for i in missing)
 
 
 class _ForwardSegment(torch.autograd.Function):
@@ -194,7 +199,7 @@ class _ForwardSegment(torch.autograd.Function):
             g if g is None or not contig or g.is_contiguous() else g.contiguous()
             for g, contig in zip(grad_outputs, program.tangent_contiguous)
         ]
-        _zero_missing_gradients(grads_out, program, ctx.device)
+        state.ungiven = _zero_missing_gradients(grads_out, program, ctx.device)
         if torch._C._is_any_autocast_enabled():
             warnings.warn(
                 "HRockmate: backward() was called within a torch.autocast region. The backward "
