@@ -376,7 +376,7 @@ class ValueReads(TorchDispatchMode):
             if entry is None or entry[0]() is not args[0]:
                 return None
             uniform = entry[1]
-            if func in _SCALAR_READS or packet in _SCALAR_READS:
+            if packet in _SCALAR_READS:
                 if args[0].numel() != 1:
                     return None
                 self.assumptions.append(_Assumption(args[0], uniform, self._where()))
@@ -386,12 +386,13 @@ class ValueReads(TorchDispatchMode):
             elif packet not in _KEEP_UNIFORM:
                 return None
         out = func(*args, **kwargs)
-        self.mark_test(args[0] if packet in _FINITE_TESTS else None, out, uniform)
+        self.mark_test(None, out, uniform)  # (a tested value was found not followed above)
         return (out,)
 
     def mark_test(self, tested: torch.Tensor | None, out: Any, uniform: bool) -> None:
-        """``out`` holds ``uniform`` in each element wherever the values are finite (a test of
-        ``tested``, a value not followed, or an op on such a result: ``tested`` None)."""
+        """``out`` holds ``uniform`` in each element wherever the values are finite: a test of
+        ``tested``, marked only if that value is not followed (None: checked already, or
+        ``out`` is an op's on a marked result)."""
         if isinstance(out, torch.Tensor) and (
                 tested is None or isinstance(tested, torch.Tensor)
                 and self._lookup(tested) is None):

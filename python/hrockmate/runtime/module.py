@@ -122,12 +122,10 @@ class _IterationState:
         grads: list[Any] = []
         given = ~self.ungiven  # (outputs that received a gradient)
         for j in program.chunk_params[i]:
-            reached = program.param_tangents[j] if program.param_tangents else -1
-            grads.append(gp[j] if reached & given else None)
+            grads.append(gp[j] if program.param_tangents[j] & given else None)
             gp[j] = None  # no extra reference: autograd may take the tensor over as .grad
         for j in program.chunk_inputs[i]:
-            reached = program.input_tangents[j] if program.input_tangents else -1
-            grads.append(gx[j] if reached & given else None)
+            grads.append(gx[j] if program.input_tangents[j] & given else None)
             gx[j] = None
         if i == len(program.chunks) - 1:
             self.release()
@@ -999,14 +997,11 @@ def _output_structure(traced: Any) -> tuple[list[Any], Any]:
 def _output_views(traced: Any) -> list[tuple[int, int]]:
     """(k, j): the k-th output is a view of the j-th's storage and has no gradient planned
     (the trace differentiates only its base)."""
-    tensors = traced.graph.tensors
     position = {t: j for j, t in enumerate(traced.output_ids)}
     with_tangent = {int(v[1]) for v in traced.sources.values() if v[0] == "tangent"}
     views = []
     for k, t in enumerate(traced.output_ids):
-        root = t
-        while tensors[root].alias_of is not None:
-            root = tensors[root].alias_of
+        root = traced.graph.storage_root(t)
         j = position.get(root)
         if root != t and j is not None and k not in with_tangent:
             views.append((k, j))
