@@ -528,7 +528,7 @@ def test_module_shared_under_several_paths_stays_intact() -> None:
 
 class _MaskFastPath(nn.Module):
     """Skips the mask when it is all ones, unless a compiler traces it (as transformers' mask
-    helpers do): the value test cannot be traced, the compiler path can."""
+    helpers do): the eager path tests the mask's values, the compilers' path does not."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -541,15 +541,50 @@ class _MaskFastPath(nn.Module):
         return h.square().mean()
 
 
-def test_value_checks_with_a_compiler_path_take_it() -> None:
+class _MaskCountPath(_MaskFastPath):
+    """Reads how many positions the mask keeps (a count, not a test) unless compiled."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).masked_fill(~mask[:, :, None], 0.0)
+        if torch.compiler.is_compiling():
+            return h.square().sum() / mask.sum()
+        return h.square().sum() / int(mask.sum())
+
+
+def test_value_tests_of_the_inputs_keep_the_eager_path() -> None:
+    """A test of the inputs' values (True or False) is answered on the eager path and guarded:
+    what plain PyTorch computes, in a graph per outcome (the compilers' path of transformers'
+    mask helpers builds a mask where eager uses is_causal, and rounds otherwise)."""
     model = _MaskFastPath()
+    x = torch.randn(2, 3, 4)
+    padded = torch.tensor([[True, True, True], [True, True, False]])
+    ones = torch.ones(2, 3, dtype=torch.bool)
+    traced = trace_model(model, {"x": x, "mask": padded}, cost="none")
+    assert not torch.compiler.is_compiling()  # restored after tracing
+    assert traced.graph.meta["compiling_paths"] is False
+    assert traced.graph.meta["value_guards"] == 1
+    assert any(op.target == "aten.masked_fill.Scalar" for op in traced.graph.ops)
+    assert_reproduces_autograd(copy.deepcopy(model), {"x": x, "mask": padded}, traced)
+    guards = traced.value_guards
+    assert guards is not None and guards.tests_only
+    other = padded.flip(1)  # another padding: the same outcome
+    assert guards.failing({("input", 0): x, ("input", 1): other}.__getitem__) is None
+    assert "was False" in (guards.failing({("input", 0): x, ("input", 1): ones}.__getitem__)
+                           or "")
+    unpadded = trace_model(model, {"x": x, "mask": ones}, cost="none")
+    assert not any(op.target == "aten.masked_fill.Scalar" for op in unpadded.graph.ops)
+    assert_reproduces_autograd(copy.deepcopy(model), {"x": x, "mask": ones}, unpadded)
+
+
+def test_value_reads_with_a_compiler_path_take_it() -> None:
+    """A count read from the inputs would take a graph per count: the compilers' path, where
+    the model has one, serves them all."""
+    model = _MaskCountPath()
     x = torch.randn(2, 3, 4)
     padded = torch.tensor([[True, True, True], [True, True, False]])
     traced = trace_model(model, {"x": x, "mask": padded}, cost="none")
     assert traced.graph.meta["compiling_paths"] is True
-    assert not torch.compiler.is_compiling()  # restored after tracing
-    assert any(op.target == "aten.masked_fill.Scalar" for op in traced.graph.ops)
-    # one graph serves padded and unpadded batches alike
+    assert traced.graph.meta["value_guards"] == 0
     for mask in (padded, torch.ones(2, 3, dtype=torch.bool)):
         assert_reproduces_autograd(copy.deepcopy(model), {"x": x, "mask": mask}, traced)
     plain = trace_model(nn.Linear(4, 4), x, cost="none")
@@ -727,6 +762,41 @@ def test_a_cache_compilers_bypass_keeps_no_fake_tensor() -> None:
     assert cache.cache_info().currsize == 1
     assert not isinstance(cache(model, 5), FakeTensor)
     assert_reproduces_autograd(copy.deepcopy(model), x, traced)
+
+
+class _LazyTable(nn.Module):
+    """Computes a table from its buffers at first use and keeps it in a plain attribute, as
+    transformers' Mimi codebooks do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("table_sum", torch.randn(6, 4))
+        self.register_buffer("usage", torch.rand(6) + 0.5)
+        self._table: torch.Tensor | None = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        if self._table is None:
+            self._table = self.table_sum / self.usage.clamp(min=1e-5)[:, None]
+        return self._table
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) @ self.table.T).square().mean()
+
+
+def test_tensors_the_model_keeps_in_attributes_while_traced_are_dropped() -> None:
+    """The trace left a fake tensor in the attribute: AOTAutograd's second pass failed on it,
+    and so did the model in plain PyTorch afterwards (the failure blamed on the model)."""
+    model, x = _LazyTable(), torch.randn(3, 4)
+    traced = trace_model(model, x, cost="none")
+    assert model._table is None  # as the user gave it
+    assert_reproduces_autograd(copy.deepcopy(model), x, traced)
+    model(x).backward()  # the model still runs in plain PyTorch, and keeps its real table
+    assert type(model._table) is torch.Tensor
+    again = trace_model(model, x, cost="none")  # a table kept before the trace stays
+    assert type(model._table) is torch.Tensor
+    assert_reproduces_autograd(copy.deepcopy(model), x, again)
 
 
 class _BrokenCompilerPath(_TwoPaths):

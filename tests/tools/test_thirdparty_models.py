@@ -189,14 +189,18 @@ def test_trains_exactly_within_two_budgets(name: str) -> None:
         assert abs(peak - pred) <= 0.05 * pred, f"{name}: measured {peak} vs predicted {pred}"
 
 
-def test_gpt2_padded_mask_traces_its_compiler_path() -> None:
-    """transformers' sdpa mask helpers read the padding mask's values unless they see a
-    compiler: the trace takes their compiler path, so one graph serves every padding of the
-    shape (and the cache object comes back holding each call's tensors)."""
+def test_gpt2_padding_masks_keep_the_eager_path() -> None:
+    """transformers' sdpa mask helpers test whether the padding mask has any padding unless
+    they see a compiler: the test is answered on the eager path and guarded, so a batch with
+    padding and one without each take the graph plain PyTorch computes (no mask and is_causal
+    without padding), traced once each; other paddings share the first (and the cache object
+    comes back holding each call's tensors)."""
     model, sample, _ = BUILDERS["gpt2"]("tiny")
     hm = HRockmate(model, sample, loss_fn="loss")
+    padded_graph = hm.traced
+    assert padded_graph.graph.meta["compiling_paths"] is False
     if model.config._attn_implementation == "sdpa":
-        assert hm.traced.graph.meta["compiling_paths"] is True
+        assert padded_graph.value_guards is not None and padded_graph.value_guards.tests_only
     tangents = [k for kind, k in hm.traced.sources.values() if kind == "tangent"]
     assert len(tangents) == 1  # only the loss is planned for a gradient
     ref = copy.deepcopy(model)
@@ -204,9 +208,11 @@ def test_gpt2_padded_mask_traces_its_compiler_path() -> None:
     unpadded = dict(sample, attention_mask=ones, labels=sample["input_ids"])  # eager drops it
     other = dict(sample, attention_mask=ones.clone())
     other["attention_mask"][0, :5] = 0  # left padding in another row
-    for batch in (sample, other, unpadded):
+    graphs = []
+    for batch in (sample, other, unpadded, sample):
         torch.manual_seed(3)
         out = hm(**batch)
+        graphs.append(hm.traced)
         torch.manual_seed(3)
         ref_out = ref(**batch)
         _assert_same(out.logits, ref_out.logits.detach(), "logits")
@@ -222,6 +228,10 @@ def test_gpt2_padded_mask_traces_its_compiler_path() -> None:
             _assert_same(p.grad, q.grad, f"grad of {pname}")
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
+    assert graphs[0] is graphs[1] is graphs[3] is padded_graph  # (the first came back)
+    if model.config._attn_implementation == "sdpa":
+        assert graphs[2] is not padded_graph
+        assert graphs[2].graph.num_ops < padded_graph.graph.num_ops  # (no mask to build)
 
 
 def test_wav2vec2_ctc_trains_one_plan_for_any_label_lengths() -> None:

@@ -33,9 +33,10 @@ CONTRACT (shared by the tracer and the runtime; keep this docstring true):
   after the autocast region (PyTorch's recommended use). The ops run with autocast off
   (``kernels.autocast_off``), and the trace is valid only for calls under the same regions.
 - ``value_guards``: reads of values of the inputs and of small buffers that the trace answered
-  (``capture.values``; a last try, when both paths failed at a read), or None: the graph holds
-  the path those values took, so ``value_guards.failing(value_of)`` must be None for a call to
-  use it (``value_of(("input", k))``: the k-th tensor input, ``value_of(("buffer", name))``).
+  (``capture.values``; a second eager-path try after a read: see ``trace_model``), or None:
+  the graph holds the path those values took, so ``value_guards.failing(value_of)`` must be
+  None for a call to use it (``value_of(("input", k))``: the k-th tensor input,
+  ``value_of(("buffer", name))``).
 
 Details of the mapping (see docs/graph-ir.md for the IR itself):
 - Every ``call_function`` node that computes tensors is an op; ``getitem`` nodes only select a
@@ -67,9 +68,10 @@ Details of the mapping (see docs/graph-ir.md for the IR itself):
   IR's sizes are corrected where a fake kernel got an output's size wrong.
 - Thread safety: ``trace_model`` and ``annotate_costs`` hold one process-wide lock, so traces
   started from several threads run one after another (and give the same graph as alone).
-- A model whose trace fails (a tensor value read, a fake tensor kept by a cache) is traced a
-  second time with ``torch.compiler.is_compiling()`` answering True
-  (``graph.meta["compiling_paths"]``), so that code with a value-independent path for compilers
+- A model whose trace fails at a read of its inputs' values is traced again with those reads
+  answered and guarded (kept when each is a test, True or False); otherwise (a count read, a
+  fake tensor kept by a cache) it is traced with ``torch.compiler.is_compiling()`` answering
+  True (``graph.meta["compiling_paths"]``), so that code with a value-independent path for compilers
   (transformers' mask helpers) takes it and caches that compilers bypass are bypassed. Entries
   that model code's ``functools.lru_cache`` caches computed during a trace are dropped after it.
 """
@@ -837,6 +839,34 @@ def _new_cache_entries_cleared() -> Iterator[None]:
                 cached.cache_clear()
 
 
+class _ModuleAttributes:
+    """The model's modules' plain attributes that hold a tensor or None, as before a trace.
+    Model code caches tensors there on first use (transformers' Mimi keeps its codebook's
+    ``_embed``): a trace would leave a fake tensor behind, which breaks AOTAutograd's next pass
+    of the same trace and the model in plain PyTorch for the rest of the process (Mimi failed
+    eagerly after a failed trace, and the failure was blamed on the model). ``restore`` puts
+    them back: before each pass (each computes such a value in its own graph, as a first call
+    does) and after the trace."""
+
+    _TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+
+    def __init__(self, model: nn.Module) -> None:
+        self._saved = [
+            (m, {k: v for k, v in vars(m).items()
+                 if k not in self._TABLES and (v is None or isinstance(v, torch.Tensor))})
+            for m in model.modules()]
+
+    def restore(self) -> None:
+        for module, saved in self._saved:
+            attrs = vars(module)
+            for k, v in list(attrs.items()):
+                if k in saved:
+                    if v is not saved[k]:
+                        attrs[k] = saved[k]
+                elif isinstance(v, torch.Tensor) and k not in self._TABLES:
+                    del attrs[k]  # (made by the traced call)
+
+
 # (``t.numpy()`` of a traced tensor: its values handed to numpy, e.g. scipy's Hungarian
 # matching in DETR-style losses)
 _NUMPY_OF_TRACED = ".numpy() is not supported for tensor subclasses"
@@ -924,7 +954,7 @@ def _eager_run(step: Callable[..., Any], flat_real: list[torch.Tensor],
     return None, random_reads.reads
 
 
-# Buffers up to this size are followed (and their reads guarded) by the last try of a trace
+# Buffers up to this size are followed (and their reads guarded) by the guarded try of a trace
 # (``capture.values``): EnCodec's integer padding buffers; large buffers are data.
 _GUARDED_BUFFER_BYTES = 1024
 
@@ -1548,7 +1578,10 @@ def trace_model(
     slots = _state_slots(model, flat_kinds[:n_pb])
     out_box: dict[str, Any] = {}
 
+    attributes = _ModuleAttributes(model)
+
     def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        attributes.restore()  # (each pass starts from the model the user gave)
         state = {name: flat[i] for name, i in slots}
         new_leaves = list(leaves)
         for pos, v in zip(tensor_leaf_pos, flat[n_pb:]):
@@ -1568,11 +1601,11 @@ def trace_model(
         out_box["count"] = len(tensors)
         return tuple(tensors)
 
-    # the last try follows (and guards) values of the inputs and of small buffers: key ->
+    # the guarded try follows (and guards) values of the inputs and of small buffers: key ->
     # (position among the traced function's arguments, a copy of the value, which the
     # model's in-place ops on it then change, not the user's tensor)
     guarded_sources: dict[Any, tuple[int, torch.Tensor]] = {}
-    last_try: list[bool] = []
+    guarded_try: list[bool] = []
     reads_box: dict[str, ValueReads] = {}
 
     def follow_inputs_and_small_buffers() -> None:
@@ -1591,7 +1624,7 @@ def trace_model(
         # (on top of AOTAutograd's modes; writes through masks matter only where values of
         # the inputs are followed: the function mode costs about 8% of a trace's time)
         writes = MaskWritesByPositions(reads) if guarded_sources else contextlib.nullcontext()
-        tests = FinitenessTests(reads) if last_try else contextlib.nullcontext()
+        tests = FinitenessTests(reads) if guarded_try else contextlib.nullcontext()
         with reads, writes, tests:
             outs = step(*flat)
             held = reads.assumptions_held()
@@ -1613,65 +1646,89 @@ def trace_model(
         # Our own fake mode, so that real tensors the model or loss_fn closes over (e.g.
         # targets, plain tensor attributes) are accepted; they become constants of the graph.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with preserved_rng(device), host_draws_recorded(host_draws), torch.enable_grad(), \
-                _eager_faithful_dispatch(device), _quiet_tracing_noise(), \
-                _distribution_checks_off(), _tensor_literals_read(), \
-                _module_annotations(model, module_stack), \
-                torch._functorch.config.patch(backward_pass_autocast="off"), \
-                _checkpoints_as_plain_calls(checkpointed), \
-                _compiling_paths() if compiling_paths else contextlib.nullcontext():
-            return _capture_joint(step_with_values,
-                                  [fake_mode.from_tensor(t) for t in flat_real])
+        try:
+            with preserved_rng(device), host_draws_recorded(host_draws), torch.enable_grad(), \
+                    _eager_faithful_dispatch(device), _quiet_tracing_noise(), \
+                    _distribution_checks_off(), _tensor_literals_read(), \
+                    _module_annotations(model, module_stack), \
+                    torch._functorch.config.patch(backward_pass_autocast="off"), \
+                    _checkpoints_as_plain_calls(checkpointed), \
+                    _compiling_paths() if compiling_paths else contextlib.nullcontext():
+                return _capture_joint(step_with_values,
+                                      [fake_mode.from_tensor(t) for t in flat_real])
+        finally:
+            attributes.restore()
 
     # The eager paths first: they compute what plain PyTorch computes (with
     # torch.compiler.is_compiling() True, transformers' Mamba models take a parallel scan that
-    # rounds differently). When that trace fails, the compilers' paths are traced: code that
-    # reads a tensor value may have a value-independent path for compilers (transformers' mask
-    # helpers), and caches that compilers bypass (transformers' compile_compatible_method_lru_cache:
+    # rounds differently). Where that trace fails at a read of values, it is traced again on
+    # the eager path with the reads of the inputs' values answered and guarded; kept when every
+    # read is a test (True or False: a few graphs at most), as transformers' test that an
+    # attention mask has no padding, where the compilers' path builds an explicit mask in place
+    # of eager's is_causal and grouped-query kernel (HunYuan's key-norm gradients 3e-7 off; on
+    # GPU, no flash kernel). Otherwise the compilers' paths are traced: code that reads a
+    # tensor value may have a value-independent path for compilers (one graph for every
+    # count), and caches that compilers bypass (transformers' compile_compatible_method_lru_cache:
     # BEiT's relative position index) keep no fake tensor of the trace, which breaks
-    # AOTAutograd's second pass. The retry runs outside the first failure's handler so that its
-    # own failure does not carry the first as its context.
+    # AOTAutograd's second pass; where those fail too, the guarded eager trace is taken as it
+    # is. Each retry runs outside the previous failure's handler so that its own failure does
+    # not carry the first as its context.
     failures: dict[bool, tuple[BaseException, str]] = {}  # compiling_paths -> (error, module)
-    joint: fx.GraphModule | None = None
-    for compiling_paths in (False, True):
+
+    def try_capture(compiling_paths: bool) -> fx.GraphModule | None:
         try:
             with _new_cache_entries_cleared():
-                joint = capture(compiling_paths)
+                return capture(compiling_paths)
         except TraceError:
             raise
-        except Exception as exc:  # noqa: BLE001 - explained below once both paths failed
+        except Exception as exc:  # noqa: BLE001 - explained below once every path failed
             failures[compiling_paths] = (exc, module_stack[-1] if module_stack else "")
-            continue
-        break
+            return None
+
     guards: ValueGuards | None = None
+    compiling_paths = False
+    joint = try_capture(False)
+    guarded: tuple[fx.GraphModule, ValueReads] | None = None
+    guarded_exc: BaseException | None = None
+    guarded_path = ""
+    if joint is None and _reads_tensor_values(failures[False][0]):
+        follow_inputs_and_small_buffers()
+        guarded_try.append(True)  # (isfinite's tests: a function mode, in guarded tries only)
+        try:
+            with _new_cache_entries_cleared():
+                guarded = (capture(False), reads_box["last"])
+        except TraceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - explained below
+            guarded_exc, guarded_path = exc, module_stack[-1] if module_stack else ""
+        found = guarded[1].guards() if guarded is not None else None
+        if guarded is not None and (found is None or found.tests_only):
+            joint, guards = guarded[0], found
+        else:
+            guarded_sources.clear()
+            guarded_try.clear()
+    if joint is None:
+        joint = try_capture(True)
+        compiling_paths = joint is not None
+    if joint is None and guarded is not None:
+        joint, guards = guarded[0], guarded[1].guards()
+        reads_box["last"] = guarded[1]
     if joint is None:
         (exc, path), (comp_exc, comp_path) = failures[False], failures[True]
         eager, random_reads = _eager_run(step, flat_real, buffers, device)
+        attributes.restore()
         if eager is not None:  # the model's own error, not a limit of tracing
             first = _first_line(eager)
             raise TraceError(
                 f"the model fails in plain PyTorch too when called with this sample (and "
                 f"loss_fn): {type(eager).__name__}: {first}; fix the model, its configuration "
                 "or the sample (the traceback above shows where)") from eager
-        if _reads_tensor_values(exc):
-            # the last try: the eager path, reads of values of the inputs answered and guarded
-            follow_inputs_and_small_buffers()
-            last_try.append(True)  # (isfinite's tests: a function mode, in this try only)
-            try:
-                with _new_cache_entries_cleared():
-                    joint = capture(False)
-                guards, compiling_paths = reads_box["last"].guards(), False
-            except TraceError:
-                raise
-            except Exception as guarded_exc:  # noqa: BLE001 - explained below
-                if _reads_tensor_values(guarded_exc) and \
-                        _failing_code(guarded_exc)[0] != _failing_code(exc)[0]:
-                    # it got past the first read: the next one, not the inputs' alone, is the
-                    # cause (a read where the first try failed is explained as before)
-                    path = module_stack[-1] if module_stack else ""
-                    raise TraceError(_explain(guarded_exc, path, model, random_reads)) \
-                        from guarded_exc
-    if joint is None:
+        if guarded_exc is not None and _reads_tensor_values(guarded_exc) and \
+                _failing_code(guarded_exc)[0] != _failing_code(exc)[0]:
+            # the guarded try got past the first read: the next one, not the inputs' alone,
+            # is the cause (a read where the first try failed is explained as before)
+            raise TraceError(_explain(guarded_exc, guarded_path, model, random_reads)) \
+                from guarded_exc
         if _reads_tensor_values(exc) and not _reads_tensor_values(comp_exc):
             # the model reads a value on its eager path and its compilers' path breaks for a
             # reason of its own (transformers' Switch Transformers: `nonzero` in its experts,

@@ -13,8 +13,10 @@ the real result instead of reaching the fake tensor, which would raise):
   made by ``arange`` when a decoder runs without a cache; the eager path failed there and the
   compilers' path built an explicit mask where eager uses ``is_causal`` (HF Llama's gradients
   were 1e-7 off; bitwise along the eager path).
-- **Values computed from the call's inputs alone** (``sources``; a last try, after the traces
-  along the eager and the compilers' paths both failed at a read): a check of the labels'
+- **Values computed from the call's inputs alone** (``sources``; a second try on the eager
+  path after its first failed at a read, kept when every read is a test (``tests_only``),
+  else after the compilers' path failed too): a padding mask's "any padding?", a check of the
+  labels'
   range, ``global_attention_mask.any()``; and from small buffers (EnCodec computes its padding
   from integer buffers). They may differ from call to call, so each read becomes a guard:
   ``ValueGuards.failing`` replays the ops from the sources to each read on a call's values
@@ -163,6 +165,13 @@ class ValueGuards:
 
     def __len__(self) -> int:
         return len(self._reads)
+
+    @property
+    def tests_only(self) -> bool:
+        """Whether every read is a test (True or False): each has two outcomes at most, so
+        the values of the inputs take few graphs; a count or a value read may take one per
+        call."""
+        return all(isinstance(r.expected, bool) for r in self._reads)
 
     @property
     def sources(self) -> list[Hashable]:
