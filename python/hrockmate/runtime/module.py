@@ -287,8 +287,9 @@ _NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_variants", "_hr_fingerprint", 
                 "_hr_param_slots", "_hr_buffer_slots", "_hr_prepared")
 # Paths of the model traced for other values of its inputs (``_follow_values``): this many
 # are kept (the one in use included), to switch back without tracing again; what every path
-# shares (the model, the request, the model checks) is not part of one.
-_MAX_VARIANTS = 4
+# shares (the model, the request, the model checks) is not part of one. Eight: an
+# encoder-decoder's two padding masks, each padded or not, take four (transformers' BART).
+_MAX_VARIANTS = 8
 _SHARED_BY_VARIANTS = frozenset({"_hr_model", "_hr_request", "_hr_fingerprint",
                                  "_hr_snapshot", "_hr_variants"})
 
