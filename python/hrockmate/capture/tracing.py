@@ -71,9 +71,10 @@ Details of the mapping (see docs/graph-ir.md for the IR itself):
 - A model whose trace fails at a read of its inputs' values is traced again with those reads
   answered and guarded (kept when each is a test, True or False); otherwise (a count read, a
   fake tensor kept by a cache) it is traced with ``torch.compiler.is_compiling()`` answering
-  True (``graph.meta["compiling_paths"]``), so that code with a value-independent path for compilers
-  (transformers' mask helpers) takes it and caches that compilers bypass are bypassed. Entries
-  that model code's ``functools.lru_cache`` caches computed during a trace are dropped after it.
+  True (``graph.meta["compiling_paths"]``), so that code with a value-independent path for
+  compilers (transformers' mask helpers) takes it and caches that compilers bypass are
+  bypassed. Entries that model code's ``functools.lru_cache`` caches computed during a trace
+  are dropped after it.
 """
 
 from __future__ import annotations
@@ -863,7 +864,7 @@ class _ModuleAttributes:
                 if k in saved:
                     if v is not saved[k]:
                         attrs[k] = saved[k]
-                elif isinstance(v, torch.Tensor) and k not in self._TABLES:
+                elif isinstance(v, torch.Tensor):
                     del attrs[k]  # (made by the traced call)
 
 
@@ -1673,48 +1674,43 @@ def trace_model(
     # AOTAutograd's second pass; where those fail too, the guarded eager trace is taken as it
     # is. Each retry runs outside the previous failure's handler so that its own failure does
     # not carry the first as its context.
-    failures: dict[bool, tuple[BaseException, str]] = {}  # compiling_paths -> (error, module)
+    failures: dict[str, tuple[BaseException, str]] = {}  # try -> (error, module)
 
-    def try_capture(compiling_paths: bool) -> fx.GraphModule | None:
+    def try_capture(which: str) -> fx.GraphModule | None:
+        """The joint graph of try ``which`` ("eager", "guarded" or "compiling"), or None with
+        its failure kept in ``failures``."""
         try:
             with _new_cache_entries_cleared():
-                return capture(compiling_paths)
+                return capture(which == "compiling")
         except TraceError:
             raise
         except Exception as exc:  # noqa: BLE001 - explained below once every path failed
-            failures[compiling_paths] = (exc, module_stack[-1] if module_stack else "")
+            failures[which] = (exc, module_stack[-1] if module_stack else "")
             return None
 
     guards: ValueGuards | None = None
     compiling_paths = False
-    joint = try_capture(False)
-    guarded: tuple[fx.GraphModule, ValueReads] | None = None
-    guarded_exc: BaseException | None = None
-    guarded_path = ""
-    if joint is None and _reads_tensor_values(failures[False][0]):
+    joint = try_capture("eager")
+    # the guarded try's graph, its guards and its reads
+    guarded: tuple[fx.GraphModule, ValueGuards | None, ValueReads] | None = None
+    if joint is None and _reads_tensor_values(failures["eager"][0]):
         follow_inputs_and_small_buffers()
         guarded_try.append(True)  # (isfinite's tests: a function mode, in guarded tries only)
-        try:
-            with _new_cache_entries_cleared():
-                guarded = (capture(False), reads_box["last"])
-        except TraceError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - explained below
-            guarded_exc, guarded_path = exc, module_stack[-1] if module_stack else ""
-        found = guarded[1].guards() if guarded is not None else None
-        if guarded is not None and (found is None or found.tests_only):
-            joint, guards = guarded[0], found
-        else:
+        found = try_capture("guarded")
+        if found is not None:
+            guarded = (found, reads_box["last"].guards(), reads_box["last"])
+            if guarded[1] is None or guarded[1].tests_only:
+                joint, guards = guarded[0], guarded[1]
+        if joint is None:
             guarded_sources.clear()
             guarded_try.clear()
     if joint is None:
-        joint = try_capture(True)
+        joint = try_capture("compiling")
         compiling_paths = joint is not None
     if joint is None and guarded is not None:
-        joint, guards = guarded[0], guarded[1].guards()
-        reads_box["last"] = guarded[1]
+        joint, guards, reads_box["last"] = guarded
     if joint is None:
-        (exc, path), (comp_exc, comp_path) = failures[False], failures[True]
+        (exc, path), (comp_exc, comp_path) = failures["eager"], failures["compiling"]
         eager, random_reads = _eager_run(step, flat_real, buffers, device)
         attributes.restore()
         if eager is not None:  # the model's own error, not a limit of tracing
@@ -1723,6 +1719,7 @@ def trace_model(
                 f"the model fails in plain PyTorch too when called with this sample (and "
                 f"loss_fn): {type(eager).__name__}: {first}; fix the model, its configuration "
                 "or the sample (the traceback above shows where)") from eager
+        guarded_exc, guarded_path = failures.get("guarded", (None, ""))
         if guarded_exc is not None and _reads_tensor_values(guarded_exc) and \
                 _failing_code(guarded_exc)[0] != _failing_code(exc)[0]:
             # the guarded try got past the first read: the next one, not the inputs' alone,

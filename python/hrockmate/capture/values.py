@@ -16,9 +16,8 @@ the real result instead of reaching the fake tensor, which would raise):
 - **Values computed from the call's inputs alone** (``sources``; a second try on the eager
   path after its first failed at a read, kept when every read is a test (``tests_only``),
   else after the compilers' path failed too): a padding mask's "any padding?", a check of the
-  labels'
-  range, ``global_attention_mask.any()``; and from small buffers (EnCodec computes its padding
-  from integer buffers). They may differ from call to call, so each read becomes a guard:
+  labels' range, ``global_attention_mask.any()``; and from small buffers (EnCodec computes its
+  padding from integer buffers). They may differ from call to call, so each read becomes a guard:
   ``ValueGuards.failing`` replays the ops from the sources to each read on a call's values
   before the call runs, and a different result means the graph is not this call's (the
   runtime traces and plans again).
