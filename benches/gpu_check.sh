@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass of the GPU checks: the CUDA tests, the GPU benchmarks (GPT-2 large, then U-Net and
-# ResNet+BN large) and the rest of the test suite, each under its own time limit so that one
-# stage that runs long still leaves the others their turn.
+# ResNet+BN large, then third-party models at 50%) and the rest of the test suite, each under
+# its own time limit so that one stage that runs long still leaves the others their turn.
 #
 #   bash benches/gpu_check.sh OUTDIR [SIZE]     # SIZE: large (default) or tiny (a dry run)
 #
@@ -39,6 +39,8 @@ stage bench_gpt2 240 "$py" -m hrockmate bench --device "$device" --size "$size" 
 stage bench_unet_resnet 180 "$py" -m hrockmate bench --device "$device" --size "$size" \
     --models unet,resnet_bn --budgets 0.9,0.7,0.5,0.3 --methods plain,hrockmate,checkpoint,selective \
     --time-limit 60 --threads 0 --no-plot --out "$out/unet_resnet"
+stage thirdparty 150 "$py" benches/thirdparty.py --device "$device" --size small \
+    --models gpt2,llama,bert,t5,vit,resnet18 --budgets 0.5 --threads 0 --out "$out/thirdparty.json"
 # the rest of the suite, with the GPU present (a model may land on it), on the many cores
 # (pytest-xdist); SUITE_SECONDS=0 skips it
 if [ "${SUITE_SECONDS:-150}" -gt 0 ]; then

@@ -15,6 +15,7 @@ Per model and budget, in one process:
 
     python benches/thirdparty.py                        # all models, size small, 70% and 50%
     python benches/thirdparty.py --models gpt2,resnet18 --budgets 0.5
+    python benches/thirdparty.py --device cuda --size small  # on a GPU
 
 Writes ``benches/results/thirdparty.json`` (``--out``) and prints a Markdown table. Needs the
 ``models`` extra. torch runs single-threaded (``--threads``): on a shared machine, spinning
@@ -42,7 +43,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 import hrockmate  # noqa: E402
-from hrockmate.bench import _compare_grads  # noqa: E402
+from hrockmate.bench import _compare_grads, _to_device  # noqa: E402
 from hrockmate.capture.memory import eager_training_step  # noqa: E402
 from hrockmate.ir.budget import parse_budget  # noqa: E402
 from hrockmate.runtime import keep_freed_cpu_memory  # noqa: E402
@@ -61,12 +62,17 @@ def _peak(step: Any, params: list[torch.Tensor]) -> int:
 
 def _timed(step: Any, seed: int, params: list[torch.Tensor]) -> float:
     """One step from cleared gradients: a step that finds gradients in place also pays for
-    accumulating into them."""
+    accumulating into them (on a GPU, from an idle device to the step's last kernel)."""
     for p in params:
         p.grad = None
     torch.manual_seed(seed)
+    cuda = params[0].is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     t = time.perf_counter()
     step()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t
 
 
@@ -75,14 +81,16 @@ def _grads(model: Any) -> dict[str, torch.Tensor]:
 
 
 def run_model(name: str, size: str, budgets: list[float], iterations: int,
-              time_limit: float) -> dict[str, Any]:
+              time_limit: float, device: str = "cpu") -> dict[str, Any]:
     torch.manual_seed(0)
     model, sample, loss_fn = BUILDERS[name](size)
-    model.train()
+    model.train().to(device)
+    sample = _to_device(sample, device)
     params = list(model.parameters())
     start = copy.deepcopy(model.state_dict())
     plain_step = eager_training_step(model, sample, loss_fn=loss_fn)
-    row: dict[str, Any] = {"model": name, "size": size, "parameters": sum(p.numel() for p in params),
+    row: dict[str, Any] = {"model": name, "size": size, "device": device,
+                           "parameters": sum(p.numel() for p in params),
                            "plain_peak_bytes": _peak(plain_step, params)}
     print(f"{name}: {row['parameters']:,} parameters, plain peak "
           f"{row['plain_peak_bytes'] / 2**20:.2f} MiB", flush=True)
@@ -174,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=11)
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: default)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda")
     ap.add_argument("--out", type=Path, default=Path("benches/results/thirdparty.json"))
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -181,17 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(BUILDERS)}")
     budgets = [float(b) for b in args.budgets.split(",")]
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
     if args.threads:
         torch.set_num_threads(args.threads)
     kept = keep_freed_cpu_memory()  # before any model runs: plain and hrockmate allocate alike
     t0 = time.perf_counter()
-    rows = [run_model(n, args.size, budgets, args.iterations, args.time_limit) for n in names]
+    rows = [run_model(n, args.size, budgets, args.iterations, args.time_limit, args.device)
+            for n in names]
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "python": platform.python_version(),
-                    "load_average": list(os.getloadavg()), "freed_cpu_memory_kept": kept},
+                    "load_average": list(os.getloadavg()), "freed_cpu_memory_kept": kept,
+                    "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                               else "cpu")},
         "seconds": round(time.perf_counter() - t0, 1),
         "models": rows,
     }

@@ -129,3 +129,22 @@ def test_the_cudnn_path_hands_the_reserve_space_to_the_backward(monkeypatch: pyt
     assert len(reserves) == 1 and reserves[0].numel() == 0
     assert got[1] is None
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
+def test_fused_attention_backwards_draw_no_random_numbers() -> None:
+    """The memory-efficient and cuDNN attention backwards carry ATen's ``nondeterministic_seeded``
+    tag but replay the forward's draw from its philox seed and offset: taking them for random
+    ops failed every CUDA transformer with attention dropout ("runs random op
+    '_scaled_dot_product_efficient_attention_backward' for the first time in the backward")."""
+    aten = torch.ops.aten
+    draws = [aten._scaled_dot_product_efficient_attention.default,
+             aten._scaled_dot_product_cudnn_attention.default,
+             aten._scaled_dot_product_flash_attention.default,
+             aten.native_dropout.default, aten.bernoulli.p, aten.randn.default]
+    given = [aten._scaled_dot_product_efficient_attention_backward.default,
+             aten._scaled_dot_product_cudnn_attention_backward.default,
+             aten._scaled_dot_product_flash_attention_backward.default,
+             aten.native_dropout_backward.default, aten.mm.default]
+    assert all(kernels.draws_random_numbers(op) for op in draws)
+    assert not any(kernels.draws_random_numbers(op) for op in given)
+    assert not kernels.draws_random_numbers(lambda x: x)  # (a plain function: no tags)

@@ -25,6 +25,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PREEXISTING = {"input", "parameter", "buffer", "tangent"}
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+#: tests that run on the CPU and, marked ``cuda``, on a CUDA device where one exists
+ON_DEVICES = pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, cuda])])
+
 
 # ---- schedules built by hand ---------------------------------------------------------------------
 def checkpoint_schedule(graph: Graph, keep_every: int) -> Any:
@@ -738,16 +743,17 @@ def test_gradients_accumulate_and_zero_grad_works() -> None:
 
 
 def _accumulated_steps_equal(hm: nn.Module, ref: nn.Module, sample: Any, steps: int = 2,
-                             seeded: bool = False) -> None:
+                             seeded: bool = False, rel: float = 0.0) -> None:
     """``steps`` backward passes through ``hm`` and ``ref``, accumulated (no zeroing; seeds 1,
-    2, ... before each pass when ``seeded``): the gradients are bitwise equal after each."""
+    2, ... before each pass when ``seeded``): the gradients are bitwise equal after each (within
+    ``rel`` relative where a kernel is not deterministic)."""
     for step in range(1, steps + 1):
         for m in (hm, ref):
             if seeded:
                 torch.manual_seed(step)
             _call(m, sample).backward()
         for (name, p), (_, q) in zip(hm.named_parameters(), ref.named_parameters()):
-            assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name}"
+            _assert_same(p.grad, q.grad, f"step {step}: grad of {name}", rel)
 
 
 def test_gradients_sharing_a_storage_are_handed_over_as_copies() -> None:
@@ -1033,22 +1039,23 @@ class _ChecksItsLabels(nn.Module):
         return 2 * loss
 
 
+@ON_DEVICES
 def test_reads_of_input_values_are_guarded_at_each_call(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, device: str) -> None:
     """The graph holds the path the traced labels took; each call replays the reads on its
     own labels first: the same answers run the plan, another traces and plans again, and a
     path traced before is taken again without tracing."""
     torch.manual_seed(0)
-    model = _ChecksItsLabels()
-    x, labels = torch.randn(16, 8), torch.randint(0, 10, (16,))
+    model = _ChecksItsLabels().to(device)
+    x, labels = torch.randn(16, 8, device=device), torch.randint(0, 10, (16,), device=device)
     ref = copy.deepcopy(model)
     hm = HRockmate(model, (x, labels))
     assert hm.traced.graph.meta["value_guards"] == 2
     traced_first, plan_first = hm.traced, hm.plan
     with caplog.at_level("WARNING", logger="hrockmate"):
-        _accumulated_steps_equal(hm, ref, (x, torch.randint(0, 10, (16,))))
+        _accumulated_steps_equal(hm, ref, (x, torch.randint(0, 10, (16,), device=device)))
     assert hm.traced is traced_first and "planned again" not in caplog.text
-    padded = torch.where(torch.arange(16) < 3, -100, labels)
+    padded = torch.where(torch.arange(16, device=device) < 3, -100, labels)
     with caplog.at_level("WARNING", logger="hrockmate"):
         _accumulated_steps_equal(hm, ref, (x, padded))
     assert "a value the model read from its inputs or buffers at " in caplog.text
@@ -1323,12 +1330,13 @@ class _ClampsNonFinite(nn.Module):
         return x.pow(2).mean()
 
 
-def test_finiteness_tests_of_activations_are_assumed_and_checked() -> None:
+@ON_DEVICES
+def test_finiteness_tests_of_activations_are_assumed_and_checked(device: str) -> None:
     """A test of activations for finiteness is read as finite (the graph holds that branch,
     bitwise eager's), and each call checks it held: values that are not finite raise (it
     raised "cannot trace ... DataDependentOutputException" at the first test)."""
     torch.manual_seed(0)
-    model, x = _ClampsNonFinite(), torch.randn(4, 8)
+    model, x = _ClampsNonFinite().to(device), torch.randn(4, 8, device=device)
     ref = copy.deepcopy(model)
     hm = HRockmate(model, (x,), budget=0.7)
     assert len(hm.traced.finite_assumptions) == 4  # (the isinf/isnan layer tests twice)
@@ -1338,7 +1346,7 @@ def test_finiteness_tests_of_activations_are_assumed_and_checked() -> None:
     bad[0, 0] = float("inf")
     with pytest.raises(hrockmate.FiniteAssumptionError, match="not|inf or NaN"):
         hm(bad)
-    _accumulated_steps_equal(hm, ref, (torch.randn(4, 8),))  # (and it goes on)
+    _accumulated_steps_equal(hm, ref, (torch.randn(4, 8, device=device),))  # (and it goes on)
 
 
 class _LossWithMatching(nn.Module):
@@ -1383,29 +1391,32 @@ class _CtcHead(nn.Module):
         log_probs = logits.log_softmax(-1).transpose(0, 1)
         valid = labels >= 0
         targets = labels.masked_select(valid) if self.concatenated else labels.clamp(min=0)
-        frames = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        frames = torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=x.device)
         return nn.functional.ctc_loss(log_probs, targets, frames, valid.sum(-1),
                                       zero_infinity=True)
 
 
-def _ctc_labels(seed: int) -> torch.Tensor:
+def _ctc_labels(seed: int, device: str = "cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(1, 6, (3, 5), generator=g)
     lengths = torch.randint(1, 6, (3,), generator=g)
     labels[torch.arange(5)[None] >= lengths[:, None]] = -100
-    return labels
+    return labels.to(device)
 
 
+@ON_DEVICES
 @pytest.mark.parametrize("concatenated", [True, False], ids=["concatenated", "padded"])
-def test_ctc_losses_train_for_any_target_lengths(concatenated: bool) -> None:
+def test_ctc_losses_train_for_any_target_lengths(concatenated: bool, device: str) -> None:
     """PyTorch's fake tensors have no CTC loss (its table's size is a value of the target
     lengths): traced as ops whose table is sized for the longest target the targets can hold,
     targets selected by a mask in the labels' fixed shape; batches with other lengths run the
-    same plan, bitwise (it raised "DynamicOutputShapeException: aten._ctc_loss")."""
+    same plan, bitwise on the CPU (it raised "DynamicOutputShapeException: aten._ctc_loss");
+    CUDA's CTC backward adds with atomics, so there within rounding."""
     torch.manual_seed(0)
-    model, x = _CtcHead(concatenated), torch.randn(3, 12, 8)
+    model, x = _CtcHead(concatenated).to(device), torch.randn(3, 12, 8, device=device)
     ref = copy.deepcopy(model)
-    hm = HRockmate(model, (x, _ctc_labels(0)))
+    rel = 0.0 if device == "cpu" else 1e-6
+    hm = HRockmate(model, (x, _ctc_labels(0, device)))
     traced = hm.traced
     targets = {str(n.target) for n in traced.gm.graph.nodes}
     assert {"hrockmate.ctc_loss.default", "hrockmate.ctc_loss_backward.default"} <= targets
@@ -1419,7 +1430,10 @@ def test_ctc_losses_train_for_any_target_lengths(concatenated: bool) -> None:
         if plan is not None:
             hm.use_plan(plan)
         for seed in range(4):  # (different lengths and counts of labels)
-            _accumulated_steps_equal(hm, ref, (x, _ctc_labels(seed)), steps=1)
+            _accumulated_steps_equal(hm, ref, (x, _ctc_labels(seed, device)), steps=1, rel=rel)
+    if concatenated and device == "cuda":  # (seen on an H200 with torch 2.11)
+        pytest.xfail("known gap: on CUDA the count of targets masked_select picks is guarded, "
+                     "so each count traces and plans again (gradients equal); cause not found")
     assert hm.traced is traced
 
 
@@ -1766,9 +1780,6 @@ def test_budget_below_store_all_trains_exactly_within_it() -> None:
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("name,cudnn", [("gpt2_tiny", True), ("cnn_bn", False), ("cnn_bn", True)])

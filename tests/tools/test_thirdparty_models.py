@@ -189,13 +189,19 @@ def test_trains_exactly_within_two_budgets(name: str) -> None:
         assert abs(peak - pred) <= 0.05 * pred, f"{name}: measured {peak} vs predicted {pred}"
 
 
-def test_gpt2_padding_masks_keep_the_eager_path() -> None:
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_gpt2_padding_masks_keep_the_eager_path(device: str) -> None:
     """transformers' sdpa mask helpers test whether the padding mask has any padding unless
     they see a compiler: the test is answered on the eager path and guarded, so a batch with
     padding and one without each take the graph plain PyTorch computes (no mask and is_causal
     without padding), traced once each; other paddings share the first (and the cache object
-    comes back holding each call's tensors)."""
+    comes back holding each call's tensors). On CUDA, SDPA runs its flash or memory-efficient
+    kernels, as eager does."""
     model, sample, _ = BUILDERS["gpt2"]("tiny")
+    model.to(device)
+    sample = {k: v.to(device) for k, v in sample.items()}
     hm = HRockmate(model, sample, loss_fn="loss")
     padded_graph = hm.traced
     assert padded_graph.graph.meta["compiling_paths"] is False

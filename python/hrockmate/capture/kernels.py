@@ -31,7 +31,8 @@ import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["RELAYOUT", "AutocastState", "autocast_off", "autocast_state", "describe_autocast",
-           "in_place_kernel", "kernel", "op_kernel", "relayout_outputs", "want_relayout"]
+           "draws_random_numbers", "in_place_kernel", "kernel", "op_kernel", "relayout_outputs",
+           "want_relayout"]
 
 #: The device types whose autocast state is followed (those this torch build knows).
 _AUTOCAST_DEVICES = tuple(
@@ -146,6 +147,22 @@ def _rnn_layer_for_training(*args: Any) -> Any:
 _EAGER_CPU: dict[Any, Callable[..., Any]] = {
     _aten.mkldnn_rnn_layer.default: _rnn_layer_for_training,
 }
+
+
+#: Schema arguments through which an op is handed a draw made by another op.
+_GIVEN_DRAWS = frozenset({"philox_seed", "philox_offset", "rng_state"})
+
+
+@functools.lru_cache(maxsize=None)
+def draws_random_numbers(target: Any) -> bool:
+    """Whether running ``target`` takes numbers from a random generator. ATen tags such ops
+    ``nondeterministic_seeded``; the tag is also on the backwards of the fused attention
+    kernels (memory-efficient, cuDNN), which take the forward's draw as inputs (its philox seed
+    and offset) and draw nothing: replaying them needs no generator state."""
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    schema = getattr(target, "_schema", None)
+    return schema is None or not any(a.name in _GIVEN_DRAWS for a in schema.arguments)
 
 
 @functools.lru_cache(maxsize=None)

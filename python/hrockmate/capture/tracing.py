@@ -110,7 +110,13 @@ from torch.fx import traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from hrockmate.capture import ctc
-from hrockmate.capture.kernels import AutocastState, autocast_off, autocast_state, op_kernel
+from hrockmate.capture.kernels import (
+    AutocastState,
+    autocast_off,
+    autocast_state,
+    draws_random_numbers,
+    op_kernel,
+)
 from hrockmate.capture.values import (
     MAX_BYTES,
     FinitenessTests,
@@ -910,7 +916,7 @@ class _RandomReads(TorchDispatchMode):
     def _only_random(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         name = func.overloadpacket.__name__
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if draws_random_numbers(func):
             if name.endswith("_") or name.endswith("_like"):
                 tensors = tensors[1:]  # (the tensor filled in place, or only its shape)
         elif not tensors:
@@ -1178,8 +1184,7 @@ def _alias_source(
 
 
 def _is_random(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+    return draws_random_numbers(node.target)
 
 
 def _insert_alias(gm: fx.GraphModule, src: fx.Node, where: fx.Node, *, before: bool,

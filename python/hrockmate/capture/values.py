@@ -60,7 +60,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from hrockmate.capture import ctc
-from hrockmate.capture.kernels import autocast_off
+from hrockmate.capture.kernels import autocast_off, draws_random_numbers
 
 __all__ = ["FiniteAssumptionError", "FinitenessTests", "MaskWritesByPositions", "ValueGuards",
            "ValueReads"]
@@ -313,7 +313,7 @@ class ValueReads(TorchDispatchMode):
         lifted = func in _LIFTS
         found = [self._lookup(x) if isinstance(x, torch.Tensor) else None for x in leaves]
         tensors = [f for x, f in zip(leaves, found) if isinstance(x, torch.Tensor)]
-        if torch.Tag.nondeterministic_seeded in func.tags or not (
+        if draws_random_numbers(func) or not (
                 lifted or all(f is not None for f in tensors)):
             if any(f is not None for f in tensors):
                 self._spoil_written(func, args)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from hrockmate.capture.kernels import RELAYOUT, in_place_kernel, op_kernel
+from hrockmate.capture.kernels import RELAYOUT, draws_random_numbers, in_place_kernel, op_kernel
 from hrockmate.capture.tracing import allocator_slack_bytes
 
 __all__ = ["Program", "RuntimeScheduleError", "compile_schedule"]
@@ -130,11 +130,6 @@ def _replay_generator(node: torch.fx.Node) -> torch.Generator | None:
         return _resolve_generator(node)
     except RuntimeScheduleError:
         return None
-
-
-def _is_random(node: torch.fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
 
 
 class _Compiler:
@@ -422,7 +417,8 @@ class _Compiler:
                     f"output '{g.tensors[t].name}' is not produced by the schedule"
                 )
 
-        random_ops = [k for k in range(g.num_ops) if g.ops[k].random or _is_random(tr.op_nodes[k])]
+        random_ops = [k for k in range(g.num_ops)
+                      if g.ops[k].random or draws_random_numbers(tr.op_nodes[k].target)]
         self._check_random_order(random_ops)
         # each random op's generator, once (GEN<j> in the generated code); a replayed op whose
         # generator is not supported fails here with the reason
