@@ -823,13 +823,16 @@ def test_a_failing_compiler_path_reports_the_value_read_that_sent_tracing_there(
 
 
 class _LayerDrop(nn.Module):
-    """Skips each layer with a probability while training, deciding on ``torch.rand`` (as
-    transformers' LayerDrop does); ``data_read`` branches on a dropped-out activation instead."""
+    """Skips each layer with ``probability`` while training, deciding on ``torch.rand`` (as
+    transformers' LayerDrop does, before 5.2x also at probability 0), then a dropout;
+    ``data_read`` branches on a dropped-out activation instead."""
 
-    def __init__(self, data_read: bool = False) -> None:
+    def __init__(self, data_read: bool = False, probability: float = 0.5) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 4)
         self.data_read = data_read
+        self.probability = probability
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -839,10 +842,10 @@ class _LayerDrop(nn.Module):
                     x = x.relu()
                 continue
             dropout_probability = torch.rand([])
-            if self.training and dropout_probability < 0.5:
+            if self.training and dropout_probability < self.probability:
                 continue
-            x = layer(x).relu()
-        return x.square().sum()
+            x = nn.functional.dropout(layer(x).relu(), 0.2, self.training)
+        return self.head(x).square().sum()
 
 
 def test_distribution_argument_checks_are_off_while_tracing() -> None:
@@ -879,7 +882,7 @@ def test_a_branch_on_a_random_draw_is_named_as_such() -> None:
         trace_model(_LayerDrop(), torch.randn(2, 4), cost="none")
     text = str(info.value)
     assert "branches on a random draw" in text and "layerdrop" in text
-    assert "if self.training and dropout_probability < 0.5:" in text
+    assert "if self.training and dropout_probability < self.probability:" in text
     # a read of data that went through a dropout is an ordinary data dependency
     with pytest.raises(TraceError) as info:
         trace_model(_LayerDrop(data_read=True), torch.randn(2, 4), cost="none")
@@ -1081,3 +1084,33 @@ def test_a_read_of_a_buffer_the_step_updates_is_refused() -> None:
                                          r"step updates.*give a momentum"):
         trace_model(model, torch.randn(16, 8), cost="none")
     assert torch.equal(model[1].num_batches_tracked, before)  # (followed on a copy)
+
+
+@pytest.mark.parametrize("probability", [0.0, 1.0])
+def test_a_draw_every_value_of_which_decides_alike_is_no_random_read(probability: float) -> None:
+    """LayerDrop off (transformers before 5.2x drew ``torch.rand([])`` and compared it with a
+    probability of 0.0 all the same; it was refused with the remedy "set layerdrop to 0.0"):
+    ``rand < 0`` is False and ``rand < 1`` True for every draw, so the read is answered
+    without a guard, the draws stay in the graph and the generator advances as in eager
+    (the dropouts after it draw the same masks)."""
+    torch.manual_seed(0)
+    model, x = _LayerDrop(probability=probability), torch.randn(2, 4)
+    ref = copy.deepcopy(model)
+    hm = hrockmate.HRockmate(model, (x,), cache=False)
+    assert hm.traced.value_guards is None and not hm.traced.finite_assumptions
+    for plan in (None, hrockmate.recompute_all_schedule(hm.traced.graph)):
+        if plan is not None:
+            hm.use_plan(plan)
+        for step in range(2):
+            torch.manual_seed(step)
+            loss = hm(x)
+            loss.backward()
+            state = torch.get_rng_state()
+            torch.manual_seed(step)
+            ref_loss = ref(x)
+            ref_loss.backward()
+            assert torch.equal(state, torch.get_rng_state())
+            assert torch.equal(loss, ref_loss)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert (p.grad is None) == (q.grad is None), name
+                assert p.grad is None or torch.equal(p.grad, q.grad), name

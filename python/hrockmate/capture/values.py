@@ -40,6 +40,11 @@ the labels' fixed shape instead, their count no guard (``hrockmate.capture.ctc``
   assumption held, and the runtime checks that at each call (``FiniteAssumptionError``: plain
   PyTorch would have taken the other branch there).
 
+- **Comparisons of a uniform draw decided by their threshold** (``torch.rand([]) < 0.0``:
+  LayerDrop switched off in transformers before 5.2x still drew and compared): read as the
+  outcome every draw gives, with no guard and no assumption; the draw stays in the graph, so
+  the generator advances as in eager. A threshold inside [0, 1) is a random read (refused).
+
 Not followed: random ops, tensors the model closes over (the user may change them in place),
 parameters, buffers other than small ones followed as sources, anything written in place from
 a value not followed, and tensors over ``MAX_BYTES`` (sized from the traced result before any
@@ -79,6 +84,15 @@ _KEEP_UNIFORM = (_aten.all, _aten.any, _aten.clone, _aten.alias, _aten.view, _at
                  _aten._to_copy, _aten.detach)
 _NEGATE = (_aten.logical_not, _aten.bitwise_not)
 _SCALAR_READS = (_aten._local_scalar_dense, _aten.is_nonzero, _aten.item)
+# draws uniform in [0, 1), and comparisons ``draw OP threshold`` with what they give for every
+# draw when the threshold is outside that range (None: it depends on the draw)
+_UNIFORM_DRAWS = (_aten.rand, _aten.rand_like)
+_BOUND_TESTS: dict[Any, Callable[[float], bool | None]] = {
+    _aten.lt: lambda c: False if c <= 0 else True if c >= 1 else None,
+    _aten.le: lambda c: False if c < 0 else True if c >= 1 else None,
+    _aten.gt: lambda c: True if c < 0 else False if c >= 1 else None,
+    _aten.ge: lambda c: True if c <= 0 else False if c >= 1 else None,
+}
 
 
 class FiniteAssumptionError(RuntimeError):
@@ -235,8 +249,10 @@ class ValueReads(TorchDispatchMode):
         self._slots = 0
         self._selections: dict[int, _Selection] = {}  # id of the result -> its selection
         # id -> (the traced tensor, the value each of its elements has wherever the tested
-        # values are finite): results of finiteness tests of values not followed
-        self._uniform: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+        # values are finite, whether it has it for any values): results of finiteness tests of
+        # values not followed, and of comparisons that every uniform draw passes or fails
+        self._uniform: dict[int, tuple[weakref.ref[torch.Tensor], bool, bool]] = {}
+        self._draws: dict[int, weakref.ref[torch.Tensor]] = {}  # uniform draws in [0, 1)
         self.assumptions: list[_Assumption] = []
         for key, (traced, real) in (sources or {}).items():
             slot = self._follow(traced, real, True)
@@ -317,7 +333,10 @@ class ValueReads(TorchDispatchMode):
                 lifted or all(f is not None for f in tensors)):
             if any(f is not None for f in tensors):
                 self._spoil_written(func, args)
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if func.overloadpacket in _UNIFORM_DRAWS and isinstance(out, torch.Tensor):
+                self._draws[id(out)] = weakref.ref(out)
+            return out
         from_inputs = any(f is not None and f[2] for f in tensors)
         if lifted:  # (a fresh literal: the real tensor is its value)
             real_leaves, template = leaves, leaves
@@ -370,31 +389,46 @@ class ValueReads(TorchDispatchMode):
 
     def _finiteness(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                     ) -> tuple[Any] | None:
-        """A finiteness test of values not followed, an op carrying its outcome, or a read of
-        it (module docstring): (the result,), else None."""
+        """A finiteness test of values not followed, a comparison that every uniform draw
+        passes or fails, an op carrying such an outcome, or a read of it (module docstring):
+        (the result,), else None."""
         if not args or not isinstance(args[0], torch.Tensor):
             return None
         packet = func.overloadpacket
+        certain = False
         if packet in _FINITE_TESTS:
             if self._lookup(args[0]) is not None:
                 return None  # (followed values are read as they are)
             uniform = _FINITE_TESTS[packet]
+        elif packet in _BOUND_TESTS and self._draws.get(id(args[0]), lambda: None)() is args[0]:
+            # transformers before 5.2x drew LayerDrop's decision even at probability 0
+            # (``torch.rand([]) < layerdrop``): no draw passes it, whatever it is
+            if len(args) < 2 or not isinstance(args[1], (int, float)):
+                return None
+            decided = _BOUND_TESTS[packet](float(args[1]))
+            if decided is None:
+                return None
+            uniform, certain = decided, True
         else:
             entry = self._uniform.get(id(args[0]))
             if entry is None or entry[0]() is not args[0]:
                 return None
-            uniform = entry[1]
+            _, uniform, certain = entry
             if packet in _SCALAR_READS:
                 if args[0].numel() != 1:
                     return None
-                self.assumptions.append(_Assumption(args[0], uniform, self._where()))
+                if not certain:
+                    self.assumptions.append(_Assumption(args[0], uniform, self._where()))
                 return (uniform,)
             if packet in _NEGATE:
                 uniform = not uniform
             elif packet not in _KEEP_UNIFORM:
                 return None
         out = func(*args, **kwargs)
-        self.mark_test(None, out, uniform)  # (a tested value was found not followed above)
+        if certain:
+            self._uniform[id(out)] = (weakref.ref(out), uniform, True)
+        else:
+            self.mark_test(None, out, uniform)  # (a tested value was found not followed above)
         return (out,)
 
     def mark_test(self, tested: torch.Tensor | None, out: Any, uniform: bool) -> None:
@@ -404,7 +438,7 @@ class ValueReads(TorchDispatchMode):
         if isinstance(out, torch.Tensor) and (
                 tested is None or isinstance(tested, torch.Tensor)
                 and self._lookup(tested) is None):
-            self._uniform[id(out)] = (weakref.ref(out), uniform)
+            self._uniform[id(out)] = (weakref.ref(out), uniform, False)
 
     def assumptions_held(self) -> torch.Tensor | None:
         """Traced at the end of the step: whether every assumption held (a 0-d bool), or
