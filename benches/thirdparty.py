@@ -16,6 +16,9 @@ Per model and budget, in one process:
     python benches/thirdparty.py                        # all models, size small, 70% and 50%
     python benches/thirdparty.py --models gpt2,resnet18 --budgets 0.5
     python benches/thirdparty.py --device cuda --size small  # on a GPU
+    python benches/thirdparty.py --models resnet18 --budgets 0.5 --save DIR  # keep the graph,
+        # the plan and (on CUDA) the allocator's history of one planned step, to compare the
+        # measured peak with the simulated timeline offline
 
 Writes ``benches/results/thirdparty.json`` (``--out``) and prints a Markdown table. Needs the
 ``models`` extra. torch runs single-threaded (``--threads``): on a shared machine, spinning
@@ -80,8 +83,31 @@ def _grads(model: Any) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _save_point(hm: Any, step: Any, params: list[torch.Tensor], stem: Path) -> None:
+    """The traced graph (with the op times and workspaces measured here), the plan, and on
+    CUDA the caching allocator's history of one planned step (Python stacks: the generated
+    code's lines show which step allocated what)."""
+    hm.traced.graph.save(stem.with_suffix(".graph.json"))
+    hm.plan.save(stem.with_suffix(".plan.json"))
+    if not params[0].is_cuda:
+        return
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.memory._dump_snapshot(str(stem.with_suffix(".memory.pickle")))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    for p in params:
+        p.grad = None
+
+
 def run_model(name: str, size: str, budgets: list[float], iterations: int,
-              time_limit: float, device: str = "cpu") -> dict[str, Any]:
+              time_limit: float, device: str = "cpu", save: Path | None = None
+              ) -> dict[str, Any]:
     torch.manual_seed(0)
     model, sample, loss_fn = BUILDERS[name](size)
     model.train().to(device)
@@ -131,6 +157,8 @@ def run_model(name: str, size: str, budgets: list[float], iterations: int,
                 p.grad = None
             point["peak_bytes"] = _peak(hr_step, params)
             point["within_budget"] = point["peak_bytes"] <= budget
+            if save is not None:
+                _save_point(hm, hr_step, params, save / f"{name}_{round(100 * frac)}")
             # paired timing: each hrockmate iteration follows a plain one, both from cleared
             # gradients
             plain_t, hr_t = [], []
@@ -183,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: default)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda")
+    ap.add_argument("--save", type=Path, default=None,
+                    help="a folder for each point's graph, plan and (CUDA) allocator history")
     ap.add_argument("--out", type=Path, default=Path("benches/results/thirdparty.json"))
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -196,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     kept = keep_freed_cpu_memory()  # before any model runs: plain and hrockmate allocate alike
     t0 = time.perf_counter()
-    rows = [run_model(n, args.size, budgets, args.iterations, args.time_limit, args.device)
-            for n in names]
+    if args.save is not None:
+        args.save.mkdir(parents=True, exist_ok=True)
+    rows = [run_model(n, args.size, budgets, args.iterations, args.time_limit, args.device,
+                      args.save) for n in names]
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
