@@ -1349,6 +1349,39 @@ def test_finiteness_tests_of_activations_are_assumed_and_checked(device: str) ->
     _accumulated_steps_equal(hm, ref, (torch.randn(4, 8, device=device),))  # (and it goes on)
 
 
+class _CountsNonFinite(nn.Module):
+    """Counts the values that are not finite and compares the count, as I-BERT's quantized
+    activations assert (``x.isnan().sum() == 0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin1(x))
+        assert h.isnan().sum() == 0, "NaN in the activations"
+        if torch.isinf(h).sum() > 0:
+            h = torch.nan_to_num(h)
+        return self.lin2(h).square().mean()
+
+
+def test_counts_of_values_that_are_not_finite_are_assumed_zero() -> None:
+    """A count of a finiteness test's outcomes compared with a number is read as the finite
+    outcome (no value is NaN: the count is 0) and checked at every call (it was refused:
+    "DataDependentOutputException" at the assert)."""
+    torch.manual_seed(0)
+    model, x = _CountsNonFinite(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    hm = HRockmate(model, (x,))
+    assert len(hm.traced.finite_assumptions) == 2
+    _accumulated_steps_equal(hm, ref, (x,))
+    bad = x.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(hrockmate.FiniteAssumptionError):
+        hm(bad)
+    _accumulated_steps_equal(hm, ref, (torch.randn(4, 8),))
+
+
 class _LossWithMatching(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -34,7 +34,8 @@ the labels' fixed shape instead, their count no guard (``hrockmate.capture.ctc``
 
 - **Finiteness tests of activations** (DETR-family and Mask2Former layers clamp their hidden
   states in training ``if not torch.isfinite(hidden_states).all()``): a test of values that
-  are not followed (``isfinite``, ``isinf``, ``isnan``, then ``all``/``any``/``not``) is read
+  are not followed (``isfinite``, ``isinf``, ``isnan``, then ``all``/``any``/``not``, or a
+  count of them compared with a number: I-BERT's ``x.isnan().sum() == 0``) is read
   as the finite outcome, the only one a graph for every batch can hold, and the tested value
   becomes an assumption (``ValueReads.assumptions``): the traced step also returns whether every
   assumption held, and the runtime checks that at each call (``FiniteAssumptionError``: plain
@@ -54,6 +55,7 @@ real memory is taken).
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
@@ -83,6 +85,10 @@ _FINITE_TESTS = {_aten.isfinite: True, _aten.isinf: False, _aten.isnan: False,
 _KEEP_UNIFORM = (_aten.all, _aten.any, _aten.clone, _aten.alias, _aten.view, _aten.reshape,
                  _aten._to_copy, _aten.detach)
 _NEGATE = (_aten.logical_not, _aten.bitwise_not)
+# counts of a test's outcomes (``isnan(x).sum() == 0``), and comparisons of a known count
+_COUNTS = (_aten.sum, _aten.count_nonzero)
+_COMPARE = {_aten.eq: operator.eq, _aten.ne: operator.ne, _aten.lt: operator.lt,
+            _aten.le: operator.le, _aten.gt: operator.gt, _aten.ge: operator.ge}
 _SCALAR_READS = (_aten._local_scalar_dense, _aten.is_nonzero, _aten.item)
 # draws uniform in [0, 1), and comparisons ``draw OP threshold`` with what they give for every
 # draw when the threshold is outside that range (None: it depends on the draw)
@@ -251,7 +257,7 @@ class ValueReads(TorchDispatchMode):
         # id -> (the traced tensor, the value each of its elements has wherever the tested
         # values are finite, whether it has it for any values): results of finiteness tests of
         # values not followed, and of comparisons that every uniform draw passes or fails
-        self._uniform: dict[int, tuple[weakref.ref[torch.Tensor], bool, bool]] = {}
+        self._uniform: dict[int, tuple[weakref.ref[torch.Tensor], bool | int, bool]] = {}
         self._draws: dict[int, weakref.ref[torch.Tensor]] = {}  # uniform draws in [0, 1)
         self.assumptions: list[_Assumption] = []
         for key, (traced, real) in (sources or {}).items():
@@ -414,14 +420,23 @@ class ValueReads(TorchDispatchMode):
             if entry is None or entry[0]() is not args[0]:
                 return None
             _, uniform, certain = entry
-            if packet in _SCALAR_READS:
+            if type(uniform) is not bool:  # (a count: compared, else not followed)
+                if packet not in _COMPARE or len(args) < 2 or isinstance(args[1], torch.Tensor):
+                    return None
+                uniform = bool(_COMPARE[packet](uniform, args[1]))
+            elif packet in _SCALAR_READS:
                 if args[0].numel() != 1:
                     return None
                 if not certain:
                     self.assumptions.append(_Assumption(args[0], uniform, self._where()))
                 return (uniform,)
-            if packet in _NEGATE:
+            elif packet in _NEGATE:
                 uniform = not uniform
+            elif packet in _COUNTS:
+                whole = len(args) == 1 and not kwargs.get("dim")
+                if uniform and not whole:
+                    return None
+                uniform = args[0].numel() if uniform else 0  # (how many hold)
             elif packet not in _KEEP_UNIFORM:
                 return None
         out = func(*args, **kwargs)
@@ -431,7 +446,7 @@ class ValueReads(TorchDispatchMode):
             self.mark_test(None, out, uniform)  # (a tested value was found not followed above)
         return (out,)
 
-    def mark_test(self, tested: torch.Tensor | None, out: Any, uniform: bool) -> None:
+    def mark_test(self, tested: torch.Tensor | None, out: Any, uniform: bool | int) -> None:
         """``out`` holds ``uniform`` in each element wherever the values are finite: a test of
         ``tested``, marked only if that value is not followed (None: checked already, or
         ``out`` is an op's on a marked result)."""
