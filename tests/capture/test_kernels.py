@@ -65,11 +65,9 @@ def test_runtime_with_the_eager_batch_norm_kernels_trains_exactly(monkeypatch: p
     bitwise eager's, with recomputation."""
     table = kernels._EAGER_CUDA
     real = kernels.kernel.__wrapped__
+    # (costs, tracing and the runtime call kernels.run_node / op_kernel, which look
+    # kernels.kernel up)
     monkeypatch.setattr(kernels, "kernel", lambda t, d: table[t] if t in table else real(t, d))
-    import hrockmate.capture.costs
-
-    # (the runtime and tracing call kernels.op_kernel, which looks kernels.kernel up)
-    monkeypatch.setattr(hrockmate.capture.costs, "kernel", kernels.kernel)
     model, x = models.cnn_bn(batch=4, image=8, width=8)
     ref = copy.deepcopy(model)
     hm = HRockmate(model, x, budget=0.6)

@@ -50,7 +50,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from hrockmate.capture.ctc import SIZED_FOR_LONGEST
-from hrockmate.capture.kernels import kernel, op_kernel, relayout_outputs, want_relayout
+from hrockmate.capture.kernels import op_kernel, relayout_outputs, run_node, want_relayout
 from hrockmate.capture.tracing import (
     Traced,
     allocated_bytes,
@@ -262,8 +262,10 @@ def _measure_with_relayouts(traced: Traced, values: dict[str, torch.Tensor]
                             ) -> tuple[list[int], int]:
     """The workspace measurement of the device. Where a view op fails on a real layout (the
     fake kernel of the op that made its storage recorded another layout, and later ops were
-    traced for that one), that op is marked for ``kernels.relayout_outputs`` and the run
-    starts again; every other output keeps the real kernel's layout, as in eager."""
+    traced for that one), a ``view`` runs as a reshape (``kernels.run_node``: its output then
+    owns its storage, ``_correct_outputs``); where another view op fails, the op that made
+    its storage is marked for ``kernels.relayout_outputs`` and the run starts again. Every
+    other output keeps the real kernel's layout, as in eager."""
     measure = _measure_workspace_cuda if traced.device.type == "cuda" else _measure_workspace_cpu
     for _ in range(MAX_RELAYOUT_RUNS):
         at: list[fx.Node] = []  # the op being run
@@ -290,7 +292,7 @@ def _measure_workspace_cpu(
         nonlocal resized
         at[:] = [node]
         with record_function(f"hrockmate_op:{op_id}"):
-            out = relayout_outputs(node, args, kwargs, kernel(node.target, "cpu")(*args, **kwargs))
+            out = relayout_outputs(node, args, kwargs, run_node(node, "cpu", args, kwargs))
         resized += _correct_outputs(traced, op_id, args, kwargs, out)
         return out
 
@@ -334,11 +336,11 @@ def _measure_workspace_cuda(
         if schema is not None and not schema.is_mutable:
             # A first call may set up cuBLAS/cuDNN handles and their workspaces, which then stay
             # allocated for the process: not this op's workspace. Ops that mutate run once.
-            kernel(node.target, "cuda")(*args, **kwargs)
+            run_node(node, "cuda", args, kwargs)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        out = relayout_outputs(node, args, kwargs, kernel(node.target, "cuda")(*args, **kwargs))
+        out = relayout_outputs(node, args, kwargs, run_node(node, "cuda", args, kwargs))
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
         resized += _correct_outputs(traced, op_id, args, kwargs, out)

@@ -30,8 +30,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["RELAYOUT", "AutocastState", "autocast_off", "autocast_state", "describe_autocast",
-           "draws_random_numbers", "in_place_kernel", "kernel", "op_kernel", "relayout_outputs",
+__all__ = ["AS_RESHAPE", "RELAYOUT", "AutocastState", "autocast_off", "autocast_state",
+           "describe_autocast", "draws_random_numbers", "in_place_kernel", "kernel",
+           "node_kernel", "op_kernel", "relayout_outputs", "run_node", "view_as_reshape",
            "want_relayout"]
 
 #: The device types whose autocast state is followed (those this torch build knows).
@@ -180,6 +181,42 @@ def kernel(target: Any, device_type: str) -> Callable[..., Any]:
 # the trace recorded (``relayout_outputs``); None stands for a single-tensor output
 RELAYOUT = "hrockmate_relayout"
 _WANTED = "hrockmate_relayout_wanted"  # node.meta key: a view of its output failed (see below)
+# node.meta key: a view op that failed on its input's real layout runs as ``reshape``
+AS_RESHAPE = "hrockmate_view_as_reshape"
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def view_as_reshape(node: Any) -> bool:
+    """Mark ``node``, a ``view`` that failed on its input's real layout, to run as ``reshape``
+    (a copy where that layout cannot be viewed so). The trace holds a ``view`` where the code
+    reshaped and the fake kernel of the op before it recorded a layout that could be viewed
+    (softplus's backward: contiguous, where the real kernel keeps its gradient's transposed
+    strides); eager's reshape copies on that path alone, and every other user of the tensor
+    sees the real layout (a sum over it rounds as eager's). False if ``node`` is no such view
+    or was marked already."""
+    if node.target not in _RESHAPES or node.meta.get(AS_RESHAPE):
+        return False
+    node.meta[AS_RESHAPE] = True
+    return True
+
+
+def node_kernel(node: Any, device_type: str) -> Callable[..., Any]:
+    """``kernel`` for the op of fx node ``node`` (``reshape`` for a view marked by
+    ``view_as_reshape``), its outputs as the real kernel lays them out."""
+    if node.meta.get(AS_RESHAPE):
+        return torch.ops.aten.reshape.default
+    return kernel(node.target, device_type)
+
+
+def run_node(node: Any, device_type: str, args: Any, kwargs: Any) -> Any:
+    """``node_kernel`` called on real ``args``; a view that fails on their layout is marked
+    by ``view_as_reshape`` and runs as a reshape (the first real run of a trace's ops)."""
+    try:
+        return node_kernel(node, device_type)(*args, **kwargs)
+    except RuntimeError:
+        if not view_as_reshape(node):
+            raise
+        return node_kernel(node, device_type)(*args, **kwargs)
 
 
 def want_relayout(node: Any) -> bool:
@@ -196,7 +233,7 @@ def op_kernel(node: Any, device_type: str) -> Callable[..., Any]:
     otherwise than the trace recorded (found by ``relayout_outputs`` when the workspaces were
     measured), that output is copied into the recorded layout: the graph's later ops were
     traced for it (a ``view`` of a transpose of it, say, where a real layout needs a copy)."""
-    run = kernel(node.target, device_type)
+    run = node_kernel(node, device_type)
     positions = node.meta.get(RELAYOUT)
     if not positions:
         return run
