@@ -90,15 +90,11 @@ _COUNTS = (_aten.sum, _aten.count_nonzero)
 _COMPARE = {_aten.eq: operator.eq, _aten.ne: operator.ne, _aten.lt: operator.lt,
             _aten.le: operator.le, _aten.gt: operator.gt, _aten.ge: operator.ge}
 _SCALAR_READS = (_aten._local_scalar_dense, _aten.is_nonzero, _aten.item)
-# draws uniform in [0, 1), and comparisons ``draw OP threshold`` with what they give for every
-# draw when the threshold is outside that range (None: it depends on the draw)
+# draws uniform in [0, 1), and the comparisons whose outcome is monotonic in the draw: one
+# with a threshold is the same for every draw when it is the same at both ends of the range
 _UNIFORM_DRAWS = (_aten.rand, _aten.rand_like)
-_BOUND_TESTS: dict[Any, Callable[[float], bool | None]] = {
-    _aten.lt: lambda c: False if c <= 0 else True if c >= 1 else None,
-    _aten.le: lambda c: False if c < 0 else True if c >= 1 else None,
-    _aten.gt: lambda c: True if c < 0 else False if c >= 1 else None,
-    _aten.ge: lambda c: True if c <= 0 else False if c >= 1 else None,
-}
+_MONOTONIC = (_aten.lt, _aten.le, _aten.gt, _aten.ge)
+_LAST_DRAW = math.nextafter(1.0, 0.0)
 
 
 class FiniteAssumptionError(RuntimeError):
@@ -406,15 +402,16 @@ class ValueReads(TorchDispatchMode):
             if self._lookup(args[0]) is not None:
                 return None  # (followed values are read as they are)
             uniform = _FINITE_TESTS[packet]
-        elif packet in _BOUND_TESTS and self._draws.get(id(args[0]), lambda: None)() is args[0]:
+        elif packet in _MONOTONIC and self._draws.get(id(args[0]), lambda: None)() is args[0]:
             # transformers before 5.2x drew LayerDrop's decision even at probability 0
             # (``torch.rand([]) < layerdrop``): no draw passes it, whatever it is
             if len(args) < 2 or not isinstance(args[1], (int, float)):
                 return None
-            decided = _BOUND_TESTS[packet](float(args[1]))
-            if decided is None:
+            test = _COMPARE[packet]
+            uniform = test(0.0, args[1])
+            if uniform != test(_LAST_DRAW, args[1]):
                 return None
-            uniform, certain = decided, True
+            certain = True
         else:
             entry = self._uniform.get(id(args[0]))
             if entry is None or entry[0]() is not args[0]:
@@ -440,10 +437,8 @@ class ValueReads(TorchDispatchMode):
             elif packet not in _KEEP_UNIFORM:
                 return None
         out = func(*args, **kwargs)
-        if certain:
-            self._uniform[id(out)] = (weakref.ref(out), uniform, True)
-        else:
-            self.mark_test(None, out, uniform)  # (a tested value was found not followed above)
+        if isinstance(out, torch.Tensor):  # (a tested value was found not followed above)
+            self._uniform[id(out)] = (weakref.ref(out), uniform, certain)
         return (out,)
 
     def mark_test(self, tested: torch.Tensor | None, out: Any, uniform: bool | int) -> None:

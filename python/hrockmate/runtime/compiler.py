@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from hrockmate.capture.kernels import RELAYOUT, draws_random_numbers, in_place_kernel, op_kernel
+from hrockmate.capture.kernels import RELAYOUT, in_place_kernel, op_kernel
 from hrockmate.capture.tracing import allocator_slack_bytes
 
 __all__ = ["Program", "RuntimeScheduleError", "compile_schedule"]
@@ -417,8 +417,7 @@ class _Compiler:
                     f"output '{g.tensors[t].name}' is not produced by the schedule"
                 )
 
-        random_ops = [k for k in range(g.num_ops)
-                      if g.ops[k].random or draws_random_numbers(tr.op_nodes[k].target)]
+        random_ops = [k for k in range(g.num_ops) if g.ops[k].random]
         self._check_random_order(random_ops)
         # each random op's generator, once (GEN<j> in the generated code); a replayed op whose
         # generator is not supported fails here with the reason
