@@ -124,8 +124,9 @@ _SPEECH = {"tiny": (2, 1600, 2, 32, 10), "small": (4, 16000, 4, 128, 40)}
 
 def wav2vec2_ctc(size: str = "tiny") -> _Built:
     """Speech recognition with a CTC loss: labels of different lengths (padded with -100) and
-    a padded second row of audio. SpecAugment's time masks (drawn with numpy) and LayerDrop (a
-    Python decision on a random tensor's value) are off: a trace would fix their draws."""
+    a padded second row of audio, LayerDrop at the library's default (each layer skipped with
+    probability 0.1 while training). SpecAugment's time masks are off: they are drawn with
+    numpy, which a trace would fix."""
     tf = _require("transformers")
     batch, samples, layers, width, longest = _pick(size, _SPEECH)
     convs = layers + 1  # (strides 5, 2, 2, ...: about one frame per 5 * 2**layers samples)
@@ -134,7 +135,7 @@ def wav2vec2_ctc(size: str = "tiny") -> _Built:
         num_attention_heads=width // 16, intermediate_size=2 * width,
         conv_dim=(width,) * convs, conv_stride=(5,) + (2,) * layers,
         conv_kernel=(10,) + (3,) * layers, num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4, layerdrop=0.0, mask_time_prob=0.0)
+        num_conv_pos_embedding_groups=4, mask_time_prob=0.0)
     gen = torch.Generator().manual_seed(0)
     audio = torch.randn(batch, samples, generator=gen)
     mask = torch.ones(batch, samples, dtype=torch.long)

@@ -243,15 +243,18 @@ def test_gpt2_padding_masks_keep_the_eager_path(device: str) -> None:
 def test_wav2vec2_ctc_trains_one_plan_for_any_label_lengths() -> None:
     """transformers' CTC loss selects the labels with ``masked_select`` and sizes its table by
     the longest: one trace and plan serve batches whose counts and lengths of labels differ
-    (it was refused: PyTorch's fake tensors have no CTC loss)."""
+    (it was refused: PyTorch's fake tensors have no CTC loss). LayerDrop is at its default,
+    and the steps' draws skip a layer and none."""
     torch.manual_seed(0)
     model, sample, loss_fn = BUILDERS["wav2vec2_ctc"]("tiny")
     model.train()
     ref = copy.deepcopy(model)
+    assert model.config.layerdrop == 0.1
     hm = HRockmate(model, sample, budget=0.6, loss_fn=loss_fn, cost="estimate")
     traced = hm.traced
-    assert hm.recomputed_ops > 0
+    assert hm.recomputed_ops > 0 and len(traced.skippable) == 2
     gen = torch.Generator().manual_seed(5)
+    skipped = []
     for step in range(3):
         labels = sample["labels"].clone()
         lengths = torch.randint(1, labels.shape[1] + 1, (labels.shape[0],), generator=gen)
@@ -265,5 +268,11 @@ def test_wav2vec2_ctc_trains_one_plan_for_any_label_lengths() -> None:
         ref_loss.backward()
         _assert_same(loss.detach(), ref_loss.detach(), f"step {step}: loss")
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            _assert_same(p.grad, q.grad, f"step {step}: grad of {name}")
+            assert (p.grad is None) == (q.grad is None), f"step {step}: grad of {name}"
+            if q.grad is not None:
+                _assert_same(p.grad, q.grad, f"step {step}: grad of {name}")
+        skipped.append(sum(q.grad is None for q in ref.parameters()))
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
     assert hm.traced is traced
+    assert 0 in skipped and 16 in skipped  # (a layer's 16 parameters get no gradient)

@@ -110,6 +110,12 @@ from torch.fx import traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from hrockmate.capture import ctc
+from hrockmate.capture.decisions import (
+    DecisionError,
+    SkippableRegion,
+    check_together,
+    skipped_part,
+)
 from hrockmate.capture.kernels import (
     AutocastState,
     autocast_off,
@@ -119,6 +125,7 @@ from hrockmate.capture.kernels import (
 )
 from hrockmate.capture.values import (
     MAX_BYTES,
+    Decision,
     FinitenessTests,
     MaskWritesByPositions,
     ValueGuards,
@@ -200,6 +207,9 @@ class Traced:
     # (after the model's outputs; views' bases AOTAutograd adds come after it)
     finite_assumptions: list[str] = field(default_factory=list)
     finite_check: int | None = None
+    # random decisions (LayerDrop): what each leaves out when the draw goes the other way
+    # (``capture.decisions``); their tests are outputs after the model's, before finite_check
+    skippable: list[SkippableRegion] = field(default_factory=list)
     # sample leaf index -> IR tensor id of its new value: inputs the model updates in place
     # (written back into the caller's tensor once, as buffers are)
     input_updates: dict[int, int] = field(default_factory=dict)
@@ -903,10 +913,11 @@ def _reads_tensor_values(exc: BaseException) -> bool:
 
 class _RandomReads(TorchDispatchMode):
     """Follows the values that depend on nothing but random draws (``torch.rand([])`` and
-    what is computed from it alone, such as LayerDrop's ``dropout_probability < layerdrop``)
-    through an eager run, and records where model code reads one as a Python value (code
-    locations as ``_failing_code`` writes them). A value computed from data as well (a
-    dropped-out activation) is not followed: reading it is an ordinary data dependency."""
+    what is computed from it alone; LayerDrop's test ``dropout_probability < layerdrop`` is
+    traced both ways, ``capture.decisions``) through an eager run, and records where model
+    code reads one as a Python value (code locations as ``_failing_code`` writes them). A
+    value computed from data as well (a dropped-out activation) is not followed: reading it
+    is an ordinary data dependency."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1045,11 +1056,12 @@ def _explain(exc: BaseException, module_path: str, model: nn.Module,
     if code is not None and code in random_reads and _reads_tensor_values(exc):
         return (f"cannot trace {where}{op_txt}{code_txt}: the model branches on a random draw "
                 "there (a value computed from torch's random numbers alone, read as a Python "
-                "value, as LayerDrop's decision to skip a layer is). One traced graph cannot "
-                "draw that decision again at each call, so hrockmate cannot train this model as "
-                "plain PyTorch does. Turn that randomness off while training with hrockmate "
-                "(transformers models: set the config's layerdrop, encoder_layerdrop and "
-                "decoder_layerdrop to 0.0) or leave this module out of hrockmate")
+                "number, as in torch.rand([]).item() < p). hrockmate traces both outcomes of a "
+                "test of a draw kept as a tensor (LayerDrop's torch.rand([]) < p, then if on "
+                "it), not a number read from it. Compare the draw as a tensor, or turn that "
+                "randomness off while training with hrockmate (transformers models: set the "
+                "config's layerdrop, encoder_layerdrop and decoder_layerdrop to 0.0), or leave "
+                "this module out of hrockmate")
     first = _first_line(exc) or type(exc).__name__
     hint = _UNTRACEABLE_HINT
     if code is not None and not in_backward and _IN_A_LOSS.search(code):
@@ -1062,6 +1074,37 @@ def _explain(exc: BaseException, module_path: str, model: nn.Module,
                  "data-dependent shape, such as assigning through a boolean mask "
                  "(x[mask] = v): use torch.where(mask, v, x) instead")
     return (f"cannot trace {where}{op_txt}{code_txt}: {type(exc).__name__}: {first}. {hint}")
+
+
+def _skippable_regions(traced: Traced, decided: list[Decision], first_test: int,
+                       trace_not_taken: Callable[[set[int]], Traced]
+                       ) -> list[SkippableRegion]:
+    """What each random decision of the step leaves out when it goes the other way: the step
+    traced again per decision with that one not taken, matched against ``traced`` (every
+    decision taken), and once with none taken to check them together
+    (``capture.decisions``)."""
+    where = ", ".join(dict.fromkeys(d.where or "the model's code" for d in decided))
+    logger.info("the model decides at random %d times whether to run parts of the step (%s); "
+                "tracing each decision's other outcome", len(decided), where)
+    regions: list[SkippableRegion] = []
+    try:
+        for i, d in enumerate(decided):
+            regions.append(skipped_part(traced, trace_not_taken({i}), i,
+                                        traced.output_ids[first_test + i], d.answer,
+                                        d.where or "the model's code"))
+        if len(regions) > 1:
+            check_together(traced, trace_not_taken(set(range(len(decided)))), regions)
+    except DecisionError as exc:
+        raise TraceError(
+            f"the model decides at random whether to run parts of the step (at {where}), and "
+            f"hrockmate cannot tell what the other outcome leaves out: {exc}. Turn that "
+            "randomness off (transformers models: set the config's layerdrop, "
+            "encoder_layerdrop and decoder_layerdrop to 0.0) or leave this module out of "
+            "hrockmate") from exc
+    for r in regions:
+        logger.debug("decision %d at %s: %d ops skipped when it goes the other way",
+                     r.index, r.where, len(r.ops))
+    return regions
 
 
 # ---- IR construction ----------------------------------------------------------------------------
@@ -1622,10 +1665,14 @@ def trace_model(
             if flat_real[j].untyped_storage().nbytes() <= _GUARDED_BUFFER_BYTES:
                 guarded_sources["buffer", name] = (j, flat_real[j].detach().clone())
 
+    # the random decisions answered "not taken" (their other outcome; capture.decisions)
+    not_taken: set[int] = set()
+
     def step_with_values(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         sources = {key: (flat[i], real) for key, (i, real) in guarded_sources.items()}
         reads = ValueReads(sources if guarded_sources else None,
-                           where=lambda: _user_code(traceback.extract_stack())[0])
+                           where=lambda: _user_code(traceback.extract_stack())[0],
+                           answers=lambda k: k in not_taken)
         reads_box["last"] = reads  # (AOTAutograd may call this twice; the joint is the last)
         # (on top of AOTAutograd's modes; writes through masks matter only where values of
         # the inputs are followed: the function mode costs about 8% of a trace's time)
@@ -1634,11 +1681,13 @@ def trace_model(
         with reads, writes, tests:
             outs = step(*flat)
             held = reads.assumptions_held()
-        if held is None:
-            return outs
-        # (after the model's outputs, which rebuild_output takes: the runtime checks it)
-        out_box["count"] += 1
-        return (*outs, held)
+        # (after the model's outputs, which rebuild_output takes: the runtime reads the
+        # decisions' tests and checks that the assumptions held)
+        extra = [d.tensor for d in reads.decisions]
+        if held is not None:
+            extra.append(held)
+        out_box["count"] += len(extra)
+        return (*outs, *extra)
 
     flat_real: list[torch.Tensor] = [*params.values(), *buffers.values()]
     flat_real += [leaves[i] for i in tensor_leaf_pos]
@@ -1695,6 +1744,7 @@ def trace_model(
 
     guards: ValueGuards | None = None
     compiling_paths = False
+    which = "eager"  # the try whose graph is kept
     joint = try_capture("eager")
     # the guarded try's graph, its guards and its reads
     guarded: tuple[fx.GraphModule, ValueGuards | None, ValueReads] | None = None
@@ -1705,15 +1755,17 @@ def trace_model(
         if found is not None:
             guarded = (found, reads_box["last"].guards(), reads_box["last"])
             if guarded[1] is None or guarded[1].tests_only:
-                joint, guards = guarded[0], guarded[1]
+                joint, guards, which = guarded[0], guarded[1], "guarded"
         if joint is None:
             guarded_sources.clear()
             guarded_try.clear()
     if joint is None:
         joint = try_capture("compiling")
         compiling_paths = joint is not None
+        which = "compiling"
     if joint is None and guarded is not None:
         joint, guards, reads_box["last"] = guarded
+        which = "guarded"
     if joint is None:
         (exc, path), (comp_exc, comp_path) = failures["eager"], failures["compiling"]
         eager, random_reads = _eager_run(step, flat_real, buffers, device)
@@ -1763,11 +1815,41 @@ def trace_model(
             "checkpointed calls are traced as plain calls and the plan decides what is "
             "recomputed (eager's gradients are the same either way)",
             ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
-    _refuse_sparse_tensors(joint)
-    _match_random_layouts(joint)
-    _compact_random_masks(joint)
-    traced = _build(joint, flat_kinds, flat_real, out_box["count"], name or type(model).__name__,
-                    device)
+    def build(joint: fx.GraphModule) -> Traced:
+        _refuse_sparse_tensors(joint)
+        _match_random_layouts(joint)
+        _compact_random_masks(joint)
+        return _build(joint, flat_kinds, flat_real, out_box["count"],
+                      name or type(model).__name__, device)
+
+    traced = build(joint)
+    decided = reads_box["last"].decisions if "last" in reads_box else []
+    if decided:
+        first_test = out_box["count"] - len(decided) - (
+            1 if reads_box["last"].assumptions else 0)
+
+        def trace_not_taken(indices: set[int]) -> Traced:
+            if which == "guarded" and not guarded_try:  # (as when the kept graph was traced)
+                follow_inputs_and_small_buffers()
+                guarded_try.append(True)
+            not_taken.clear()
+            not_taken.update(indices)
+            try:
+                other = try_capture(which)
+            finally:
+                not_taken.clear()
+            if other is None:
+                exc = failures[which][0]
+                raise TraceError(
+                    f"the model decides at random whether to run parts of the step (at "
+                    f"{decided[min(indices)].where or 'its code'}), and tracing the other "
+                    f"outcome failed: {type(exc).__name__}: {_first_line(exc)}. Turn that "
+                    "randomness off (transformers: set the config's layerdrop, "
+                    "encoder_layerdrop and decoder_layerdrop to 0.0)") from exc
+            return build(other)
+
+        traced.skippable = _skippable_regions(
+            traced, decided, first_test, trace_not_taken)
     traced.output_spec = out_box["spec"]
     traced.input_spec = input_spec
     traced.input_meta = [_leaf_meta(x) for x in leaves]

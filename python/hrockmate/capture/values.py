@@ -44,7 +44,13 @@ the labels' fixed shape instead, their count no guard (``hrockmate.capture.ctc``
 - **Comparisons of a uniform draw decided by their threshold** (``torch.rand([]) < 0.0``:
   LayerDrop switched off in transformers before 5.2x still drew and compared): read as the
   outcome every draw gives, with no guard and no assumption; the draw stays in the graph, so
-  the generator advances as in eager. A threshold inside [0, 1) is a random read (refused).
+  the generator advances as in eager.
+- **Random decisions** (a threshold inside [0, 1): LayerDrop's ``torch.rand([]) <
+  layerdrop``, read to skip a layer): answered by ``answers`` (the k-th read gets
+  ``answers(k)``; False by default) and recorded in ``decisions`` (the traced 0-d test, the
+  answer, where). The tracer traces each decision's other outcome too and the runtime takes
+  at each call the outcome the draw gives (``hrockmate.capture.decisions``). Without
+  ``answers`` such a read is not followed (tracing fails there, and the failure is named).
 
 Not followed: random ops, tensors the model closes over (the user may change them in place),
 parameters, buffers other than small ones followed as sources, anything written in place from
@@ -69,8 +75,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from hrockmate.capture import ctc
 from hrockmate.capture.kernels import autocast_off, draws_random_numbers
 
-__all__ = ["FiniteAssumptionError", "FinitenessTests", "MaskWritesByPositions", "ValueGuards",
-           "ValueReads"]
+__all__ = ["Decision", "FiniteAssumptionError", "FinitenessTests", "MaskWritesByPositions",
+           "ValueGuards", "ValueReads"]
 
 MAX_BYTES = 16 << 20
 _HELD_BYTES = 4096  # (sources compared with their last values instead of replaying reads)
@@ -106,6 +112,16 @@ class FiniteAssumptionError(RuntimeError):
 class _Assumption:
     tensor: torch.Tensor  # the traced 0-d test the model read
     expected: bool  # what the graph assumed it reads
+    where: str | None
+
+
+@dataclass
+class Decision:
+    """A read of a test of a uniform draw alone (``torch.rand([]) < p``): ``tensor`` the
+    traced 0-d test, ``answer`` what the trace read it as."""
+
+    tensor: torch.Tensor
+    answer: bool
     where: str | None
 
 
@@ -238,8 +254,10 @@ class ValueReads(TorchDispatchMode):
     a read."""
 
     def __init__(self, sources: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 where: Callable[[], str | None] = lambda: None) -> None:
+                 where: Callable[[], str | None] = lambda: None,
+                 answers: Callable[[int], bool] | None = None) -> None:
         super().__init__()
+        self._answers = answers
         # id -> (the traced tensor, its real value, its slot, whether it depends on inputs)
         self._real: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int, bool]] = {}
         self._spoiled: set[int] = set()  # storages of real values written from other values
@@ -256,6 +274,10 @@ class ValueReads(TorchDispatchMode):
         self._uniform: dict[int, tuple[weakref.ref[torch.Tensor], bool | int, bool]] = {}
         self._draws: dict[int, weakref.ref[torch.Tensor]] = {}  # uniform draws in [0, 1)
         self.assumptions: list[_Assumption] = []
+        # id -> (the traced tensor, whether it negates the test, the test): a test of a
+        # uniform draw inside [0, 1) and what keeps or negates it (random decisions)
+        self._random_tests: dict[int, tuple[weakref.ref[torch.Tensor], bool, torch.Tensor]] = {}
+        self.decisions: list[Decision] = []
         for key, (traced, real) in (sources or {}).items():
             slot = self._follow(traced, real, True)
             self._source_slots[slot] = key
@@ -410,8 +432,14 @@ class ValueReads(TorchDispatchMode):
             test = _COMPARE[packet]
             uniform = test(0.0, args[1])
             if uniform != test(_LAST_DRAW, args[1]):
-                return None
+                if self._answers is None:
+                    return None
+                out = func(*args, **kwargs)  # (a random decision: read below)
+                self._random_tests[id(out)] = (weakref.ref(out), False, out)
+                return (out,)
             certain = True
+        elif id(args[0]) in self._random_tests:
+            return self._decision(func, args, kwargs)
         else:
             entry = self._uniform.get(id(args[0]))
             if entry is None or entry[0]() is not args[0]:
@@ -440,6 +468,38 @@ class ValueReads(TorchDispatchMode):
         if isinstance(out, torch.Tensor):  # (a tested value was found not followed above)
             self._uniform[id(out)] = (weakref.ref(out), uniform, certain)
         return (out,)
+
+    def _decision(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[Any] | None:
+        """A read of a random decision, answered and recorded, or an op keeping or negating
+        one ((the result,)); None for any other use of it (an ordinary traced op)."""
+        ref, negated, test = self._random_tests[id(args[0])]
+        if ref() is not args[0]:
+            return None
+        packet = func.overloadpacket
+        if packet in _SCALAR_READS:
+            if args[0].numel() != 1 or self._answers is None:
+                return None
+            answer = bool(self._answers(len(self.decisions)))
+            self.decisions.append(Decision(test, answer, self._where()))
+            return (answer != negated,)
+        if packet in _NEGATE:
+            negated = not negated
+        elif packet not in _KEEP_UNIFORM or packet in (_aten.all, _aten.any) and \
+                args[0].numel() != 1:
+            return None
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            self._random_tests[id(out)] = (weakref.ref(out), negated, test)
+        return (out,)
+
+    def decided(self) -> torch.Tensor | None:
+        """Traced at the end of the step: the random decisions' tests stacked (a 1-d bool),
+        so that they stay in the graph for the runtime to read, or None when there were
+        none."""
+        if not self.decisions:
+            return None
+        return torch.stack([d.tensor.reshape(()) for d in self.decisions])
 
     def mark_test(self, tested: torch.Tensor | None, out: Any, uniform: bool | int) -> None:
         """``out`` holds ``uniform`` in each element wherever the values are finite: a test of

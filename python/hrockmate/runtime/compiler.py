@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
+from hrockmate.capture.decisions import is_sum_of_two
 from hrockmate.capture.kernels import RELAYOUT, in_place_kernel, op_kernel
 from hrockmate.capture.tracing import allocator_slack_bytes
 
@@ -43,7 +44,8 @@ class Program:
     """A schedule compiled for one traced graph (what the autograd Functions execute).
 
     ``forward.fn(P, B, X, S) -> E``: P parameters by slot, B buffers by slot, X tensor inputs by
-    slot, S the list of saved generator states (filled here); returns the environment.
+    slot, S the list of saved generator states (filled here), then of the random decisions
+    read at this call and the tensors standing for what they skip; returns the environment.
     ``chunks[i].fn(E, B, T, S, GP, GX)``: the i-th part of the backward segment (T the output
     gradients); it stores gradients per parameter / tensor-input slot into GP / GX.
 
@@ -83,6 +85,9 @@ class Program:
     #: as None, as eager autograd leaves ``.grad`` (the plan computes zeros there)
     param_tangents: list[int] = field(default_factory=list)
     input_tangents: list[int] = field(default_factory=list)
+    #: slots of S after the generator states: per random decision, whether this call skips
+    #: its region, and per tensor standing for a skipped one, that tensor while needed
+    num_decision_slots: int = 0
 
 
 def _tangents_reaching(graph: Any, sources: dict[int, tuple[str, Any]]) -> list[int]:
@@ -303,7 +308,7 @@ class _Compiler:
             copy = root in handed_roots
             if root in shared_roots:
                 handed_roots.add(root)
-            return self._stash(t, grad_slot[t], slot_uses, copy)
+            return self._stash(t, grad_slot[t], slot_uses, copy, skips.may_be_missing(t))
         buffer_of_update = {tid: b for b, tid in tr.buffer_updates.items()}
         buffer_tensor: dict[str, int] = {}
         input_tensor: dict[int, int] = {}  # sample leaf -> its tensor id
@@ -443,6 +448,7 @@ class _Compiler:
         possible_state_bytes = sum(state_nbytes[j] for j in gen_index.values()) + sum(
             state_nbytes)
 
+        skips = _Skips(tr, g, self.steps, self.forward_len, len(rng_slot))
         aliased_masks_only = set(mask_of_pack.values()) - packed_needed
         dropped_at = {to: deferred_free_pos for deferred_free_pos, to in deferred_free.items()}
         # Second pass: emit code.
@@ -473,7 +479,10 @@ class _Compiler:
                 continue
             k = ident
             fresh = [(t, i) for t, i in self._output_slots(k) if not alive[t]]
+            skip = skips.condition(k)
             call = calls[pos]
+            if call is not None and k in skips.sums:
+                call = call.replace(f"F{k}(", f"_sum_present(F{k}, ", 1)
             assert call is not None
             if done[k] == 0 and any(t in buffer_of_update for t, _ in fresh):
                 in_place = self._in_place_write_back(k, pos, buffer_of_update, buffer_tensor,
@@ -498,6 +507,23 @@ class _Compiler:
                 lines.append(f"_r = {call}")
                 lines += [f"E[{t}] = _r[{i}]" for t, i in fresh]
                 lines.append("del _r")
+            for t, _ in fresh:
+                target = update_target.get(t)
+                if target is not None and t not in written_back:
+                    written_back.add(t)
+                    dest, old_value = target
+                    if old_value is not None and last_read.get(old_value, -1) > pos:
+                        # a later recomputation reads the old value: keep it for it
+                        lines.append(f"E[{old_value}] = E[{old_value}].clone()")
+                        extra_bytes += g.tensors[old_value].bytes
+                    lines.append(f"{dest}.copy_(E[{t}])")
+            if k in skips.unfed:  # (missing gradients: not run, its results missing)
+                fed = " and ".join(f"E[{t}] is not None" for t in skips.unfed[k])
+                lines = [f"if {fed}:", *("    " + x for x in lines or ["pass"])]
+            if skip:  # (a skipped op's generator state is still saved and restored below)
+                given = skips.stand_ins(k, [t for t, _ in fresh], call)
+                lines = [f"if not ({skip}):", *("    " + x for x in lines or ["pass"]),
+                         *(["else:", *("    " + x for x in given)] if given else [])]
             if k in gen_index:
                 j, r = gen_index[k], rng_slot.get(k)
                 if done[k] == 0:
@@ -510,18 +536,12 @@ class _Compiler:
                         lines.append(f"GEN{j}.set_state(_c{j}); del _c{j}")
                     if r is not None and done[k] == runs[k] - 1:
                         lines.append(f"S[{r}] = None")  # last replay: the state is not needed
+            if done[k] == 0:
+                lines += skips.decided(k)
             done[k] += 1
             for t, _ in fresh:
                 alive[t] = True
-                target = update_target.get(t)
-                if target is not None and t not in written_back:
-                    written_back.add(t)
-                    dest, old_value = target
-                    if old_value is not None and last_read.get(old_value, -1) > pos:
-                        # a later recomputation reads the old value: keep it for it
-                        lines.append(f"E[{old_value}] = E[{old_value}].clone()")
-                        extra_bytes += g.tensors[old_value].bytes
-                    lines.append(f"{dest}.copy_(E[{t}])")
+            lines += skips.held(k, pos, alive, done[k] == 1)
             out.extend(lines)
         tail = []
         for t in grad_slot:
@@ -532,6 +552,8 @@ class _Compiler:
         chunk_grads.append(pending)
 
         self.namespace["_acc"] = _accumulate
+        self.namespace["_stand_in"] = _stand_in
+        self.namespace["_sum_present"] = _sum_present
         fwd_src = "def forward_segment(P, B, X, S):\n" + "".join(
             f"    {line}\n" for line in head_fwd + fwd_body + ["return E"]
         )
@@ -591,6 +613,7 @@ class _Compiler:
                 g.tensors[old].bytes for _, old in update_target.values() if old is not None),
             param_tangents=param_tangents,
             input_tangents=input_tangents,
+            num_decision_slots=skips.num_slots,
         )
 
     def _compact_masks(self) -> tuple[dict[int, int], dict[int, int]]:
@@ -712,9 +735,11 @@ class _Compiler:
 
     @staticmethod
     def _stash(t: int, slot: tuple[str, int], uses: dict[tuple[str, int], int],
-               copy: bool = False) -> str:
+               copy: bool = False, may_be_missing: bool = False) -> str:
         arr, j = slot
         value = f"E[{t}].clone()" if copy else f"E[{t}]"
+        if copy and may_be_missing:  # (a gradient a skipped region makes alone: None)
+            value = f"(None if E[{t}] is None else {value})"
         if uses[slot] > 1:  # several traced gradients of one parameter (tied under two names)
             return f"{arr}[{j}] = _acc({arr}[{j}], {value})"
         return f"{arr}[{j}] = {value}"
@@ -738,8 +763,144 @@ def _same_layout(arg: torch.fx.Node, result: tuple[torch.fx.Node, Any]) -> bool:
             and a.stride() == r.stride() and a.dtype == r.dtype)
 
 
-def _accumulate(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+def _stand_in(S: list[Any], pairs: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
+    """The first stand-in kept in S of a decision that skips (slots (decision, stand-in))
+    that is not missing, or None."""
+    for d, h in pairs:
+        if S[d] and S[h] is not None:
+            return S[h]
+    return None
+
+
+def _sum_present(add: Callable[..., Any], a: torch.Tensor | None, b: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+    """A sum of two terms of which a skipped region may have left one or both missing."""
+    if a is None:
+        return b
+    return a if b is None else add(a, b)
+
+
+def _accumulate(acc: torch.Tensor | None, g: torch.Tensor | None) -> torch.Tensor | None:
+    if g is None:  # (a gradient a skipped region makes alone)
+        return acc
     return g if acc is None else acc + g
+
+
+class _Skips:
+    """The code for the trace's random decisions (``capture.decisions``): the slots of S
+    where a call's decisions and the tensors standing for skipped ones are kept, and the
+    lines that read the decisions, test them before an op they may skip, and keep and give
+    the stand-ins. Slots of S after the generator states: one per decision (True when this
+    call skips its region), then one per (region, skipped tensor) stand-in."""
+
+    def __init__(self, traced: Any, graph: Any, steps: Sequence[tuple[str, int]],
+                 forward_len: int, first_slot: int) -> None:
+        self.graph = graph
+        regions = list(getattr(traced, "skippable", ()) or ())
+        self.regions = regions
+        producer = {t: k for k, op in enumerate(graph.ops) for t in op.outputs}
+        self.decision_slot = {r.index: first_slot + i for i, r in enumerate(regions)}
+        self.regions_of: dict[int, list[Any]] = {}  # op -> the regions holding it, in order
+        for r in regions:
+            for k in r.ops:
+                self.regions_of.setdefault(k, []).append(r)
+        self.test_of: dict[int, list[Any]] = {}  # op making a decision's test -> regions
+        next_slot = first_slot + len(regions)
+        self.hold_slot: dict[tuple[int, int], int] = {}  # (region, skipped tensor) -> slot
+        # stand-in -> (region, slot, the skipped tensor it stands for)
+        self.holds_of_source: dict[int, list[tuple[Any, int, int]]] = {}
+        self.last_hold: dict[int, list[int]] = {}  # op -> hold slots freed after its last run
+        for r in regions:
+            k = producer.get(r.test)
+            if k is None or k in self.regions_of:
+                raise RuntimeScheduleError(
+                    f"random decision {r.index} ({r.where}) is not made by an op that always "
+                    "runs; decisions inside parts that other decisions skip are not supported")
+            self.test_of.setdefault(k, []).append(r)
+            for o, w in sorted(r.stands_for.items()):
+                self.hold_slot[(r.index, o)] = next_slot
+                self.holds_of_source.setdefault(w, []).append((r, next_slot, o))
+                self.last_hold.setdefault(producer[o], []).append(next_slot)
+                next_slot += 1
+        self.num_slots = next_slot - first_slot
+        # tensors a call may leave missing (None), and the ops that may find one: sums of
+        # two (``capture.decisions.is_sum_of_two``) and, in the backward, ops then not run
+        # (``capture.decisions.simulate`` is the rule)
+        self.missing: set[int] = set()
+        self.sums: set[int] = set()
+        self.unfed: dict[int, list[int]] = {}  # backward op -> the inputs it may find missing
+        for k, op in enumerate(graph.ops):
+            reads = [t for t in op.inputs if t in self.missing]
+            if reads and is_sum_of_two(traced, k):
+                self.sums.add(k)
+            elif reads and op.phase == "backward":
+                self.unfed[k] = list(dict.fromkeys(reads))
+            if k in self.regions_of or reads:
+                self.missing.update(op.outputs)
+        self.producer = producer
+        # a decision is read when its test first runs, in the forward, before its region
+        first: dict[int, int] = {}
+        self.last_pos: dict[int, int] = {}  # op -> the step of its last run
+        for pos, (kind, k) in enumerate(steps):
+            if kind == "compute":
+                first.setdefault(k, pos)
+                self.last_pos[k] = pos
+        for k, rs in self.test_of.items():
+            at = first.get(k, len(steps))
+            for r in rs:
+                if at >= forward_len or any(first.get(o, len(steps)) < at for o in r.ops):
+                    raise RuntimeScheduleError(
+                        f"the schedule runs an op that random decision {r.index} ({r.where}) "
+                        "may skip before the decision's test, or the test outside the forward "
+                        "segment")
+
+    def condition(self, k: int) -> str:
+        """The expression, true when this call skips op ``k`` ("" for an op always run)."""
+        return " or ".join(f"S[{self.decision_slot[r.index]}]"
+                           for r in self.regions_of.get(k, ()))
+
+    def may_be_missing(self, t: int) -> bool:
+        return t in self.missing
+
+    def decided(self, k: int) -> list[str]:
+        """After op ``k``'s first run: the decisions whose test it made, read."""
+        return [f"S[{self.decision_slot[r.index]}] = bool(E[{r.test}]) != {r.taken!r}"
+                for r in self.test_of.get(k, ())]
+
+    def stand_ins(self, k: int, fresh: list[int], call: str) -> list[str]:
+        """For skipped op ``k`` (``call`` its call): its fresh results, the first stand-in of
+        a skipped region that is not missing; for a sum of two, else the sum of the terms
+        there (``capture.decisions.simulate`` is the rule)."""
+        lines = []
+        for o in fresh:
+            pairs = [(self.decision_slot[r.index], self.hold_slot[(r.index, o)])
+                     for r in self.regions_of.get(k, ()) if (r.index, o) in self.hold_slot]
+            if pairs:
+                lines.append(f"E[{o}] = _stand_in(S, {tuple(pairs)!r})")
+            if k in self.sums:
+                lines.append(f"E[{o}] = {call}" if not pairs else
+                             f"if E[{o}] is None: E[{o}] = {call}")
+        return lines
+
+    def held(self, k: int, pos: int, alive: list[bool], first_run: bool) -> list[str]:
+        """After op ``k`` ran at step ``pos``: the stand-ins it made (and, at a decision's
+        test, those alive then) kept for the skipped tensors they stand for, while these may
+        still be made; after its last run, the stand-ins for its own results dropped."""
+        made = self.graph.ops[k].outputs
+        sources = [w for w in made if w in self.holds_of_source]
+        if first_run and k in self.test_of:
+            sources += [w for w in self.holds_of_source if alive[w] and w not in made]
+        decided = {r.index for r in self.test_of.get(k, ())} if first_run else set()
+        lines = []
+        for w in sources:
+            for r, h, o in self.holds_of_source[w]:
+                if w not in made and r.index not in decided:
+                    continue  # (held at its own decision only)
+                if pos < self.last_pos.get(self.producer[o], -1):
+                    lines.append(f"if S[{self.decision_slot[r.index]}]: S[{h}] = E[{w}]")
+        if self.last_pos.get(k) == pos:
+            lines += [f"S[{h}] = None" for h in self.last_hold.get(k, ())]
+        return lines
 
 
 def compile_schedule(

@@ -102,7 +102,7 @@ class _IterationState:
         self.buffers = buffers
         self.inputs = inputs
         self.env: list[Any] | None = None
-        self.rng: list[Any] = [None] * program.num_rng_slots
+        self.rng: list[Any] = [None] * (program.num_rng_slots + program.num_decision_slots)
         self.gp: list[Any] = [None] * program.num_param_slots
         self.gx: list[Any] = [None] * program.num_input_slots
         self.ungiven = 0  # outputs that received no gradient (``_zero_missing_gradients``)

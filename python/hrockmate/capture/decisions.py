@@ -1,0 +1,303 @@
+"""Random decisions: parts of a traced step that run or not as a random draw decides.
+
+LayerDrop (``if torch.rand([]) < layerdrop: skip the layer``, the default of transformers'
+speech encoders, M2M100, Informer...) reads a draw to decide whether a whole layer runs.
+One graph cannot hold both outcomes of every layer (2**layers graphs), so the tracer traces
+the step once with every decision answered "run" (``capture.values.Decision``), and once more
+per decision with that one answered otherwise, and this module finds, per decision, what the
+other outcome leaves out of the first graph: a ``SkippableRegion``, the ops to skip and the
+tensors that stand for their results (the layer's input for its output; in the backward, the
+gradient of its output for that of its input). The runtime reads the draw's test at each call
+and skips the regions whose decision went the other way (``runtime.compiler``); the plan is
+made for the graph where every region runs, and a skipped region only leaves out work.
+
+The matching is checked, not assumed: every op of the other trace is matched, in order, to
+an op of the first with the same target, arguments and result shapes, reading the matched
+tensors or those standing for skipped ones; outputs, gradients and buffer updates must match
+likewise (a gradient or update the other trace lacks must come from a skipped op: the
+runtime hands None, and writes nothing back). So the first graph with a region skipped is,
+op by op, the graph traced for that outcome. Each other trace is taken in turn and checked
+against the first; several regions skipped together are checked against one more trace with
+every decision taken otherwise. Regions may share ops (the gradient of a layer's input, which
+only the layer before needs, is left out when either layer is skipped): an op runs when no
+region holding it is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+__all__ = ["DecisionError", "SkippableRegion", "skipped_part", "check_together"]
+
+
+class DecisionError(ValueError):
+    """The trace for a decision's other outcome is not the first trace with ops left out."""
+
+
+@dataclass
+class SkippableRegion:
+    """What the graph leaves out when decision ``index`` reads other than ``taken``."""
+
+    index: int  # position among the step's decisions (the order the model read them in)
+    test: int  # IR tensor id of the test the model read (a 0-d bool output of the graph)
+    taken: bool  # the test's value with which the region runs (the traced answer)
+    where: str  # the model's code that read the test
+    ops: frozenset[int] = frozenset()
+    #: skipped tensor -> the tensor standing for it (a result of an op that is not skipped
+    #: in this region, or a tensor the step starts with)
+    stands_for: dict[int, int] = field(default_factory=dict)
+    #: parameter / tensor-input gradients and buffer / input updates the region makes alone
+    #: (skipped: the runtime hands None and writes nothing back)
+    lost_grads: frozenset[int] = frozenset()
+
+
+def _signature(traced: Any, k: int) -> tuple[Any, ...]:
+    """What must agree for two ops to be the same computation (tensor inputs aside)."""
+    op = traced.graph.ops[k]
+    node = traced.op_nodes[k]
+    literals = pytree.tree_map(lambda a: "%" if isinstance(a, fx.Node) else a,
+                               (node.args, node.kwargs))
+    outs = tuple((tuple(traced.graph.tensors[t].shape or ()), traced.graph.tensors[t].dtype)
+                 for t in op.outputs)
+    # (ops are also matched by the module whose forward ran them: a dropout after the
+    # skipped layer is not the skipped layer's own; the sums autograd adds have none)
+    return (op.phase, op.target, op.module, len(op.inputs), outs, repr(literals))
+
+
+def _match(first: Any, other: Any
+           ) -> tuple[set[int], dict[int, int], dict[int, int], list[tuple[int, int]]]:
+    """(ops of ``first`` left out, skipped tensor -> its stand-in, tensor of ``other`` ->
+    tensor of ``first``, (op of ``first``, op of ``other``) matched): ``other`` as ``first``
+    with ops left out (module docstring)."""
+    by_source = {src: tid for tid, src in first.sources.items()}
+    same: dict[int, int] = {}  # other's tensor -> first's
+    canon = _constants(first)
+    for tid, src in other.sources.items():
+        if src[0] == "constant":
+            # (numbered in the order traced: matched by value; equal ones are interchangeable)
+            value = getattr(other.gm, src[1])
+            found = next((t for t in set(canon.values())
+                          if _equal_constants(getattr(first.gm, first.sources[t][1]), value)),
+                         None)
+            if found is None:
+                raise DecisionError("a constant of the other trace is not in the first")
+            same[tid] = found
+            continue
+        if src not in by_source:
+            raise DecisionError(f"a tensor the step starts with ({src[0]} {src[1]!r}) is only "
+                                "in the other trace")
+        same[tid] = by_source[src]
+    ops_a, ops_b = first.graph.ops, other.graph.ops
+    producer = {t: k for k, op in enumerate(ops_a) for t in op.outputs}
+    readers: dict[int, list[int]] = {}
+    for k, op in enumerate(ops_a):
+        for t in op.inputs:
+            readers.setdefault(t, []).append(k)
+    skipped: set[int] = set()
+    stand: dict[int, int] = {}
+    matched: list[tuple[int, int]] = []
+    p = 0
+    for j, op_b in enumerate(ops_b):
+        sig_b = _signature(other, j)
+        q = p
+        found: dict[int, int] | None = None
+        while q < len(ops_a):
+            if _signature(first, q) == sig_b:
+                found = _inputs_agree([canon.get(t, t) for t in ops_a[q].inputs], op_b.inputs,
+                                      same, stand, producer, readers, skipped, p, q)
+                if found is not None:
+                    break
+            q += 1
+        if found is None:
+            raise DecisionError(f"op '{op_b.name}' ({op_b.target}) of the other trace has no "
+                                "counterpart in the first")
+        skipped.update(range(p, q))
+        stand.update(found)
+        matched.append((q, j))
+        for t_a, t_b in zip(ops_a[q].outputs, op_b.outputs):
+            same[t_b] = t_a
+        p = q + 1
+    skipped.update(range(p, len(ops_a)))
+    return skipped, stand, same, matched
+
+
+def _constants(traced: Any) -> dict[int, int]:
+    """Each constant of the trace -> the first constant equal to it (its stand-in for
+    matching: the trace numbers constants as it meets them)."""
+    firsts: list[int] = []
+    canon: dict[int, int] = {}
+    for tid, (kind, key) in sorted(traced.sources.items()):
+        if kind != "constant":
+            continue
+        value = getattr(traced.gm, key)
+        canon[tid] = next((f for f in firsts if _equal_constants(
+            getattr(traced.gm, traced.sources[f][1]), value)), tid)
+        if canon[tid] == tid:
+            firsts.append(tid)
+    return canon
+
+
+def _equal_constants(a: Any, b: Any) -> bool:
+    import torch
+
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device and a.stride() == b.stride()
+            and bool(torch.equal(a, b)))
+
+
+def _inputs_agree(ins_a: Sequence[int], ins_b: Sequence[int], same: dict[int, int],
+                  stand: dict[int, int], producer: dict[int, int],
+                  readers: dict[int, list[int]], skipped: set[int], p: int, q: int
+                  ) -> dict[int, int] | None:
+    """The stand-ins op ``q`` of the first trace needs to read what the other trace's op
+    reads (ops ``p``..``q - 1`` skipped too), or None when it cannot. A stand-in is a tensor
+    the skipped ops read (a layer's input for its output; the gradient of its output for that
+    of its input), which keeps an op of the skipped part from passing for a later one."""
+    new: dict[int, int] = {}
+    for a, b in zip(ins_a, ins_b):
+        mapped = same.get(b)
+        if mapped is None:
+            return None
+        if mapped == a:
+            continue
+        k = producer.get(a)
+        if k is None or not (k in skipped or p <= k < q):
+            return None
+        if stand.get(a, mapped) != mapped or new.get(a, mapped) != mapped:
+            return None
+        if not any(r in skipped or p <= r < q for r in readers.get(mapped, ())):
+            return None
+        new[a] = mapped
+    return new
+
+
+def _pairs(first: Any, other: Any) -> list[tuple[str, int | None, int | None]]:
+    """(what, first's tensor, other's tensor) for every output, gradient and update."""
+    if len(first.output_ids) != len(other.output_ids):
+        raise DecisionError(
+            "the step returns other tensors when a decision goes the other way (a cache of "
+            "keys and values per layer: call the model with use_cache=False while training)")
+    pairs: list[tuple[str, int | None, int | None]] = [
+        ("output", a, b) for a, b in zip(first.output_ids, other.output_ids)]
+    for what, da, db in (("gradient of parameter", first.param_grads, other.param_grads),
+                         ("gradient of input", first.input_grads, other.input_grads),
+                         ("update of buffer", first.buffer_updates, other.buffer_updates),
+                         ("update of input", first.input_updates, other.input_updates)):
+        for key in dict.fromkeys([*da, *db]):
+            pairs.append((f"{what} {key!r}", da.get(key), db.get(key)))
+    return pairs
+
+
+def skipped_part(first: Any, other: Any, index: int, test: int, taken: bool, where: str
+                 ) -> SkippableRegion:
+    """The region decision ``index`` leaves out of ``first`` (the step traced with every
+    decision taken) when ``other`` is the step traced with that decision not taken."""
+    skipped, stand, _, _ = _match(first, other)
+    lost = {t for what, t, b in _pairs(first, other) if b is None and t is not None}
+    region = SkippableRegion(index=index, test=test, taken=taken, where=where,
+                             ops=frozenset(skipped), stands_for=stand,
+                             lost_grads=frozenset(lost))
+    check_skipped(first, other, [region], {index})
+    return region
+
+
+def is_sum_of_two(traced: Any, k: int) -> bool:
+    """Whether op ``k`` adds two tensors of its result's shape and dtype (``a + b``), as
+    autograd sums the gradients of a tensor used twice: with one of them missing (its
+    maker skipped), the result is the other; with both, none (``sum_present``)."""
+    op = traced.graph.ops[k]
+    if op.target != "aten.add.Tensor" or len(op.inputs) != 2 or len(op.outputs) != 1:
+        return False
+    node = traced.op_nodes[k]
+    if node.kwargs or len(node.args) != 2:
+        return False
+    tensors = traced.graph.tensors
+    out = tensors[op.outputs[0]]
+    return all(tensors[t].shape == out.shape and tensors[t].dtype == out.dtype
+               for t in op.inputs)
+
+
+def simulate(first: Any, regions: Sequence[SkippableRegion], skipped: set[int]
+             ) -> tuple[dict[int, int | None], set[int]]:
+    """What the runtime computes with the regions of decisions ``skipped`` skipped (the
+    rules ``runtime.compiler`` emits): per tensor, the tensor whose value it holds (itself
+    where absent from the map) or None (missing), and the ops that run. A skipped op's
+    result takes the first stand-in of a skipped region that is not missing; a sum of two
+    (``is_sum_of_two``) gives the other term where one is missing; else a skipped op's result
+    is missing. An op of the backward that reads a missing tensor does not run and its
+    results are missing (no gradient flows there, as the encoder's when every decoder layer
+    is skipped); an op of the forward must find what it reads."""
+    value: dict[int, int | None] = {}
+    runs: set[int] = set()
+    of_op: dict[int, list[SkippableRegion]] = {}
+    for r in regions:
+        if r.index in skipped:
+            for k in r.ops:
+                of_op.setdefault(k, []).append(r)
+    for k, op in enumerate(first.graph.ops):
+        ins = [value.get(t, t) for t in op.inputs]
+        adds = is_sum_of_two(first, k)
+        held = of_op.get(k)
+        if held is not None:
+            for o in op.outputs:
+                given = [value.get(r.stands_for[o], r.stands_for[o]) for r in held
+                         if o in r.stands_for]
+                present = [v for v in given if v is not None]
+                if present:
+                    value[o] = present[0]
+                elif adds and None in ins:
+                    value[o] = ins[0] if ins[1] is None else ins[1]
+                elif adds:
+                    runs.add(k)  # (both terms there: the sum is made)
+                else:
+                    value[o] = None
+        elif adds and None in ins:
+            value[op.outputs[0]] = ins[0] if ins[1] is None else ins[1]
+        elif None in ins and op.phase == "backward":
+            for o in op.outputs:  # (no gradient flows in: autograd does not run it)
+                value[o] = None
+        else:
+            if None in ins:
+                missing = first.graph.tensors[op.inputs[ins.index(None)]].name
+                raise DecisionError(f"op '{op.name}' runs and reads {missing!r}, which a "
+                                    "skipped op makes")
+            runs.add(k)
+    return value, runs
+
+
+def check_skipped(first: Any, other: Any, regions: Sequence[SkippableRegion],
+                  skipped: set[int]) -> None:
+    """Checks that the runtime's rules (``simulate``) with the regions of decisions
+    ``skipped`` skipped compute ``other``, the step traced with those decisions not taken:
+    each op of ``other`` is an op that runs, reading the same values; the other ops that run
+    compute what nobody reads then (the gradient of the first kept layer's input when every
+    layer before is skipped) and so must draw nothing and write nothing back; outputs,
+    gradients and updates are the same values, or missing where ``other`` has none."""
+    _, _, same, matched = _match(first, other)
+    value, runs = simulate(first, regions, skipped)
+    canon = _constants(first)
+    ops_a, ops_b = first.graph.ops, other.graph.ops
+    for q, j in matched:
+        if q not in runs or any(canon.get(value.get(a, a), value.get(a, a)) != same[b]
+                                for a, b in zip(ops_a[q].inputs, ops_b[j].inputs)):
+            parts = "part" if len(skipped) == 1 else "parts"
+            raise DecisionError(f"op '{ops_b[j].name}' of the other trace is not what the "
+                                f"first computes with the {parts} skipped")
+    for k in sorted(runs - {q for q, _ in matched}):
+        if ops_a[k].random or ops_a[k].mutates_buffer:
+            raise DecisionError(f"op '{ops_a[k].name}' runs where the other trace has no "
+                                "counterpart, and draws random numbers or writes a buffer")
+    for what, a, b in _pairs(first, other):
+        got = None if a is None else value.get(a, a)
+        if got != (None if b is None else same.get(b)):
+            raise DecisionError(f"the {what} differs from the other trace's")
+
+
+def check_together(first: Any, every_other: Any, regions: Sequence[SkippableRegion]) -> None:
+    """Checks that skipping all ``regions`` at once computes ``every_other`` (the step traced
+    with every decision not taken): ``check_skipped`` with all skipped."""
+    check_skipped(first, every_other, regions, {r.index for r in regions})

@@ -1,0 +1,167 @@
+"""Random decisions (LayerDrop): traced once per outcome of each, run as plain PyTorch runs."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hrockmate
+from hrockmate.capture.tracing import TraceError, trace_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int, context: bool) -> None:
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+        self.outer = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.mix = nn.Linear(width, width) if context else None
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor | None) -> torch.Tensor:
+        h = nn.functional.dropout(self.outer(torch.relu(self.inner(x))), 0.2, self.training)
+        if ctx is not None and self.mix is not None:
+            h = h + self.mix(ctx)  # (every layer reads ctx: its gradient sums over the layers)
+        return self.norm(x + h)
+
+
+class _LayerDropNet(nn.Module):
+    """Layers skipped each with ``probability`` while training, decided on ``torch.rand`` as
+    transformers' LayerDrop does; with ``context``, every layer also reads one tensor made
+    before them (an encoder's output for cross-attention, WavLM's position bias), whose
+    gradient gets nothing from skipped layers and is missing when all are."""
+
+    def __init__(self, width: int = 32, layers: int = 4, probability: float = 0.5,
+                 context: bool = False, cache: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.context = nn.Linear(width, width) if context else None
+        self.layers = nn.ModuleList(_Layer(width, context) for _ in range(layers))
+        self.head = nn.Linear(width, 1)
+        self.probability = probability
+        self.cache = cache
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.embed(x)
+        ctx = torch.tanh(self.context(x)) if self.context is not None else None
+        kept = []
+        for layer in self.layers:
+            skip = False
+            if self.training:
+                skip = torch.rand([]) < self.probability
+            if not skip:
+                h = layer(h, ctx)
+                kept.append(h[:, :2])  # (like a cache of keys per layer run)
+        loss = self.head(h).square().mean()
+        return (loss, kept) if self.cache else loss
+
+
+def _steps_equal(hm: hrockmate.HRockmate, ref: nn.Module, x: torch.Tensor, seeds: range
+                 ) -> list[int]:
+    """Trains both a step per seed (the same seed before each), asserting losses, gradients
+    (None where plain PyTorch leaves None) and the generator afterwards equal; returns how
+    many parameters got no gradient at each step."""
+    model = hm.wrapped_model
+    missing = []
+    for seed in seeds:
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = hm(x)
+        loss.backward()
+        state = torch.get_rng_state()
+        torch.manual_seed(seed)
+        ref_loss = ref(x)
+        ref_loss.backward()
+        assert torch.equal(state, torch.get_rng_state())
+        assert torch.equal(loss, ref_loss), seed
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), (seed, name)
+            assert p.grad is None or torch.equal(p.grad, q.grad), (seed, name)
+        missing.append(sum(q.grad is None for q in ref.parameters()))
+    return missing
+
+
+@pytest.mark.parametrize("plan", ["budget", "recompute_all"])
+def test_layerdrop_trains_as_plain_pytorch(plan: str) -> None:
+    """Each decision is traced both ways; a call skips the regions its draws skip, whatever
+    the plan recomputes (it was refused: "set layerdrop to 0.0")."""
+    torch.manual_seed(0)
+    model, x = _LayerDropNet(), torch.randn(64, 32)
+    ref = copy.deepcopy(model)
+    hm = hrockmate.HRockmate(model, (x,), budget=0.6, cache=False)
+    regions = hm.traced.skippable
+    assert [r.index for r in regions] == [0, 1, 2, 3]
+    assert all(r.ops and r.stands_for and not r.taken for r in regions)
+    assert all(len(r.lost_grads) == 6 for r in regions)  # (each layer's own 6 parameters)
+    if plan == "recompute_all":
+        hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+    assert hm.recomputed_ops > 0
+    missing = _steps_equal(hm, ref, x, range(8))
+    assert len(set(missing)) >= 3 and max(missing) >= 18  # (1, 2, 3... layers skipped)
+
+
+def test_a_tensor_every_layer_reads_gets_gradients_from_the_layers_run() -> None:
+    """A tensor all layers read sums its gradient over those run (a missing term leaves the
+    other) and gets none when every layer is skipped: no gradient flows into what made it,
+    whose parameters keep None as in plain PyTorch (the backward of its maker does not run)."""
+    torch.manual_seed(0)
+    model, x = _LayerDropNet(layers=3, probability=0.6, context=True), torch.randn(64, 32)
+    ref = copy.deepcopy(model)
+    hm = hrockmate.HRockmate(model, (x,), budget=0.6, cache=False)
+    assert len(hm.traced.skippable) == 3
+    missing = _steps_equal(hm, ref, x, range(12))
+    everything = 3 * 8 + 2  # (every layer's 8 parameters and the context's 2)
+    assert everything in missing and len(set(missing)) >= 3
+
+
+def test_other_outputs_when_a_layer_is_skipped_are_refused() -> None:
+    # one graph's outputs cannot be a cache with an entry per layer run
+    with pytest.raises(TraceError, match=r"returns other tensors when a decision goes the "
+                                         r"other way.*use_cache=False"):
+        trace_model(_LayerDropNet(layers=2, cache=True), torch.randn(8, 32), cost="none",
+                    loss_fn=0)
+
+
+def test_decisions_are_found_by_tracing_each_outcome() -> None:
+    traced = trace_model(_LayerDropNet(layers=3), torch.randn(8, 32), cost="none")
+    g = traced.graph
+    regions = traced.skippable
+    assert len(regions) == 3 and not set(regions[0].ops) & set(regions[1].ops) - {
+        k for k in range(g.num_ops) if g.ops[k].phase == "backward"}
+    for r in regions:
+        # the test is an output of the graph, made before the region, by a comparison
+        assert r.test in traced.output_ids
+        maker = next(k for k, op in enumerate(g.ops) if r.test in op.outputs)
+        assert g.ops[maker].target == "aten.lt.Scalar" and maker < min(r.ops)
+        # the layer's output stands for... its input: the region reads every stand-in
+        read = {t for k in r.ops for t in g.ops[k].inputs}
+        assert set(r.stands_for.values()) <= read
+        assert "layers." in "".join(g.ops[k].module for k in r.ops)
+    # the step as traced runs every layer: one op count per layer more than with none
+    assert all(len([k for k in r.ops if g.ops[k].phase == "forward"]) >= 8 for r in regions)
+
+
+def test_a_draw_read_as_a_number_is_named() -> None:
+    """A draw read as a number (not a test of it) has no two outcomes to trace."""
+
+    class Drop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training and torch.rand([]).item() < 0.5:
+                return x.sum()
+            return self.layer(x).sum()
+
+    with pytest.raises(TraceError) as info:
+        trace_model(Drop(), torch.randn(2, 4), cost="none")
+    text = str(info.value)
+    assert "branches on a random draw" in text and "layerdrop" in text
+    assert "if self.training and torch.rand([]).item() < 0.5:" in text
