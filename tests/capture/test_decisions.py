@@ -139,6 +139,8 @@ def test_decisions_are_found_by_tracing_each_outcome() -> None:
         assert r.test in traced.output_ids
         maker = next(k for k, op in enumerate(g.ops) if r.test in op.outputs)
         assert g.ops[maker].target == "aten.lt.Scalar" and maker < min(r.ops)
+        # every plan makes the test before the region: the ops entering it read the test
+        assert any(r.test in g.ops[k].inputs for k in r.ops)
         # the layer's output stands for... its input: the region reads every stand-in
         read = {t for k in r.ops for t in g.ops[k].inputs}
         assert set(r.stands_for.values()) <= read

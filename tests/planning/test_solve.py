@@ -864,7 +864,7 @@ def test_long_milps_show_their_elapsed_time(monkeypatch: pytest.MonkeyPatch) -> 
 
     import tqdm.auto
 
-    from hrockmate.planning import hierarchy as hierarchy_mod
+    from hrockmate import progress as progress_mod
 
     bars: list[Any] = []
 
@@ -885,12 +885,12 @@ def test_long_milps_show_their_elapsed_time(monkeypatch: pytest.MonkeyPatch) -> 
             self.closed = True
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
-    with hierarchy_mod.elapsed_progress("op-level MILP of 'g'", 4.2, True):
+    with progress_mod.elapsed_progress("op-level MILP of 'g'", 4.2, True):
         time.sleep(1.3)
     (bar,) = bars
     assert bar.total == 5 and bar.n >= 1 and bar.refreshed >= 2 and bar.closed
     assert not any(t.name == "hrockmate-progress" for t in threading.enumerate())
-    with hierarchy_mod.elapsed_progress("quiet", 4.2, False):
+    with progress_mod.elapsed_progress("quiet", 4.2, False):
         pass
     assert len(bars) == 1
     # a solve with progress on shows its top MILP

@@ -31,7 +31,8 @@ from typing import Any, Sequence
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["DecisionError", "SkippableRegion", "skipped_part", "check_together"]
+__all__ = ["DecisionError", "SkippableRegion", "check_together", "is_sum_of_two",
+           "order_after_tests", "simulate", "skipped_part"]
 
 
 class DecisionError(ValueError):
@@ -113,8 +114,14 @@ def _match(first: Any, other: Any
                     break
             q += 1
         if found is None:
-            raise DecisionError(f"op '{op_b.name}' ({op_b.target}) of the other trace has no "
-                                "counterpart in the first")
+            alike = any(ops_a[k].target == op_b.target and ops_a[k].module == op_b.module
+                        for k in range(p, len(ops_a)))
+            raise DecisionError(
+                f"op '{op_b.name}' ({op_b.target}) of the other trace has no counterpart in "
+                "the first" + (" (one of its module runs with other shapes or arguments: the "
+                               "other outcome changes what follows it, as Informer's "
+                               "distilling convolutions halve the length after each layer "
+                               "run)" if alike else ""))
         skipped.update(range(p, q))
         stand.update(found)
         matched.append((q, j))
@@ -205,20 +212,35 @@ def skipped_part(first: Any, other: Any, index: int, test: int, taken: bool, whe
     return region
 
 
+def order_after_tests(graph: Any, regions: Sequence[SkippableRegion]) -> None:
+    """Makes the forward ops that enter each region read the decision's test in the graph IR
+    (not in the traced code), so that every plan makes the test first: the runtime reads the
+    decision there, before anything it may skip. Called once op costs are measured (they run
+    each op on its traced arguments)."""
+    for r in regions:
+        inside = {t for k in r.ops for t in graph.ops[k].outputs}
+        for k in sorted(r.ops):
+            op = graph.ops[k]
+            if op.phase == "forward" and r.test not in op.inputs and not any(
+                    t in inside for t in op.inputs):
+                op.inputs.append(r.test)
+
+
 def is_sum_of_two(traced: Any, k: int) -> bool:
     """Whether op ``k`` adds two tensors of its result's shape and dtype (``a + b``), as
     autograd sums the gradients of a tensor used twice: with one of them missing (its
     maker skipped), the result is the other; with both, none (``sum_present``)."""
     op = traced.graph.ops[k]
-    if op.target != "aten.add.Tensor" or len(op.inputs) != 2 or len(op.outputs) != 1:
+    if op.target != "aten.add.Tensor" or len(op.inputs) < 2 or len(op.outputs) != 1:
         return False
     node = traced.op_nodes[k]
-    if node.kwargs or len(node.args) != 2:
+    if node.kwargs or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
         return False
     tensors = traced.graph.tensors
     out = tensors[op.outputs[0]]
+    # (the two terms come first: ``order_after_tests`` may add a decision's test after them)
     return all(tensors[t].shape == out.shape and tensors[t].dtype == out.dtype
-               for t in op.inputs)
+               for t in op.inputs[:2])
 
 
 def simulate(first: Any, regions: Sequence[SkippableRegion], skipped: set[int]

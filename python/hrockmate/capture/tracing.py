@@ -114,6 +114,7 @@ from hrockmate.capture.decisions import (
     DecisionError,
     SkippableRegion,
     check_together,
+    order_after_tests,
     skipped_part,
 )
 from hrockmate.capture.kernels import (
@@ -132,6 +133,7 @@ from hrockmate.capture.values import (
     ValueReads,
 )
 from hrockmate.ir.graph import Graph, Op, Tensor
+from hrockmate.progress import Progress
 
 __all__ = [
     "COST_MODES", "LossFn", "TensorHolder", "TensorLeaf", "TraceError", "Traced", "coerce_like",
@@ -1087,13 +1089,18 @@ def _skippable_regions(traced: Traced, decided: list[Decision], first_test: int,
     logger.info("the model decides at random %d times whether to run parts of the step (%s); "
                 "tracing each decision's other outcome", len(decided), where)
     regions: list[SkippableRegion] = []
+    n = len(decided)
+    bar = Progress(n + (n > 1), f"tracing the other outcome of {n} random decisions of "
+                   f"'{traced.graph.name}'", True)
     try:
         for i, d in enumerate(decided):
             regions.append(skipped_part(traced, trace_not_taken({i}), i,
                                         traced.output_ids[first_test + i], d.answer,
                                         d.where or "the model's code"))
+            bar.update()
         if len(regions) > 1:
-            check_together(traced, trace_not_taken(set(range(len(decided)))), regions)
+            check_together(traced, trace_not_taken(set(range(n))), regions)
+            bar.update()
     except DecisionError as exc:
         raise TraceError(
             f"the model decides at random whether to run parts of the step (at {where}), and "
@@ -1101,6 +1108,8 @@ def _skippable_regions(traced: Traced, decided: list[Decision], first_test: int,
             "randomness off (transformers models: set the config's layerdrop, "
             "encoder_layerdrop and decoder_layerdrop to 0.0) or leave this module out of "
             "hrockmate") from exc
+    finally:
+        bar.close()
     for r in regions:
         logger.debug("decision %d at %s: %d ops skipped when it goes the other way",
                      r.index, r.where, len(r.ops))
@@ -1878,6 +1887,7 @@ def trace_model(
         t1 = time.perf_counter()
         annotate_costs(traced, model, sample, mode=cost)
         traced.cost_seconds = time.perf_counter() - t1
+    order_after_tests(traced.graph, traced.skippable)
     traced.trace_seconds = time.perf_counter() - t0
     traced.graph.meta.update(
         {

@@ -22,10 +22,10 @@ from hrockmate.planning.hierarchy import (
     TOP_TIME_SHARE,
     Hierarchy,
     HierarchyTimeout,
-    elapsed_progress,
     prepare,
     solve_top,
 )
+from hrockmate.progress import elapsed_progress
 
 logger = logging.getLogger("hrockmate")
 
