@@ -167,3 +167,38 @@ def test_a_draw_read_as_a_number_is_named() -> None:
     text = str(info.value)
     assert "branches on a random draw" in text and "layerdrop" in text
     assert "if self.training and torch.rand([]).item() < 0.5:" in text
+
+
+def test_what_decisions_leave_out_is_cached(tmp_path: Any) -> None:
+    """A later start with the plan cache finds the regions without the extra traces; an
+    entry that does not fit the graph is ignored with a warning, and traced afresh."""
+    from hrockmate.capture import tracing
+    from hrockmate.planning.cache import PlanCache, PlanCacheWarning
+
+    model, x = _LayerDropNet(layers=2), torch.randn(8, 32)
+    cache = PlanCache(tmp_path)
+    first = trace_model(model, x, cost="none", decisions_cache=cache)
+    (entry,) = (tmp_path / "decisions").iterdir()
+    calls: list[set[int]] = []
+    real = tracing._skippable_regions
+
+    def counted(traced: Any, decided: Any, first_test: int, trace_not_taken: Any,
+                cache: Any = None) -> Any:
+        def spy(indices: set[int]) -> Any:
+            calls.append(indices)
+            return trace_not_taken(indices)
+        return real(traced, decided, first_test, spy, cache)
+
+    tracing._skippable_regions = counted  # type: ignore[assignment]
+    try:
+        again = trace_model(model, x, cost="none", decisions_cache=cache)
+        assert calls == []
+        assert [(r.ops, r.stands_for, r.lost_grads) for r in again.skippable] == [
+            (r.ops, r.stands_for, r.lost_grads) for r in first.skippable]
+        entry.write_text(entry.read_text().replace('"index": 1', '"index": 7'))
+        with pytest.warns(PlanCacheWarning, match="ignoring decisions cache entry"):
+            fresh = trace_model(model, x, cost="none", decisions_cache=cache)
+        assert len(calls) == 3 and [r.ops for r in fresh.skippable] == [
+            r.ops for r in first.skippable]
+    finally:
+        tracing._skippable_regions = real  # type: ignore[assignment]

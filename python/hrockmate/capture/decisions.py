@@ -25,14 +25,16 @@ region holding it is skipped.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["DecisionError", "SkippableRegion", "check_together", "is_sum_of_two",
-           "order_after_tests", "simulate", "skipped_part"]
+__all__ = ["DecisionError", "SkippableRegion", "cache_key", "check_together", "is_sum_of_two",
+           "order_after_tests", "regions_from_json", "regions_to_json", "simulate",
+           "skipped_part"]
 
 
 class DecisionError(ValueError):
@@ -54,6 +56,61 @@ class SkippableRegion:
     #: parameter / tensor-input gradients and buffer / input updates the region makes alone
     #: (skipped: the runtime hands None and writes nothing back)
     lost_grads: frozenset[int] = frozenset()
+
+
+def cache_key(first: Any, wheres: Sequence[str]) -> str:
+    """What the regions found for ``first`` depend on: the graph as traced (ops with their
+    modules and arguments, tensors with shapes, the step's sources and outputs), the model's
+    files where it read its decisions (the other outcome's code is there, not in the graph),
+    this module's rules and torch's version: the key of a cached finding
+    (``hrockmate.planning.cache``), which saves the extra traces on a later start."""
+    import os
+
+    import torch
+
+    h = hashlib.sha256()
+    h.update(f"{torch.__version__};{sorted(first.sources.items())};{first.output_ids};".encode())
+    for k in range(first.graph.num_ops):
+        h.update(f"{_signature(first, k)}{first.graph.ops[k].inputs}".encode())
+        h.update(f"{first.graph.ops[k].outputs};".encode())
+    for t in first.graph.tensors:
+        h.update(f"{t.bytes},{t.role},{t.alias_of},{t.shape},{t.dtype};".encode())
+    files = sorted({w.split(":")[0] for w in wheres} | {os.path.abspath(__file__)})
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                h.update(path.encode() + hashlib.sha256(f.read()).digest())
+        except OSError:
+            h.update(f"{path}: unreadable {os.urandom(8).hex()}".encode())  # (never a hit)
+    return h.hexdigest()[:24]
+
+
+def regions_to_json(regions: Sequence[SkippableRegion]) -> list[dict[str, Any]]:
+    return [{"index": r.index, "test": r.test, "taken": r.taken, "where": r.where,
+             "ops": sorted(r.ops), "stands_for": sorted(r.stands_for.items()),
+             "lost_grads": sorted(r.lost_grads)} for r in regions]
+
+
+def regions_from_json(data: Any, first: Any, count: int) -> list[SkippableRegion]:
+    """The regions a cache entry holds, checked against ``first`` (``count`` decisions);
+    ValueError when they cannot be its."""
+    if not isinstance(data, list) or len(data) != count:
+        raise ValueError(f"expected {count} regions")
+    n_ops, n_tensors = first.graph.num_ops, first.graph.num_tensors
+    regions = []
+    for i, d in enumerate(data):
+        ops = frozenset(int(k) for k in d["ops"])
+        stands = {int(a): int(b) for a, b in d["stands_for"]}
+        lost = frozenset(int(t) for t in d["lost_grads"])
+        test = int(d["test"])
+        if (int(d["index"]) != i or test not in first.output_ids
+                or not all(0 <= k < n_ops for k in ops)
+                or not all(0 <= t < n_tensors for t in [*stands, *stands.values(), *lost])):
+            raise ValueError(f"region {i} does not fit the graph")
+        regions.append(SkippableRegion(index=i, test=test, taken=bool(d["taken"]),
+                                       where=str(d["where"]), ops=ops, stands_for=stands,
+                                       lost_grads=lost))
+    return regions
 
 
 def _signature(traced: Any, k: int) -> tuple[Any, ...]:

@@ -113,8 +113,11 @@ from hrockmate.capture import ctc
 from hrockmate.capture.decisions import (
     DecisionError,
     SkippableRegion,
+    cache_key,
     check_together,
     order_after_tests,
+    regions_from_json,
+    regions_to_json,
     skipped_part,
 )
 from hrockmate.capture.kernels import (
@@ -1079,13 +1082,22 @@ def _explain(exc: BaseException, module_path: str, model: nn.Module,
 
 
 def _skippable_regions(traced: Traced, decided: list[Decision], first_test: int,
-                       trace_not_taken: Callable[[set[int]], Traced]
-                       ) -> list[SkippableRegion]:
+                       trace_not_taken: Callable[[set[int]], Traced],
+                       cache: Any = None) -> list[SkippableRegion]:
     """What each random decision of the step leaves out when it goes the other way: the step
     traced again per decision with that one not taken, matched against ``traced`` (every
     decision taken), and once with none taken to check them together
-    (``capture.decisions``)."""
+    (``capture.decisions``). ``cache``: where an earlier finding for the same graph and code
+    is kept (``load_decisions`` / ``save_decisions`` of ``hrockmate.planning.cache``)."""
     where = ", ".join(dict.fromkeys(d.where or "the model's code" for d in decided))
+    key = cache_key(traced, [d.where or "" for d in decided]) if cache is not None else None
+    if key is not None:
+        found = cache.load_decisions(key, lambda data: regions_from_json(
+            data, traced, len(decided)))
+        if found is not None:
+            logger.info("the model's %d random decisions (%s): what each leaves out is "
+                        "cached", len(decided), where)
+            return found
     logger.info("the model decides at random %d times whether to run parts of the step (%s); "
                 "tracing each decision's other outcome", len(decided), where)
     regions: list[SkippableRegion] = []
@@ -1113,6 +1125,8 @@ def _skippable_regions(traced: Traced, decided: list[Decision], first_test: int,
     for r in regions:
         logger.debug("decision %d at %s: %d ops skipped when it goes the other way",
                      r.index, r.where, len(r.ops))
+    if key is not None:
+        cache.save_decisions(key, regions_to_json(regions))
     return regions
 
 
@@ -1595,6 +1609,7 @@ def trace_model(
     loss_fn: LossFn | None = None,
     cost: str = "measure",
     name: str | None = None,
+    decisions_cache: Any = None,
 ) -> Traced:
     """Trace one training iteration (forward and backward) of ``model`` on ``sample``.
 
@@ -1608,6 +1623,8 @@ def trace_model(
     ``cost``: ``"measure"`` runs each distinct op on the sample's device, ``"estimate"`` uses
     a FLOP/bandwidth model (both measure workspaces once), ``"none"`` leaves times and
     workspaces at 0.
+    ``decisions_cache``: a ``hrockmate.planning.cache.PlanCache`` keeping what the model's
+    random decisions (LayerDrop) leave out, which otherwise takes one more trace per decision.
     """
     if not isinstance(model, nn.Module):
         raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -1858,7 +1875,7 @@ def trace_model(
             return build(other)
 
         traced.skippable = _skippable_regions(
-            traced, decided, first_test, trace_not_taken)
+            traced, decided, first_test, trace_not_taken, decisions_cache)
     traced.output_spec = out_box["spec"]
     traced.input_spec = input_spec
     traced.input_meta = [_leaf_meta(x) for x in leaves]

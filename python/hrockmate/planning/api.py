@@ -346,7 +346,7 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
     from hrockmate.planning.cache import device_kind, measured_times, open_cache
 
     store = open_cache(cache)
-    traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate")
+    traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate", decisions_cache=store)
     graph = traced.graph
     key = None
     if store is not None:

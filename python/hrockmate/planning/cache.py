@@ -20,6 +20,10 @@ What:
   hrockmate and torch, the device kind, and a digest of the planner's code (the native core
   and the Python planning and IR modules, ``planner_fingerprint``): a plan made by another
   build of the same version is not reused.
+- ``decisions/<key>.json``: what each random decision of a model (LayerDrop) leaves out of
+  its graph, keyed by the graph as traced, the model's files where it reads the decisions and
+  the version of the rules (``capture.decisions.cache_key``): a later start needs none of the
+  extra traces that found it.
 
 Every file is written atomically. An entry that cannot be read, is corrupt or belongs to
 another graph is ignored with a ``PlanCacheWarning`` (and replaced by the next write); a cache
@@ -40,7 +44,7 @@ import os
 import platform
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from hrockmate.ir.graph import write_atomic
 
@@ -61,6 +65,7 @@ CACHE_ENV = "HROCKMATE_CACHE_DIR"
 #: Raise when what a cached entry means changes (planner or cost model behaviour).
 CACHE_VERSION = 1
 TIMES_FORMAT = "hrockmate-op-times"
+DECISIONS_FORMAT = "hrockmate-decisions"
 _OFF = frozenset({"off", "0", "false", "no", "none"})
 #: Solve options that do not change the plan.
 _NOT_IN_KEY = frozenset({"progress"})
@@ -222,6 +227,29 @@ class PlanCache:
             op.time = float(t)
         graph.meta["cost_report"] = {"mode": "measure", "cache": "hit"}
         return True
+
+    # ---- random decisions -----------------------------------------------------------------
+    def load_decisions(self, key: str, parse: Callable[[Any], Any]) -> Any:
+        """What a model's random decisions leave out (``capture.decisions``), cached under
+        ``key``, as ``parse`` reads it; None when there is no readable entry."""
+        path = self.directory / "decisions" / f"{key}.json"
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != DECISIONS_FORMAT:
+                raise ValueError("not a decisions entry")
+            return parse(data["regions"])
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            _warn(f"ignoring decisions cache entry {path}: {exc}")
+            return None
+
+    def save_decisions(self, key: str, regions: Any) -> None:
+        path = self.directory / "decisions" / f"{key}.json"
+        try:
+            write_atomic(path, json.dumps({"format": DECISIONS_FORMAT, "regions": regions}))
+        except OSError as exc:
+            _warn(f"cannot write decisions cache entry {path}: {exc.strerror or exc}")
 
     def save_times(self, graph: "Graph", device: str) -> None:
         path = self._times_path(graph, device)

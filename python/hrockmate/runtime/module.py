@@ -582,7 +582,10 @@ class HRockmate(nn.Module):
         if _on_cpu(model, pytree.tree_leaves((args, kwargs))):
             keep_freed_cpu_memory()  # before tracing: op times are measured as they will run
         # "estimate" also measures each op's workspace, which the predicted peak includes.
-        traced = trace_model(model, sample, loss_fn=request.loss_fn, cost="estimate")
+        from hrockmate.planning.cache import open_cache
+
+        traced = trace_model(model, sample, loss_fn=request.loss_fn, cost="estimate",
+                             decisions_cache=open_cache(request.cache))
         _warn_of_captured_tensors(request.loss_fn, traced)
         object.__setattr__(self, "_hr_traced", traced)
         self.__dict__["_hr_variants"] = []  # (paths of other input values: of the old trace)
