@@ -823,6 +823,7 @@ class _Skips:
                 self.last_hold.setdefault(producer[o], []).append(next_slot)
                 next_slot += 1
         self.num_slots = next_slot - first_slot
+        self.kept: set[int] = set()  # stand-in slots the code emitted so far fills
         # tensors a call may leave missing (None), and the ops that may find one: sums of
         # two (``capture.decisions.is_sum_of_two``) and, in the backward, ops then not run
         # (``capture.decisions.simulate`` is the rule)
@@ -873,8 +874,14 @@ class _Skips:
         there (``capture.decisions.simulate`` is the rule)."""
         lines = []
         for o in fresh:
-            pairs = [(self.decision_slot[r.index], self.hold_slot[(r.index, o)])
-                     for r in self.regions_of.get(k, ()) if (r.index, o) in self.hold_slot]
+            held = [r for r in self.regions_of.get(k, ()) if (r.index, o) in self.hold_slot]
+            for r in held:
+                if self.hold_slot[(r.index, o)] not in self.kept:
+                    raise RuntimeScheduleError(
+                        f"the schedule frees tensor '{self.graph.tensors[r.stands_for[o]].name}'"
+                        f" before random decision {r.index} ({r.where}) is read, and does not "
+                        "make it again before it must stand for a tensor the decision skips")
+            pairs = [(self.decision_slot[r.index], self.hold_slot[(r.index, o)]) for r in held]
             if pairs:
                 lines.append(f"E[{o}] = _stand_in(S, {tuple(pairs)!r})")
             if k in self.sums:
@@ -898,6 +905,7 @@ class _Skips:
                     continue  # (held at its own decision only)
                 if pos < self.last_pos.get(self.producer[o], -1):
                     lines.append(f"if S[{self.decision_slot[r.index]}]: S[{h}] = E[{w}]")
+                    self.kept.add(h)
         if self.last_pos.get(k) == pos:
             lines += [f"S[{h}] = None" for h in self.last_hold.get(k, ())]
         return lines
