@@ -58,12 +58,13 @@ class SkippableRegion:
     lost_grads: frozenset[int] = frozenset()
 
 
-def cache_key(first: Any, wheres: Sequence[str]) -> str:
+def cache_key(first: Any, wheres: Sequence[str]) -> str | None:
     """What the regions found for ``first`` depend on: the graph as traced (ops with their
     modules and arguments, tensors with shapes, the step's sources and outputs), the model's
     files where it read its decisions (the other outcome's code is there, not in the graph),
     this module's rules and torch's version: the key of a cached finding
-    (``hrockmate.planning.cache``), which saves the extra traces on a later start."""
+    (``hrockmate.planning.cache``), which saves the extra traces on a later start; None
+    when one of those files cannot be read."""
     import os
 
     import torch
@@ -81,7 +82,7 @@ def cache_key(first: Any, wheres: Sequence[str]) -> str:
             with open(path, "rb") as f:
                 h.update(path.encode() + hashlib.sha256(f.read()).digest())
         except OSError:
-            h.update(f"{path}: unreadable {os.urandom(8).hex()}".encode())  # (never a hit)
+            return None  # (the code cannot be told apart: nothing is cached)
     return h.hexdigest()[:24]
 
 
