@@ -84,11 +84,16 @@ def _grads(model: Any) -> dict[str, torch.Tensor]:
 
 
 def _save_point(hm: Any, step: Any, params: list[torch.Tensor], stem: Path) -> None:
-    """The traced graph (with the op times and workspaces measured here), the plan, and on
-    CUDA the caching allocator's history of one planned step (Python stacks: the generated
-    code's lines show which step allocated what)."""
+    """The traced graph (with the op times and workspaces measured here), the plan, the
+    generated code of each segment (as its frames name it: ``forward_segment``,
+    ``backward_chunk_<i>``) and on CUDA the caching allocator's history of one planned step
+    (Python stacks: the generated code's lines show which step allocated what)."""
     hm.traced.graph.save(stem.with_suffix(".graph.json"))
     hm.plan.save(stem.with_suffix(".plan.json"))
+    program = hm._compiled_program("its generated code")
+    segments = {"forward_segment": program.forward.source}
+    segments.update({f"backward_chunk_{i}": c.source for i, c in enumerate(program.chunks)})
+    stem.with_suffix(".code.json").write_text(json.dumps(segments))
     if not params[0].is_cuda:
         return
     for p in params:
@@ -138,7 +143,8 @@ def run_model(name: str, size: str, budgets: list[float], iterations: int,
                 del again
             plan = hm.plan
             budget = parse_budget(frac, plan.baseline_peak_bytes)
-            point.update(budget_bytes=int(budget), predicted_peak_bytes=int(hm.predicted_peak_bytes),
+            point.update(budget_bytes=int(budget),
+                         predicted_peak_bytes=int(hm.predicted_peak_bytes),
                          predicted_overhead=float(plan.overhead), plan_method=plan.method,
                          fallback=plan.stats.get("fallback"))
             # one training step of each from the same state and seed

@@ -18,12 +18,9 @@ import torch.utils._pytree as pytree
 import hrockmate
 from hrockmate import models
 from hrockmate.capture.tracing import (
-    CUDA_LARGE_POOL_SLACK,
-    CUDA_OVERSIZE_SLACK,
     TensorLeaf,
     Traced,
     TraceError,
-    allocator_slack_bytes,
     placeholder_values,
     run_joint,
     split_sample,
@@ -963,42 +960,6 @@ def test_closed_over_tensors_become_constants() -> None:
     values = {torch.equal(getattr(traced.gm, k), target) for k in constants.values()}
     assert True in values
     assert_reproduces_autograd(copy.deepcopy(model), x, traced, loss_fn=loss_fn)
-
-
-def test_allocator_slack_is_kept_on_cuda_only_where_large_pool_requests_occur(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA allocator may hand a request over 1 MiB a cached block up to 1 MiB larger:
-    that slack is budgeted only on CUDA, only when the graph makes such requests (a tensor
-    or an op's workspace), and not with expandable segments (every block split)."""
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.delenv(var, raising=False)
-    from graph_builders import training_graph
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    g = training_graph(6, seed=1)
-    assert allocator_slack_bytes(g, cuda) == 0  # every tensor and workspace of a few bytes
-    g.tensors[3].bytes = CUDA_LARGE_POOL_SLACK  # exactly 1 MiB: still the small pool
-    assert allocator_slack_bytes(g, cuda) == 0
-    g.tensors[3].bytes = CUDA_LARGE_POOL_SLACK + 512
-    assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
-    assert allocator_slack_bytes(g, cpu) == 0
-    g.tensors[3].bytes = 64
-    g.ops[2].workspace = 4 * CUDA_LARGE_POOL_SLACK
-    assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.setenv(var, "garbage_collection_threshold:0.6, expandable_segments:True")
-        assert allocator_slack_bytes(g, cuda) == 0
-        monkeypatch.setenv(var, "expandable_segments:False")
-        assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
-        monkeypatch.delenv(var)
-    # blocks of at least max_split_size_mb are never split: a request that large may get one
-    # up to 20 MiB larger (the largest request here is the 4 MiB workspace)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:4")
-    assert allocator_slack_bytes(g, cuda) == CUDA_OVERSIZE_SLACK == 20 << 20
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:5")
-    assert allocator_slack_bytes(g, cuda) == CUDA_LARGE_POOL_SLACK
 
 
 def test_a_failing_kernel_is_reported_once_without_pytorchs_error_log(caplog) -> None:

@@ -17,9 +17,14 @@ import torch.utils._pytree as pytree
 
 import hrockmate
 from hrockmate import models
-from hrockmate.capture.tracing import allocator_slack_bytes
 from hrockmate.ir.graph import Graph
-from hrockmate.runtime import HRockmate, InputMismatchError, ModelChangedError, RuntimeScheduleError
+from hrockmate.runtime import (
+    HRockmate,
+    InputMismatchError,
+    ModelChangedError,
+    RuntimeScheduleError,
+)
+from hrockmate.runtime.cuda_memory import allocator_slack_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

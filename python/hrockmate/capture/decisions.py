@@ -72,8 +72,9 @@ def cache_key(first: Any, wheres: Sequence[str]) -> str | None:
     h = hashlib.sha256()
     h.update(f"{torch.__version__};{sorted(first.sources.items())};{first.output_ids};".encode())
     for k in range(first.graph.num_ops):
-        h.update(f"{_signature(first, k)}{first.graph.ops[k].inputs}".encode())
-        h.update(f"{first.graph.ops[k].outputs};".encode())
+        op = first.graph.ops[k]
+        h.update(f"{_signature(first, k)}{op.module}{op.inputs}".encode())
+        h.update(f"{op.outputs};".encode())
     for t in first.graph.tensors:
         h.update(f"{t.bytes},{t.role},{t.alias_of},{t.shape},{t.dtype};".encode())
     files = sorted({w.split(":")[0] for w in wheres} | {os.path.abspath(__file__)})
@@ -122,9 +123,16 @@ def _signature(traced: Any, k: int) -> tuple[Any, ...]:
                                (node.args, node.kwargs))
     outs = tuple((tuple(traced.graph.tensors[t].shape or ()), traced.graph.tensors[t].dtype)
                  for t in op.outputs)
-    # (ops are also matched by the module whose forward ran them: a dropout after the
-    # skipped layer is not the skipped layer's own; the sums autograd adds have none)
-    return (op.phase, op.target, op.module, len(op.inputs), outs, repr(literals))
+    return (op.phase, op.target, len(op.inputs), outs, repr(literals))
+
+
+def _same_module(a: Any, b: Any) -> bool:
+    """Ops are also matched by the module whose forward ran them: a dropout after the skipped
+    layer is not the skipped layer's own. A backward op that one trace places in no module
+    matches any: the sums autograd adds have none, and where an in-place op wrote into a view
+    (Wav2Vec2's masked features on CUDA), which forward op a backward op belongs to can be
+    found in one trace and not in the other. (A wrong match is refused by ``check_skipped``.)"""
+    return a.module == b.module or (a.phase == "backward" and not (a.module and b.module))
 
 
 def _match(first: Any, other: Any
@@ -165,7 +173,7 @@ def _match(first: Any, other: Any
         q = p
         found: dict[int, int] | None = None
         while q < len(ops_a):
-            if _signature(first, q) == sig_b:
+            if _signature(first, q) == sig_b and _same_module(ops_a[q], op_b):
                 found = _inputs_agree([canon.get(t, t) for t in ops_a[q].inputs], op_b.inputs,
                                       same, stand, producer, readers, skipped, p, q)
                 if found is not None:

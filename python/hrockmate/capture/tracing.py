@@ -85,7 +85,6 @@ import copy
 import functools
 import gc
 import logging
-import math
 import operator
 import os
 import re
@@ -1141,51 +1140,6 @@ def allocated_bytes(nbytes: int, device: torch.device) -> int:
     if device.type == "cuda" and nbytes > 0:
         return -(-int(nbytes) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
     return int(nbytes)
-
-
-#: Requests above this size come from the CUDA caching allocator's large pool, which splits a
-#: cached block only when more than this would remain: such a request may get a block up to
-#: this much larger than it asked for, and ``memory_allocated`` counts the whole block. Which
-#: request gets one depends on what the cache held before, not on the schedule (measured at the
-#: peak of GPT-2 and U-Net steps on H100/H200: 0, 768 KiB or exactly 1 MiB, never more).
-#: With expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) it splits
-#: every block, and steps measured the graph's peak to the byte.
-CUDA_LARGE_POOL_SLACK = 1 << 20
-#: With ``max_split_size_mb`` set, blocks of at least that size are never split, and a request
-#: of at least that size may get a cached one up to this much larger (the allocator's rule).
-CUDA_OVERSIZE_SLACK = 20 << 20
-
-
-def _allocator_conf() -> dict[str, str]:
-    """The CUDA allocator's settings in the environment (as torch reads them when CUDA starts;
-    a change made later from Python is not seen)."""
-    conf: dict[str, str] = {}
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        for item in os.environ.get(var, "").split(","):
-            key, _, value = item.partition(":")
-            if key.strip():
-                conf.setdefault(key.strip(), value.strip())
-    return conf
-
-
-def allocator_slack_bytes(graph: Graph, device: torch.device) -> int:
-    """What the allocator may count beyond the graph's tensors at a peak, on CUDA: one large
-    pool block's unsplit remainder when any tensor or workspace is a large pool request, none
-    with expandable segments, and an oversize block's when ``max_split_size_mb`` is set and a
-    request reaches it."""
-    if device.type != "cuda":
-        return 0
-    conf = _allocator_conf()
-    if conf.get("expandable_segments") == "True":
-        return 0
-    largest = max([t.bytes for t in graph.tensors] + [o.workspace for o in graph.ops], default=0)
-    try:
-        max_split = float(conf["max_split_size_mb"]) * 2**20
-    except (KeyError, ValueError):
-        max_split = math.inf
-    if largest >= max_split:
-        return CUDA_OVERSIZE_SLACK
-    return CUDA_LARGE_POOL_SLACK if largest > CUDA_LARGE_POOL_SLACK else 0
 
 
 def _tensor_members(val: Any) -> list[tuple[int | None, torch.Tensor]]:

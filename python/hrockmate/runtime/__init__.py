@@ -3,6 +3,7 @@ straight-line Python (``compiler``), inside autograd; docs/runtime.md describes 
 
 from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
+from hrockmate.runtime.cuda_memory import split_cuda_blocks
 from hrockmate.runtime.module import (
     FiniteAssumptionError,
     HRockmate,
@@ -11,4 +12,5 @@ from hrockmate.runtime.module import (
 )
 
 __all__ = ["FiniteAssumptionError", "HRockmate", "InputMismatchError", "ModelChangedError",
-           "Program", "RuntimeScheduleError", "compile_schedule", "keep_freed_cpu_memory"]
+           "Program", "RuntimeScheduleError", "compile_schedule", "keep_freed_cpu_memory",
+           "split_cuda_blocks"]

@@ -19,7 +19,7 @@ import torch.fx
 
 from hrockmate.capture.decisions import is_sum_of_two
 from hrockmate.capture.kernels import RELAYOUT, in_place_kernel, op_kernel
-from hrockmate.capture.tracing import allocator_slack_bytes
+from hrockmate.runtime.cuda_memory import allocator_slack_bytes
 
 __all__ = ["Program", "RuntimeScheduleError", "compile_schedule"]
 
@@ -73,7 +73,7 @@ class Program:
     #: what the runtime adds to the graph's peak: the saved generator states of replayed random
     #: ops (by how much they raise the modelled peak), old values of buffers that
     #: recomputations read after write-back (at most), and on CUDA the caching allocator's
-    #: unsplit block remainder (``capture.tracing.allocator_slack_bytes``)
+    #: unsplit block remainder (``runtime.cuda_memory.allocator_slack_bytes``)
     extra_bytes: int
     #: at least what ``extra_bytes`` of any schedule of this graph exceeds this program's: a
     #: saved state for every random op and a current one per generator, an old value for

@@ -52,6 +52,7 @@ from hrockmate.capture.tracing import TensorLeaf, rebuild_output
 from hrockmate.capture.values import FiniteAssumptionError
 from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
+from hrockmate.runtime.cuda_memory import split_cuda_blocks
 
 __all__ = ["FiniteAssumptionError", "HRockmate", "InputMismatchError", "ModelChangedError",
            "RuntimeScheduleError"]
@@ -513,6 +514,11 @@ def _on_cpu(model: nn.Module, leaves: list[Any]) -> bool:
     return True
 
 
+def _on_cuda(model: nn.Module, leaves: list[Any]) -> bool:
+    return any(t.is_cuda for t in itertools.chain(model.parameters(), model.buffers(), leaves)
+               if isinstance(t, torch.Tensor))
+
+
 def _needs_grad(model: nn.Module, leaves: list[Any]) -> bool:
     return any(p.requires_grad for p in model.parameters()) or any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in leaves
@@ -581,6 +587,8 @@ class HRockmate(nn.Module):
         args, kwargs = split_sample(sample)
         if _on_cpu(model, pytree.tree_leaves((args, kwargs))):
             keep_freed_cpu_memory()  # before tracing: op times are measured as they will run
+        elif _on_cuda(model, pytree.tree_leaves((args, kwargs))):
+            split_cuda_blocks()  # (so that a step's peak is the one its plan predicts)
         # "estimate" also measures each op's workspace, which the predicted peak includes.
         from hrockmate.planning.cache import open_cache
 
