@@ -87,6 +87,13 @@ class Progress:
             self.last = now
             logger.info("%s: %d/%d (%.0f s)", self.desc, self.n, self.total, now - self.t0)
 
+    def add(self, more: int) -> None:
+        """More steps than first said (work found on the way)."""
+        self.total += more
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.refresh()
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -32,9 +32,9 @@ from typing import Any, Sequence
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["DecisionError", "SkippableRegion", "cache_key", "check_together", "is_sum_of_two",
-           "order_after_tests", "regions_from_json", "regions_to_json", "simulate",
-           "skipped_part"]
+__all__ = ["MIN_DERIVED_RUN", "DecisionError", "SkipRules", "SkippableRegion", "cache_key",
+           "check_together", "derive_between", "is_sum_of_two", "order_after_tests",
+           "regions_from_json", "regions_to_json", "simulate", "skipped_part"]
 
 
 class DecisionError(ValueError):
@@ -278,6 +278,132 @@ def skipped_part(first: Any, other: Any, index: int, test: int, taken: bool, whe
     return region
 
 
+#: A run of at least this many decisions made at one line of code (a stack of layers) has its
+#: inner regions derived from two traced ones instead of traced each (``derive_between``).
+MIN_DERIVED_RUN = 6
+
+
+def _index_step(a: str, b: str) -> int | None:
+    """How many places further the one dotted component two names differ in counts, when
+    it is an index (``layers.3.fc`` / ``layers.7.fc``: 4); 0 when they are equal; else None."""
+    pa, pb = a.split("."), b.split(".")
+    if len(pa) != len(pb):
+        return None
+    diff = [(x, y) for x, y in zip(pa, pb) if x != y]
+    if not diff:
+        return 0
+    if len(diff) == 1 and diff[0][0].isdigit() and diff[0][1].isdigit():
+        return int(diff[0][1]) - int(diff[0][0])
+    return None
+
+
+class _Shift:
+    """The first graph's ops and tensors of one repeated layer mapped to those of another:
+    forward ops ``forward`` later, backward ops ``backward`` earlier (the backward runs the
+    layers in reverse), module and parameter names one index further by the same step.
+    ``op`` gives None where the image is not the same computation; ``tensor`` gives None
+    where a tensor is shared by the layers (made before them, or a parameter of none)."""
+
+    def __init__(self, first: Any, forward: int, backward: int) -> None:
+        self.first = first
+        self.ops = first.graph.ops
+        self.producer = first.graph.producers()
+        self.forward, self.backward = forward, backward
+        self.step: int | None = None  # how many layers further names count, once seen
+        self.source_of = {src: t for t, src in first.sources.items()}
+
+    def _same_step(self, step: int | None) -> bool:
+        if step is None:
+            return False
+        if step and self.step is None:
+            self.step = step
+        return step == 0 or step == self.step
+
+    def op(self, k: int) -> int | None:
+        op = self.ops[k]
+        j = k + self.forward if op.phase == "forward" else k - self.backward
+        if not 0 <= j < len(self.ops) or self.ops[j].phase != op.phase:
+            return None
+        if _signature(self.first, k) != _signature(self.first, j):
+            return None
+        if _same_module(op, self.ops[j]) and not (op.module and self.ops[j].module):
+            return j  # (a backward op placed in no module)
+        return j if self._same_step(_index_step(op.module, self.ops[j].module)) else None
+
+    def tensor(self, t: int) -> int | None:
+        k = self.producer[t]
+        if k is None:  # a parameter or buffer of the layer: the one of the same name there
+            kind, key = self.first.sources.get(t, ("", None))
+            if kind not in ("param", "buffer") or not isinstance(key, str) or not self.step:
+                return None
+            parts = key.split(".")
+            for i, part in enumerate(parts):
+                if part.isdigit():
+                    moved = ".".join([*parts[:i], str(int(part) + self.step), *parts[i + 1:]])
+                    if (kind, moved) in self.source_of:
+                        return self.source_of[(kind, moved)]
+            return None
+        j = self.op(k)
+        if j is None or j == k:
+            return None
+        return self.ops[j].outputs[self.ops[k].outputs.index(t)]
+
+
+def derive_between(first: Any, a: SkippableRegion, c: SkippableRegion, steps: int,
+                   made: Sequence[tuple[int, int, bool, str]]) -> list[SkippableRegion] | None:
+    """The regions of the decisions between ``a`` and ``c``, two traced regions of a stack of
+    identical layers ``steps`` layers apart: ``made`` holds (index, test, taken, where) of the
+    decisions 1 .. ``steps - 1`` layers after ``a``'s. Each is ``a``'s region moved by whole
+    layers, every op of it checked to be the same computation reading the moved (or the same,
+    shared) tensors; None where the stack is not that regular (then each is traced). The
+    caller checks the derived regions against traces of several skipped together."""
+    ops = first.graph.ops
+    producer = first.graph.producers()
+
+    def split(r: SkippableRegion) -> tuple[list[int], list[int]]:
+        return (sorted(k for k in r.ops if ops[k].phase == "forward"),
+                sorted(k for k in r.ops if ops[k].phase == "backward"))
+
+    (fa, ba), (fc, bc) = split(a), split(c)
+    if len(fa) != len(fc) or len(ba) != len(bc) or not fa or steps < 2:
+        return None
+    forward = {y - x for x, y in zip(fa, fc)} | {producer[c.test] - producer[a.test]}
+    backward = {x - y for x, y in zip(ba, bc)} or {0}
+    if len(forward) != 1 or len(backward) != 1:
+        return None
+    df, db = forward.pop(), backward.pop()
+    if df <= 0 or df % steps or db < 0 or db % steps:
+        return None
+    outputs = {t for _, t, _ in _pairs(first, first)}
+    derived = []
+    for j, (index, test, taken, where) in enumerate(made, start=1):
+        shift = _Shift(first, j * df // steps, j * db // steps)
+        if producer[test] != producer[a.test] + shift.forward:
+            return None
+        image = {k: shift.op(k) for k in sorted(a.ops)}
+        if None in image.values():
+            return None
+        for k, m in image.items():
+            for t, u in zip(ops[k].inputs, ops[m].inputs):  # type: ignore[index]
+                if u != t and u != shift.tensor(t):
+                    return None
+        moved = {m for m in image.values() if m is not None}
+        stands: dict[int, int] = {}
+        for o, w in a.stands_for.items():
+            o2 = shift.tensor(o)
+            if o2 is None:
+                return None
+            w2 = shift.tensor(w)
+            stands[o2] = w if w2 is None else w2
+        lost = {shift.tensor(t) for t in a.lost_grads}
+        if None in lost or not lost <= outputs:
+            return None
+        derived.append(SkippableRegion(index=index, test=test, taken=taken, where=where,
+                                       ops=frozenset(moved), stands_for=stands,
+                                       lost_grads=frozenset(t for t in lost if t is not None)))
+    return derived
+
+
 def order_after_tests(graph: Any, regions: Sequence[SkippableRegion]) -> None:
     """Makes the forward ops that enter each region read the decision's test in the graph IR
     (not in the traced code), so that every plan makes the test first: the runtime reads the
@@ -309,44 +435,83 @@ def is_sum_of_two(traced: Any, k: int) -> bool:
                for t in op.inputs[:2])
 
 
-def simulate(first: Any, regions: Sequence[SkippableRegion], skipped: set[int]
+@dataclass
+class SkipRules:
+    """The runtime's rules for a trace's random decisions, per op: ``runtime.compiler`` emits
+    them as code for every outcome, ``simulate`` evaluates them for one, and the checks compare
+    that with the traces of the other outcomes (so what runs is what was checked).
+
+    - An op of a region its decision skips does not run. Each of its results takes the first
+      stand-in (``SkippableRegion.stands_for``) of a skipped region holding it that is not
+      missing; without one, a sum of two gives what its terms give (below), other results are
+      missing (None).
+    - A sum of two (``is_sum_of_two``) that may find a term missing gives the other term, or
+      nothing when both are (autograd's sum of the gradients of a tensor used twice, one use
+      skipped: eager's order of sums is kept).
+    - An op of the backward that may find an input missing does not run when one is, and its
+      results are missing (autograd runs no node that no gradient reaches: the encoder's when
+      every decoder layer is skipped).
+    - An op of the forward must find what it reads."""
+
+    regions: list[SkippableRegion]  # by decision, in the order the model reads them
+    regions_of: dict[int, list[SkippableRegion]]  # op -> the regions holding it, in order
+    sums: set[int]  # sums of two in a region or reading what may be missing
+    unfed: dict[int, list[int]]  # backward op -> the inputs it may find missing
+    missing: set[int]  # tensors a call may leave missing
+
+    @classmethod
+    def of(cls, traced: Any, regions: Sequence[SkippableRegion]) -> "SkipRules":
+        regions_of: dict[int, list[SkippableRegion]] = {}
+        for r in regions:
+            for k in r.ops:
+                regions_of.setdefault(k, []).append(r)
+        rules = cls(list(regions), regions_of, set(), {}, set())
+        for k, op in enumerate(traced.graph.ops):
+            reads = [t for t in op.inputs if t in rules.missing]
+            if (reads or k in regions_of) and is_sum_of_two(traced, k):
+                rules.sums.add(k)
+            elif reads and op.phase == "backward":
+                rules.unfed[k] = list(dict.fromkeys(reads))
+            if k in regions_of or reads:
+                rules.missing.update(op.outputs)
+        return rules
+
+    def stand_ins(self, k: int, t: int) -> list[SkippableRegion]:
+        """The regions holding op ``k`` with a stand-in for its result ``t``, in order."""
+        return [r for r in self.regions_of.get(k, ()) if t in r.stands_for]
+
+
+def simulate(first: Any, rules: SkipRules, skipped: set[int]
              ) -> tuple[dict[int, int | None], set[int]]:
-    """What the runtime computes with the regions of decisions ``skipped`` skipped (the
-    rules ``runtime.compiler`` emits): per tensor, the tensor whose value it holds (itself
-    where absent from the map) or None (missing), and the ops that run. A skipped op's
-    result takes the first stand-in of a skipped region that is not missing; a sum of two
-    (``is_sum_of_two``) gives the other term where one is missing; else a skipped op's result
-    is missing. An op of the backward that reads a missing tensor does not run and its
-    results are missing (no gradient flows there, as the encoder's when every decoder layer
-    is skipped); an op of the forward must find what it reads."""
+    """What the runtime computes with the regions of decisions ``skipped`` skipped
+    (``SkipRules``): per tensor, the tensor whose value it holds (itself where absent from
+    the map) or None (missing), and the ops that run."""
     value: dict[int, int | None] = {}
     runs: set[int] = set()
-    of_op: dict[int, list[SkippableRegion]] = {}
-    for r in regions:
-        if r.index in skipped:
-            for k in r.ops:
-                of_op.setdefault(k, []).append(r)
+
+    def sum_of(k: int, ins: list[int | None]) -> None:
+        if None in ins[:2]:
+            value[first.graph.ops[k].outputs[0]] = ins[0] if ins[1] is None else ins[1]
+        else:
+            runs.add(k)  # (both terms there: the sum is made)
+
     for k, op in enumerate(first.graph.ops):
         ins = [value.get(t, t) for t in op.inputs]
-        adds = is_sum_of_two(first, k)
-        held = of_op.get(k)
-        if held is not None:
+        if any(r.index in skipped for r in rules.regions_of.get(k, ())):
             for o in op.outputs:
-                given = [value.get(r.stands_for[o], r.stands_for[o]) for r in held
-                         if o in r.stands_for]
+                given = [value.get(r.stands_for[o], r.stands_for[o])
+                         for r in rules.stand_ins(k, o) if r.index in skipped]
                 present = [v for v in given if v is not None]
                 if present:
                     value[o] = present[0]
-                elif adds and None in ins:
-                    value[o] = ins[0] if ins[1] is None else ins[1]
-                elif adds:
-                    runs.add(k)  # (both terms there: the sum is made)
+                elif k in rules.sums:
+                    sum_of(k, ins)
                 else:
                     value[o] = None
-        elif adds and None in ins:
-            value[op.outputs[0]] = ins[0] if ins[1] is None else ins[1]
-        elif None in ins and op.phase == "backward":
-            for o in op.outputs:  # (no gradient flows in: autograd does not run it)
+        elif k in rules.sums:
+            sum_of(k, ins)
+        elif k in rules.unfed and any(value.get(t, t) is None for t in rules.unfed[k]):
+            for o in op.outputs:
                 value[o] = None
         else:
             if None in ins:
@@ -359,14 +524,14 @@ def simulate(first: Any, regions: Sequence[SkippableRegion], skipped: set[int]
 
 def check_skipped(first: Any, other: Any, regions: Sequence[SkippableRegion],
                   skipped: set[int]) -> None:
-    """Checks that the runtime's rules (``simulate``) with the regions of decisions
+    """Checks that the runtime's rules (``SkipRules``, ``simulate``) with the regions of decisions
     ``skipped`` skipped compute ``other``, the step traced with those decisions not taken:
     each op of ``other`` is an op that runs, reading the same values; the other ops that run
     compute what nobody reads then (the gradient of the first kept layer's input when every
     layer before is skipped) and so must draw nothing and write nothing back; outputs,
     gradients and updates are the same values, or missing where ``other`` has none."""
     _, _, same, matched = _match(first, other)
-    value, runs = simulate(first, regions, skipped)
+    value, runs = simulate(first, SkipRules.of(first, regions), skipped)
     canon = _constants(first)
     ops_a, ops_b = first.graph.ops, other.graph.ops
     for q, j in matched:

@@ -9,6 +9,7 @@ state, buffer write-backs and the backward's chunk cuts are all decided here, on
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from hrockmate.capture.decisions import is_sum_of_two
+from hrockmate.capture.decisions import SkipRules
 from hrockmate.capture.kernels import RELAYOUT, in_place_kernel, op_kernel
 from hrockmate.runtime.cuda_memory import allocator_slack_bytes
 
@@ -157,6 +158,8 @@ class _Compiler:
         self.buffer_slot = buffer_slot
         self.input_slot = input_slot
         self.namespace: dict[str, Any] = {}
+        #: the rules for the trace's random decisions (one description, also checked)
+        self.skip_rules = SkipRules.of(traced, list(getattr(traced, "skippable", ()) or ()))
         self._consts: dict[int, str] = {}
         self._node_key: dict[tuple[torch.fx.Node, int | None], int] = {}
         for tid, (node, idx) in enumerate(traced.tensor_nodes):
@@ -211,7 +214,10 @@ class _Compiler:
         node = self.traced.op_nodes[op_id]
         name = f"F{op_id}" if in_place is None else f"W{op_id}"
         if name not in self.namespace:
-            self.namespace[name] = in_place or op_kernel(node, self.traced.device.type)
+            kernel = in_place or op_kernel(node, self.traced.device.type)
+            if op_id in self.skip_rules.sums:  # (a term may be missing)
+                kernel = functools.partial(_sum_present, kernel)
+            self.namespace[name] = kernel
         parts = [self._expr(a, node.name, reads) for a in node.args]
         parts += [f"{k}={self._expr(v, node.name, reads)}" for k, v in node.kwargs.items()]
         return f"{name}({', '.join(parts)})"
@@ -448,7 +454,7 @@ class _Compiler:
         possible_state_bytes = sum(state_nbytes[j] for j in gen_index.values()) + sum(
             state_nbytes)
 
-        skips = _Skips(tr, g, self.steps, self.forward_len, len(rng_slot))
+        skips = _Skips(self.skip_rules, g, self.steps, self.forward_len, len(rng_slot))
         aliased_masks_only = set(mask_of_pack.values()) - packed_needed
         dropped_at = {to: deferred_free_pos for deferred_free_pos, to in deferred_free.items()}
         # Second pass: emit code.
@@ -481,8 +487,6 @@ class _Compiler:
             fresh = [(t, i) for t, i in self._output_slots(k) if not alive[t]]
             skip = skips.condition(k)
             call = calls[pos]
-            if call is not None and k in skips.sums:
-                call = call.replace(f"F{k}(", f"_sum_present(F{k}, ", 1)
             assert call is not None
             if done[k] == 0 and any(t in buffer_of_update for t, _ in fresh):
                 in_place = self._in_place_write_back(k, pos, buffer_of_update, buffer_tensor,
@@ -517,8 +521,8 @@ class _Compiler:
                         lines.append(f"E[{old_value}] = E[{old_value}].clone()")
                         extra_bytes += g.tensors[old_value].bytes
                     lines.append(f"{dest}.copy_(E[{t}])")
-            if k in skips.unfed:  # (missing gradients: not run, its results missing)
-                fed = " and ".join(f"E[{t}] is not None" for t in skips.unfed[k])
+            if k in skips.rules.unfed:  # (missing gradients: not run, its results missing)
+                fed = " and ".join(f"E[{t}] is not None" for t in skips.rules.unfed[k])
                 lines = [f"if {fed}:", *("    " + x for x in lines or ["pass"])]
             if skip:  # (a skipped op's generator state is still saved and restored below)
                 given = skips.stand_ins(k, [t for t, _ in fresh], call)
@@ -553,7 +557,6 @@ class _Compiler:
 
         self.namespace["_acc"] = _accumulate
         self.namespace["_stand_in"] = _stand_in
-        self.namespace["_sum_present"] = _sum_present
         fwd_src = "def forward_segment(P, B, X, S):\n" + "".join(
             f"    {line}\n" for line in head_fwd + fwd_body + ["return E"]
         )
@@ -787,23 +790,20 @@ def _accumulate(acc: torch.Tensor | None, g: torch.Tensor | None) -> torch.Tenso
 
 
 class _Skips:
-    """The code for the trace's random decisions (``capture.decisions``): the slots of S
-    where a call's decisions and the tensors standing for skipped ones are kept, and the
+    """The code for the trace's random decisions (``capture.decisions.SkipRules``): the slots
+    of S where a call's decisions and the tensors standing for skipped ones are kept, and the
     lines that read the decisions, test them before an op they may skip, and keep and give
     the stand-ins. Slots of S after the generator states: one per decision (True when this
-    call skips its region), then one per (region, skipped tensor) stand-in."""
+    call skips its region), then one per (region, skipped tensor) stand-in. (Sums of two run
+    their kernel through ``_sum_present``: ``_Compiler._call``.)"""
 
-    def __init__(self, traced: Any, graph: Any, steps: Sequence[tuple[str, int]],
+    def __init__(self, rules: SkipRules, graph: Any, steps: Sequence[tuple[str, int]],
                  forward_len: int, first_slot: int) -> None:
         self.graph = graph
-        regions = list(getattr(traced, "skippable", ()) or ())
-        self.regions = regions
-        producer = {t: k for k, op in enumerate(graph.ops) for t in op.outputs}
+        self.rules = rules
+        regions = rules.regions
+        producer = graph.producers()
         self.decision_slot = {r.index: first_slot + i for i, r in enumerate(regions)}
-        self.regions_of: dict[int, list[Any]] = {}  # op -> the regions holding it, in order
-        for r in regions:
-            for k in r.ops:
-                self.regions_of.setdefault(k, []).append(r)
         self.test_of: dict[int, list[Any]] = {}  # op making a decision's test -> regions
         next_slot = first_slot + len(regions)
         self.hold_slot: dict[tuple[int, int], int] = {}  # (region, skipped tensor) -> slot
@@ -811,8 +811,8 @@ class _Skips:
         self.holds_of_source: dict[int, list[tuple[Any, int, int]]] = {}
         self.last_hold: dict[int, list[int]] = {}  # op -> hold slots freed after its last run
         for r in regions:
-            k = producer.get(r.test)
-            if k is None or k in self.regions_of:
+            k = producer[r.test]
+            if k is None or k in rules.regions_of:
                 raise RuntimeScheduleError(
                     f"random decision {r.index} ({r.where}) is not made by an op that always "
                     "runs; decisions inside parts that other decisions skip are not supported")
@@ -824,20 +824,6 @@ class _Skips:
                 next_slot += 1
         self.num_slots = next_slot - first_slot
         self.kept: set[int] = set()  # stand-in slots the code emitted so far fills
-        # tensors a call may leave missing (None), and the ops that may find one: sums of
-        # two (``capture.decisions.is_sum_of_two``) and, in the backward, ops then not run
-        # (``capture.decisions.simulate`` is the rule)
-        self.missing: set[int] = set()
-        self.sums: set[int] = set()
-        self.unfed: dict[int, list[int]] = {}  # backward op -> the inputs it may find missing
-        for k, op in enumerate(graph.ops):
-            reads = [t for t in op.inputs if t in self.missing]
-            if reads and is_sum_of_two(traced, k):
-                self.sums.add(k)
-            elif reads and op.phase == "backward":
-                self.unfed[k] = list(dict.fromkeys(reads))
-            if k in self.regions_of or reads:
-                self.missing.update(op.outputs)
         self.producer = producer
         # a decision is read when its test first runs, in the forward, before its region
         first: dict[int, int] = {}
@@ -858,10 +844,10 @@ class _Skips:
     def condition(self, k: int) -> str:
         """The expression, true when this call skips op ``k`` ("" for an op always run)."""
         return " or ".join(f"S[{self.decision_slot[r.index]}]"
-                           for r in self.regions_of.get(k, ()))
+                           for r in self.rules.regions_of.get(k, ()))
 
     def may_be_missing(self, t: int) -> bool:
-        return t in self.missing
+        return t in self.rules.missing
 
     def decided(self, k: int) -> list[str]:
         """After op ``k``'s first run: the decisions whose test it made, read."""
@@ -871,10 +857,10 @@ class _Skips:
     def stand_ins(self, k: int, fresh: list[int], call: str) -> list[str]:
         """For skipped op ``k`` (``call`` its call): its fresh results, the first stand-in of
         a skipped region that is not missing; for a sum of two, else the sum of the terms
-        there (``capture.decisions.simulate`` is the rule)."""
+        there."""
         lines = []
         for o in fresh:
-            held = [r for r in self.regions_of.get(k, ()) if (r.index, o) in self.hold_slot]
+            held = self.rules.stand_ins(k, o)
             for r in held:
                 if self.hold_slot[(r.index, o)] not in self.kept:
                     raise RuntimeScheduleError(
@@ -884,7 +870,7 @@ class _Skips:
             pairs = [(self.decision_slot[r.index], self.hold_slot[(r.index, o)]) for r in held]
             if pairs:
                 lines.append(f"E[{o}] = _stand_in(S, {tuple(pairs)!r})")
-            if k in self.sums:
+            if k in self.rules.sums:
                 lines.append(f"E[{o}] = {call}" if not pairs else
                              f"if E[{o}] is None: E[{o}] = {call}")
         return lines
