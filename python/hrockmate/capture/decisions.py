@@ -159,11 +159,7 @@ def _match(first: Any, other: Any
                                 "in the other trace")
         same[tid] = by_source[src]
     ops_a, ops_b = first.graph.ops, other.graph.ops
-    producer = {t: k for k, op in enumerate(ops_a) for t in op.outputs}
-    readers: dict[int, list[int]] = {}
-    for k, op in enumerate(ops_a):
-        for t in op.inputs:
-            readers.setdefault(t, []).append(k)
+    producer, readers = first.graph.producers(), first.graph.consumers()
     skipped: set[int] = set()
     stand: dict[int, int] = {}
     matched: list[tuple[int, int]] = []
@@ -223,8 +219,8 @@ def _equal_constants(a: Any, b: Any) -> bool:
 
 
 def _inputs_agree(ins_a: Sequence[int], ins_b: Sequence[int], same: dict[int, int],
-                  stand: dict[int, int], producer: dict[int, int],
-                  readers: dict[int, list[int]], skipped: set[int], p: int, q: int
+                  stand: dict[int, int], producer: Sequence[int | None],
+                  readers: Sequence[list[int]], skipped: set[int], p: int, q: int
                   ) -> dict[int, int] | None:
     """The stand-ins op ``q`` of the first trace needs to read what the other trace's op
     reads (ops ``p``..``q - 1`` skipped too), or None when it cannot. A stand-in is a tensor
@@ -237,12 +233,12 @@ def _inputs_agree(ins_a: Sequence[int], ins_b: Sequence[int], same: dict[int, in
             return None
         if mapped == a:
             continue
-        k = producer.get(a)
+        k = producer[a]
         if k is None or not (k in skipped or p <= k < q):
             return None
         if stand.get(a, mapped) != mapped or new.get(a, mapped) != mapped:
             return None
-        if not any(r in skipped or p <= r < q for r in readers.get(mapped, ())):
+        if not any(r in skipped or p <= r < q for r in readers[mapped]):
             return None
         new[a] = mapped
     return new
