@@ -124,7 +124,6 @@ def rewrite_backwards(joint: fx.GraphModule) -> None:
         node.target = backward
         for a in old:
             _erase_unused(joint.graph, a)
-    joint.recompile()
 
 
 def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:

@@ -667,7 +667,6 @@ def _match_random_layouts(gm: fx.GraphModule) -> None:
         node.replace_all_uses_with(after, delete_user_cb=lambda user: user is not after)
         node.args = (before, *node.args[1:])
         node.meta["val"] = out_perm
-    gm.recompile()
 
 
 # ---- 0/1 random masks kept in one byte ------------------------------------------------------
@@ -704,7 +703,6 @@ def _compact_random_masks(gm: fx.GraphModule) -> None:
         # The runtime copies nothing while the float mask is alive (runtime.compiler).
         ne.meta["packs_mask_of"] = node
         to.meta["unpacks_mask_of"] = node
-    gm.recompile()
 
 
 # ---- capture ----------------------------------------------------------------------------------
@@ -1363,6 +1361,8 @@ def _build(
         grads[k] = own(grads[k])
     for k in sorted(mutations):
         mutations[k] = own(mutations[k])
+    # (the graph passes before this one edit the graph only: its code is made once, here;
+    # the joint graph is run node by node, ``run_joint``, never as code)
     gm.recompile()
 
     ir = Graph(name=name)
