@@ -845,20 +845,31 @@ def _model_lru_caches() -> dict[int, tuple[Any, int]]:
     return caches
 
 
-@contextlib.contextmanager
-def _new_cache_entries_cleared() -> Iterator[None]:
-    """Clears the model code's LRU caches that computed entries during the body (a trace): an
-    entry made while tracing can hold a fake tensor (transformers'
-    ``compile_compatible_method_lru_cache`` keeps BEiT's relative position index), which would
-    break the next trace and the model in plain PyTorch for the rest of the process. Caches
-    only skip work again, so clearing one changes no result."""
-    before = _model_lru_caches()
-    try:
-        yield
-    finally:
-        for key, (cached, misses) in _model_lru_caches().items():
-            if key not in before or misses > before[key][1]:
-                cached.cache_clear()
+class _NewCacheEntriesCleared:
+    """Clears the model code's LRU caches that computed entries during a trace: an entry
+    made while tracing can hold a fake tensor (transformers'
+    ``compile_compatible_method_lru_cache`` keeps BEiT's relative position index), which
+    would break the next trace and the model in plain PyTorch for the rest of the process.
+    Caches only skip work again, so clearing one changes no result. One per ``trace_model``
+    call: what a trace leaves is what the next one starts from (the scan of the process's
+    objects takes about 0.1 s), and a cache that got entries between two traces is cleared
+    too, which also changes no result."""
+
+    def __init__(self) -> None:
+        self._after: dict[int, tuple[Any, int]] | None = None
+
+    @contextlib.contextmanager
+    def around(self) -> Iterator[None]:
+        before = self._after if self._after is not None else _model_lru_caches()
+        try:
+            yield
+        finally:
+            now = _model_lru_caches()
+            for key, (cached, misses) in now.items():
+                if key not in before or misses > before[key][1]:
+                    cached.cache_clear()
+                    now[key] = (cached, cached.cache_info().misses)
+            self._after = now
 
 
 class _ModuleAttributes:
@@ -1755,12 +1766,13 @@ def trace_model(
     # is. Each retry runs outside the previous failure's handler so that its own failure does
     # not carry the first as its context.
     failures: dict[str, tuple[BaseException, str]] = {}  # try -> (error, module)
+    new_entries_cleared = _NewCacheEntriesCleared()
 
     def try_capture(which: str) -> fx.GraphModule | None:
         """The joint graph of try ``which`` ("eager", "guarded" or "compiling"), or None with
         its failure kept in ``failures``."""
         try:
-            with _new_cache_entries_cleared():
+            with new_entries_cleared.around():
                 return capture(which == "compiling")
         except TraceError:
             raise
