@@ -300,13 +300,13 @@ class _Shift:
     ``op`` gives None where the image is not the same computation; ``tensor`` gives None
     where a tensor is shared by the layers (made before them, or a parameter of none)."""
 
-    def __init__(self, first: Any, forward: int, backward: int) -> None:
+    def __init__(self, first: Any, forward: int, backward: int,
+                 producer: Sequence[int | None], source_of: dict[Any, int]) -> None:
         self.first = first
         self.ops = first.graph.ops
-        self.producer = first.graph.producers()
+        self.producer, self.source_of = producer, source_of  # (the graph's, made once)
         self.forward, self.backward = forward, backward
         self.step: int | None = None  # how many layers further names count, once seen
-        self.source_of = {src: t for t, src in first.sources.items()}
 
     def _same_step(self, step: int | None) -> bool:
         if step is None:
@@ -371,9 +371,10 @@ def derive_between(first: Any, a: SkippableRegion, c: SkippableRegion, steps: in
     if df <= 0 or df % steps or db < 0 or db % steps:
         return None
     outputs = {t for _, t, _ in _pairs(first, first)}
+    source_of = {src: t for t, src in first.sources.items()}
     derived = []
     for j, (index, test, taken, where) in enumerate(made, start=1):
-        shift = _Shift(first, j * df // steps, j * db // steps)
+        shift = _Shift(first, j * df // steps, j * db // steps, producer, source_of)
         if producer[test] != producer[a.test] + shift.forward:
             return None
         image = {k: shift.op(k) for k in sorted(a.ops)}

@@ -1140,18 +1140,22 @@ def _skippable_regions(traced: Traced, decided: list[Decision], first_test: int,
             if i not in inner:
                 trace_alone(i)
         alternate: set[int] = set()
+        derived: set[int] = set()  # (the decisions whose regions were derived)
         for r in derived_runs:
             got = derive_between(traced, found[r[1]], found[r[-2]], len(r) - 3,
                                  [made[i] for i in r[2:-2]])
             if got is None:
                 logger.info("the layers deciding at %s are not alike: tracing each of them",
                             made[r[0]][3])
-                bar.add(len(r) - 4 - 1)
+                bar.add(len(r) - 4)
                 for i in r[2:-2]:
                     trace_alone(i)
                 continue
             found.update((g.index, g) for g in got)
+            derived.update(g.index for g in got)
             alternate.update(r[0::2])
+        if derived_runs and not alternate:
+            bar.add(-1)  # (no check trace)
         regions = [found[i] for i in range(n)]
         if alternate:
             try:
@@ -1159,8 +1163,8 @@ def _skippable_regions(traced: Traced, decided: list[Decision], first_test: int,
             except DecisionError as exc:
                 logger.info("regions derived for alike layers do not hold (%s): tracing each "
                             "of them", exc)
-                bar.add(len(inner))
-                for i in sorted(inner):
+                bar.add(len(derived))
+                for i in sorted(derived):
                     trace_alone(i)
                 regions = [found[i] for i in range(n)]
             bar.update()
