@@ -132,7 +132,12 @@ def _same_module(a: Any, b: Any) -> bool:
     matches any: the sums autograd adds have none, and where an in-place op wrote into a view
     (Wav2Vec2's masked features on CUDA), which forward op a backward op belongs to can be
     found in one trace and not in the other. (A wrong match is refused by ``check_skipped``.)"""
-    return a.module == b.module or (a.phase == "backward" and not (a.module and b.module))
+    return a.module == b.module or _unplaced_backward(a, b)
+
+
+def _unplaced_backward(a: Any, b: Any) -> bool:
+    """Backward ops of which one is placed in no module (``_same_module``)."""
+    return a.phase == "backward" and not (a.module and b.module)
 
 
 def _match(first: Any, other: Any
@@ -270,7 +275,7 @@ def skipped_part(first: Any, other: Any, index: int, test: int, taken: bool, whe
     region = SkippableRegion(index=index, test=test, taken=taken, where=where,
                              ops=frozenset(skipped), stands_for=stand,
                              lost_grads=frozenset(lost))
-    check_skipped(first, other, [region], {index})
+    check_skipped(first, other, SkipRules.of(first, [region]), {index})
     return region
 
 
@@ -322,8 +327,8 @@ class _Shift:
             return None
         if _signature(self.first, k) != _signature(self.first, j):
             return None
-        if _same_module(op, self.ops[j]) and not (op.module and self.ops[j].module):
-            return j  # (a backward op placed in no module)
+        if not (op.module or self.ops[j].module) or _unplaced_backward(op, self.ops[j]):
+            return j  # (no module, so no layer index to move)
         return j if self._same_step(_index_step(op.module, self.ops[j].module)) else None
 
     def tensor(self, t: int) -> int | None:
@@ -519,8 +524,7 @@ def simulate(first: Any, rules: SkipRules, skipped: set[int]
     return value, runs
 
 
-def check_skipped(first: Any, other: Any, regions: Sequence[SkippableRegion],
-                  skipped: set[int]) -> None:
+def check_skipped(first: Any, other: Any, rules: SkipRules, skipped: set[int]) -> None:
     """Checks that the runtime's rules (``SkipRules``, ``simulate``) with the regions of decisions
     ``skipped`` skipped compute ``other``, the step traced with those decisions not taken:
     each op of ``other`` is an op that runs, reading the same values; the other ops that run
@@ -528,7 +532,7 @@ def check_skipped(first: Any, other: Any, regions: Sequence[SkippableRegion],
     layer before is skipped) and so must draw nothing and write nothing back; outputs,
     gradients and updates are the same values, or missing where ``other`` has none."""
     _, _, same, matched = _match(first, other)
-    value, runs = simulate(first, SkipRules.of(first, regions), skipped)
+    value, runs = simulate(first, rules, skipped)
     canon = _constants(first)
     ops_a, ops_b = first.graph.ops, other.graph.ops
     for q, j in matched:
@@ -547,7 +551,7 @@ def check_skipped(first: Any, other: Any, regions: Sequence[SkippableRegion],
             raise DecisionError(f"the {what} differs from the other trace's")
 
 
-def check_together(first: Any, every_other: Any, regions: Sequence[SkippableRegion]) -> None:
-    """Checks that skipping all ``regions`` at once computes ``every_other`` (the step traced
-    with every decision not taken): ``check_skipped`` with all skipped."""
-    check_skipped(first, every_other, regions, {r.index for r in regions})
+def check_together(first: Any, every_other: Any, rules: SkipRules) -> None:
+    """Checks that skipping all regions of ``rules`` at once computes ``every_other`` (the step
+    traced with every decision not taken): ``check_skipped`` with all skipped."""
+    check_skipped(first, every_other, rules, {r.index for r in rules.regions})

@@ -113,6 +113,7 @@ from hrockmate.capture.decisions import (
     MIN_DERIVED_RUN,
     DecisionError,
     SkippableRegion,
+    SkipRules,
     cache_key,
     check_skipped,
     check_together,
@@ -1157,9 +1158,10 @@ def _skippable_regions(traced: Traced, decided: list[Decision], first_test: int,
         if derived_runs and not alternate:
             bar.add(-1)  # (no check trace)
         regions = [found[i] for i in range(n)]
+        rules = SkipRules.of(traced, regions)
         if alternate:
             try:
-                check_skipped(traced, trace_not_taken(alternate), regions, alternate)
+                check_skipped(traced, trace_not_taken(alternate), rules, alternate)
             except DecisionError as exc:
                 logger.info("regions derived for alike layers do not hold (%s): tracing each "
                             "of them", exc)
@@ -1167,9 +1169,10 @@ def _skippable_regions(traced: Traced, decided: list[Decision], first_test: int,
                 for i in sorted(derived):
                     trace_alone(i)
                 regions = [found[i] for i in range(n)]
+                rules = SkipRules.of(traced, regions)
             bar.update()
         if len(regions) > 1:
-            check_together(traced, trace_not_taken(set(range(n))), regions)
+            check_together(traced, trace_not_taken(set(range(n))), rules)
             bar.update()
     except DecisionError as exc:
         raise TraceError(
