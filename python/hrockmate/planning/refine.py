@@ -129,8 +129,13 @@ class _Eviction:
     inputs: tuple[int, ...]  # what ``op`` and the moved ops read
     moved: tuple[_Move, ...] = ()
 
-    def drops(self) -> tuple[int, ...]:
-        return tuple(m.drop for m in self.moved if m.drop >= 0)
+    def __post_init__(self) -> None:
+        # (read for every pair of gaps compared: made once)
+        self._drops = frozenset(m.drop for m in self.moved if m.drop >= 0)
+
+    def drops(self) -> frozenset[int]:
+        """The steps of the recomputations moved up (dropped where they were)."""
+        return self._drops
 
     def fresh(self) -> list[int]:
         """The outputs made for this eviction alone (freed once ``op`` has run)."""
@@ -368,7 +373,7 @@ def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
     """Whether evicting ``e`` would break a change already chosen: its next read is a dropped
     recomputation, an input of its op is evicted over its next read, or a recomputation
     inserted for another eviction reads its tensor within its gap."""
-    if e.before in busy or any(q in busy for q in e.drops()):
+    if e.before in busy or not busy.isdisjoint(e.drops()):
         return True
     if any(a < e.before < b for x in e.inputs for a, b in evicted.get(x, ())):
         return True
@@ -381,7 +386,7 @@ def _clash(e: _Eviction, other: _Eviction) -> bool:
     moves the one ``e`` recomputes before)."""
     return e.before == other.before or (
         e.tensor in other.inputs and e.after < other.before < e.before) or (
-        e.before in other.drops() or not set(e.drops()).isdisjoint(other.drops()))
+        e.before in other.drops() or not e.drops().isdisjoint(other.drops()))
 
 
 def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget: int,
