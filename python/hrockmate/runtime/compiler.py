@@ -9,6 +9,7 @@ state, buffer write-backs and the backward's chunk cuts are all decided here, on
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import operator
@@ -476,6 +477,8 @@ class _Compiler:
             if kind == "free":
                 t = ident
                 alive[t] = False
+                out.extend(skips.freeing(t, pos))
+                skips.track(pos, (t,), alive)
                 if pos in deferred_free:
                     continue  # dropped at its restoration's step instead
                 if t in grad_slot:
@@ -525,7 +528,7 @@ class _Compiler:
                 fed = " and ".join(f"E[{t}] is not None" for t in skips.rules.unfed[k])
                 lines = [f"if {fed}:", *("    " + x for x in lines or ["pass"])]
             if skip:  # (a skipped op's generator state is still saved and restored below)
-                given = skips.stand_ins(k, [t for t, _ in fresh], call)
+                given = skips.stand_ins(k, [t for t, _ in fresh], call, alive)
                 lines = [f"if not ({skip}):", *("    " + x for x in lines or ["pass"]),
                          *(["else:", *("    " + x for x in given)] if given else [])]
             if k in gen_index:
@@ -545,7 +548,8 @@ class _Compiler:
             done[k] += 1
             for t, _ in fresh:
                 alive[t] = True
-            lines += skips.held(k, pos, alive, done[k] == 1)
+            skips.track(pos, [t for t, _ in fresh], alive)
+            lines += skips.held(pos)
             out.extend(lines)
         tail = []
         for t in grad_slot:
@@ -611,7 +615,8 @@ class _Compiler:
             num_input_slots=len(self.input_slot),
             recomputed_ops=sum(max(0, r - 1) for r in runs),
             modelled_peak_bytes=self._modelled_peak,
-            extra_bytes=rng_bytes + extra_bytes + allocator_slack_bytes(g, tr.device),
+            extra_bytes=rng_bytes + extra_bytes + skips.excess_bytes
+            + allocator_slack_bytes(g, tr.device),
             possible_extra_bytes=possible_state_bytes + sum(
                 g.tensors[old].bytes for _, old in update_target.values() if old is not None),
             param_tangents=param_tangents,
@@ -766,12 +771,13 @@ def _same_layout(arg: torch.fx.Node, result: tuple[torch.fx.Node, Any]) -> bool:
             and a.stride() == r.stride() and a.dtype == r.dtype)
 
 
-def _stand_in(S: list[Any], pairs: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
-    """The first stand-in kept in S of a decision that skips (slots (decision, stand-in))
-    that is not missing, or None."""
-    for d, h in pairs:
-        if S[d] and S[h] is not None:
-            return S[h]
+def _stand_in(S: list[Any], pairs: tuple[tuple[int, torch.Tensor | None], ...]
+              ) -> torch.Tensor | None:
+    """The first stand-in of a decision that skips ((decision slot, stand-in) pairs) that is
+    not missing, or None."""
+    for d, value in pairs:
+        if S[d] and value is not None:
+            return value
     return None
 
 
@@ -795,7 +801,14 @@ class _Skips:
     lines that read the decisions, test them before an op they may skip, and keep and give
     the stand-ins. Slots of S after the generator states: one per decision (True when this
     call skips its region), then one per (region, skipped tensor) stand-in. (Sums of two run
-    their kernel through ``_sum_present``: ``_Compiler._call``.)"""
+    their kernel through ``_sum_present``: ``_Compiler._call``.)
+
+    A stand-in is read where the schedule has it alive; it is kept in its slot (when its
+    decision skips) only from a free of it until the last run of the skipped op before the
+    schedule makes it again, so a call that skips holds no more than that. What a skip can
+    still add to the schedule's memory (a stand-in held where the schedule had neither it
+    nor the region's tensors) is counted per step (``track``) into ``excess_bytes``, a part
+    of the program's extra bytes, so the budget holds whichever way the decisions go."""
 
     def __init__(self, rules: SkipRules, graph: Any, steps: Sequence[tuple[str, int]],
                  forward_len: int, first_slot: int) -> None:
@@ -803,13 +816,13 @@ class _Skips:
         self.rules = rules
         regions = rules.regions
         producer = graph.producers()
+        self.producer = producer
         self.decision_slot = {r.index: first_slot + i for i, r in enumerate(regions)}
         self.test_of: dict[int, list[Any]] = {}  # op making a decision's test -> regions
         next_slot = first_slot + len(regions)
         self.hold_slot: dict[tuple[int, int], int] = {}  # (region, skipped tensor) -> slot
         # stand-in -> (region, slot, the skipped tensor it stands for)
         self.holds_of_source: dict[int, list[tuple[Any, int, int]]] = {}
-        self.last_hold: dict[int, list[int]] = {}  # op -> hold slots freed after its last run
         for r in regions:
             k = producer[r.test]
             if k is None or k in rules.regions_of:
@@ -820,26 +833,44 @@ class _Skips:
             for o, w in sorted(r.stands_for.items()):
                 self.hold_slot[(r.index, o)] = next_slot
                 self.holds_of_source.setdefault(w, []).append((r, next_slot, o))
-                self.last_hold.setdefault(producer[o], []).append(next_slot)
                 next_slot += 1
         self.num_slots = next_slot - first_slot
-        self.kept: set[int] = set()  # stand-in slots the code emitted so far fills
-        self.producer = producer
-        # a decision is read when its test first runs, in the forward, before its region
-        first: dict[int, int] = {}
-        self.last_pos: dict[int, int] = {}  # op -> the step of its last run
+        self.runs_at: dict[int, list[int]] = {}  # op -> the steps where it runs
         for pos, (kind, k) in enumerate(steps):
             if kind == "compute":
-                first.setdefault(k, pos)
-                self.last_pos[k] = pos
+                self.runs_at.setdefault(k, []).append(pos)
+        self.read_at: dict[int, int] = {}  # decision -> the step that reads it
+        # a decision is read when its test first runs, in the forward, before its region
         for k, rs in self.test_of.items():
-            at = first.get(k, len(steps))
+            at = self.runs_at.get(k, [len(steps)])[0]
             for r in rs:
-                if at >= forward_len or any(first.get(o, len(steps)) < at for o in r.ops):
+                self.read_at[r.index] = at
+                if at >= forward_len or any(self.runs_at.get(o, [len(steps)])[0] < at
+                                            for o in r.ops):
                     raise RuntimeScheduleError(
                         f"the schedule runs an op that random decision {r.index} ({r.where}) "
                         "may skip before the decision's test, or the test outside the forward "
                         "segment")
+        self.kept: set[int] = set()  # hold slots the code emitted so far keeps (when skipping)
+        self.clear_after: dict[int, list[int]] = {}  # step -> hold slots emptied after it
+        # the memory count: per region, the bytes of its own tensors (no view, no sum, no
+        # stand-in's, in no other region) the schedule has alive, which a skip does not allocate
+        self.own_of: dict[int, list[tuple[int, int]]] = {}  # tensor -> (region, bytes)
+        for i, r in enumerate(regions):
+            for k in r.ops:
+                if k in rules.sums or len(rules.regions_of.get(k, ())) != 1:
+                    continue
+                for t in graph.ops[k].outputs:
+                    if graph.storage_root(t) == t and t not in r.stands_for:
+                        self.own_of.setdefault(t, []).append((i, int(graph.tensors[t].bytes)))
+        self.own_alive = [0] * len(regions)
+        self.excess_bytes = 0
+        self._timeline: Any = None
+        if regions:
+            from hrockmate.ir.schedule import Schedule, simulate
+
+            self._timeline = simulate(graph, Schedule(list(steps), forward_len)).timeline
+            self._peak = int(self._timeline.max()) if len(self._timeline) else 0
 
     def condition(self, k: int) -> str:
         """The expression, true when this call skips op ``k`` ("" for an op always run)."""
@@ -854,47 +885,92 @@ class _Skips:
         return [f"S[{self.decision_slot[r.index]}] = bool(E[{r.test}]) != {r.taken!r}"
                 for r in self.test_of.get(k, ())]
 
-    def stand_ins(self, k: int, fresh: list[int], call: str) -> list[str]:
+    def stand_ins(self, k: int, fresh: list[int], call: str, alive: list[bool]) -> list[str]:
         """For skipped op ``k`` (``call`` its call): its fresh results, the first stand-in of
-        a skipped region that is not missing; for a sum of two, else the sum of the terms
-        there."""
+        a skipped region that is not missing (read where it is, or from its slot where the
+        schedule has freed it); for a sum of two, else the sum of the terms there."""
         lines = []
         for o in fresh:
-            held = self.rules.stand_ins(k, o)
-            for r in held:
-                if self.hold_slot[(r.index, o)] not in self.kept:
+            pairs = []
+            for r in self.rules.stand_ins(k, o):
+                w, h = r.stands_for[o], self.hold_slot[(r.index, o)]
+                if alive[w]:
+                    pairs.append(f"({self.decision_slot[r.index]}, E[{w}])")
+                elif h in self.kept:
+                    pairs.append(f"({self.decision_slot[r.index]}, S[{h}])")
+                else:
                     raise RuntimeScheduleError(
-                        f"the schedule frees tensor '{self.graph.tensors[r.stands_for[o]].name}'"
-                        f" before random decision {r.index} ({r.where}) is read, and does not "
-                        "make it again before it must stand for a tensor the decision skips")
-            pairs = [(self.decision_slot[r.index], self.hold_slot[(r.index, o)]) for r in held]
+                        f"the schedule frees tensor '{self.graph.tensors[w].name}' before "
+                        f"random decision {r.index} ({r.where}) is read, or makes it only "
+                        "later, where it must stand for a tensor the decision skips")
             if pairs:
-                lines.append(f"E[{o}] = _stand_in(S, {tuple(pairs)!r})")
+                lines.append(f"E[{o}] = _stand_in(S, ({', '.join(pairs)},))")
             if k in self.rules.sums:
                 lines.append(f"E[{o}] = {call}" if not pairs else
                              f"if E[{o}] is None: E[{o}] = {call}")
         return lines
 
-    def held(self, k: int, pos: int, alive: list[bool], first_run: bool) -> list[str]:
-        """After op ``k`` ran at step ``pos``: the stand-ins it made (and, at a decision's
-        test, those alive then) kept for the skipped tensors they stand for, while these may
-        still be made; after its last run, the stand-ins for its own results dropped."""
-        made = self.graph.ops[k].outputs
-        sources = [w for w in made if w in self.holds_of_source]
-        if first_run and k in self.test_of:
-            sources += [w for w in self.holds_of_source if alive[w] and w not in made]
-        decided = {r.index for r in self.test_of.get(k, ())} if first_run else set()
+    def freeing(self, w: int, pos: int) -> list[str]:
+        """Before the schedule frees tensor ``w`` at step ``pos``: ``w`` kept (where its
+        decision skips) for each skipped tensor it stands for whose op runs again before the
+        schedule makes ``w`` again, until the last such run."""
         lines = []
-        for w in sources:
-            for r, h, o in self.holds_of_source[w]:
-                if w not in made and r.index not in decided:
-                    continue  # (held at its own decision only)
-                if pos < self.last_pos.get(self.producer[o], -1):
-                    lines.append(f"if S[{self.decision_slot[r.index]}]: S[{h}] = E[{w}]")
-                    self.kept.add(h)
-        if self.last_pos.get(k) == pos:
-            lines += [f"S[{h}] = None" for h in self.last_hold.get(k, ())]
+        k = self.producer[w]
+        makes = self.runs_at.get(k, []) if k is not None else []
+        j = bisect.bisect_right(makes, pos)
+        remade = makes[j] if j < len(makes) else math.inf
+        for r, h, o in self.holds_of_source.get(w, ()):
+            runs = self.runs_at.get(self.producer[o], [])
+            i = bisect.bisect_right(runs, pos)
+            if i == len(runs) or runs[i] > remade:
+                continue  # (no run of its op before it is made again)
+            if self.read_at[r.index] > pos:
+                continue  # (not read yet: a later run finds it neither alive nor kept)
+            last = runs[bisect.bisect_left(runs, remade) - 1]
+            lines.append(f"if S[{self.decision_slot[r.index]}]: S[{h}] = E[{w}]")
+            self.kept.add(h)
+            self.clear_after.setdefault(last, []).append(h)
         return lines
+
+    def held(self, pos: int) -> list[str]:
+        """After the op at step ``pos`` ran: the slots kept for it emptied."""
+        done = self.clear_after.pop(pos, [])
+        self.kept.difference_update(done)
+        return [f"S[{h}] = None" for h in done]
+
+    def track(self, pos: int, changed: Sequence[int], alive: list[bool]) -> None:
+        """Counts step ``pos`` (after it ran, ``changed`` the tensors it made or freed): the
+        most skipped regions can add to the schedule's memory there, each region on its own
+        (a skip allocates its stand-ins where the schedule has them freed, and none of the
+        region's own tensors); ``excess_bytes`` keeps the most over the steps."""
+        if self._timeline is None:
+            return
+        for t in changed:
+            for i, b in self.own_of.get(t, ()):
+                self.own_alive[i] += b if alive[t] else -b
+        g, extra = self.graph, 0
+        for i, r in enumerate(self.rules.regions):
+            more, held = -self.own_alive[i], set()
+            for o, w in r.stands_for.items():
+                root = g.storage_root(w)
+                # the stand-in's storage, where the schedule has it freed (once per storage)
+                given = int(g.tensors[root].bytes) if not alive[w] and root not in held else 0
+                if alive[o] and g.storage_root(o) == o:
+                    # the skipped tensor the schedule counts is the stand-in, or for a sum
+                    # whose stand-in is missing, the sum of the terms there
+                    b = int(g.tensors[o].bytes)
+                    computed = b if self.producer[o] in self.rules.sums else 0
+                    more += max(given, computed) - b
+                elif self.hold_slot[(r.index, o)] in self.kept or alive[o]:
+                    more += given
+                else:
+                    continue
+                if given:
+                    held.add(root)
+            extra += max(0, more)
+        if extra:
+            self.excess_bytes = max(self.excess_bytes,
+                                    int(self._timeline[pos]) + extra - self._peak)
 
 
 def compile_schedule(
