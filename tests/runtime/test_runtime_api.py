@@ -161,6 +161,25 @@ def test_replan_to_an_infeasible_budget_keeps_the_plan_in_use() -> None:
     assert h._hr_request.budget == 0.8  # a later rebuild still plans for 0.8
 
 
+def test_a_budget_below_one_ops_needs_is_refused_before_any_solve(monkeypatch) -> None:
+    """Refused with the op and what it needs once the graph is traced, before its op times
+    are measured and its blocks solved (it was after them: 8-20 s on timm's PoolFormer and
+    Inception-v3, where one convolution's backward needs more than half of store-all)."""
+    import hrockmate.planning.api as api
+    import hrockmate.planning.cache as plan_cache
+    from hrockmate import InfeasibleBudget
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("solving started")
+
+    monkeypatch.setattr(api, "with_hierarchy", never)
+    monkeypatch.setattr(plan_cache, "measured_times", never)
+    model, x = _recompute_model()
+    with pytest.raises(InfeasibleBudget) as info:
+        HRockmate(model, x, budget=1000, cache=False, progress=False)
+    assert "alone needs that much" in str(info.value) and info.value.min_bytes > 1000
+
+
 # ---- the runtime's extra bytes ------------------------------------------------------------------
 class _Program:
     """What ``solve_within_budget`` reads of a compiled program: the bytes the runtime adds."""

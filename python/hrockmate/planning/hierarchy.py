@@ -433,8 +433,8 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
         need = (now - t_blocks) / solved * (to_solve - solved) * LEAN_MARGIN
         if need > st.deadline - now:
             st.go_lean()
-            logger.info("'%s': %d of %d blocks solved in %.0f s; the rest would need about "
-                        "%.0f s of the %.0f s left, so they get fewer options each (leaves: "
+            logger.info("'%s': %d of %d blocks solved in %.1f s; the rest would need about "
+                        "%.1f s of the %.1f s left, so they get fewer options each (leaves: "
                         "the Rust core's)", graph.name, solved, to_solve, now - t_blocks,
                         need / LEAN_MARGIN, st.deadline - now)
 

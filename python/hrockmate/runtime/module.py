@@ -1042,7 +1042,7 @@ def _choose_schedule(
     the op times are measured (or taken from the cache) unless the graph has measured ones, the
     graph solved and the plan cached. ``prepared``: solve options with their hierarchies
     (``with_hierarchy``) by the options they were built for, kept by the caller across calls."""
-    from hrockmate.ir.schedule import simulate, store_all_schedule
+    from hrockmate.ir.schedule import peak_lower_bound, simulate, store_all_schedule
 
     graph = traced.graph
     if plan is not None:
@@ -1071,6 +1071,9 @@ def _choose_schedule(
     if budget_bytes >= baseline + program.extra_bytes:
         made = _describe(graph, store_all, base, base, budget_bytes, "store-all")
         return store_all, made, baseline, program
+    floor, why = peak_lower_bound(graph)
+    if floor + program.extra_bytes > budget_bytes:  # (before op times and block options)
+        raise _below_floor(graph, budget_bytes, floor, why, program.extra_bytes)
     from hrockmate.planning.api import with_hierarchy
     from hrockmate.planning.cache import device_kind, measured_times, open_cache
 
@@ -1116,6 +1119,19 @@ def _choose_schedule(
     return new_plan.schedule, new_plan, peak, program
 
 
+def _below_floor(graph: Any, budget_bytes: int, floor: int, why: str, reserve_bytes: int
+                 ) -> Exception:
+    """The refusal of a budget below a proven floor of the graph's peak (``why`` says what
+    proves it) plus the runtime's bytes beside the graph's tensors: store-all's, the fewest
+    any plan's runtime keeps."""
+    from hrockmate.ir.budget import format_bytes
+    from hrockmate.ir.plan import InfeasibleBudget
+
+    if reserve_bytes:
+        why += f", and the runtime keeps {format_bytes(reserve_bytes)} beside the graph's tensors"
+    return InfeasibleBudget(budget_bytes, floor + reserve_bytes, graph.name, why=why)
+
+
 #: The largest share of the budget that ``solve_within_budget`` sets aside in its first round for
 #: bytes a plan may add at runtime (generator states of random ops it replays, old values of
 #: buffers it recomputes); above it the rounds find out instead.
@@ -1148,7 +1164,6 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
     target with possible bytes set aside that turns out infeasible where the reserve alone
     would not is replaced by the target without them. Returns (plan, simulated peak, its
     compiled program); raises InfeasibleBudget when no round fits."""
-    from hrockmate.ir.budget import format_bytes
     from hrockmate.ir.plan import InfeasibleBudget
     from hrockmate.ir.schedule import simulate
     from hrockmate.planning.api import solve_graph
@@ -1176,10 +1191,8 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                 continue
             floor = exc.min_bytes + reserve_bytes
             if exc.why and floor > budget_bytes:
-                # a proven floor stays one: store-all's extra bytes are the fewest a plan has
-                why = exc.why + (f", and the runtime keeps {format_bytes(reserve_bytes)} beside "
-                                 "the graph's tensors" if reserve_bytes else "")
-                raise InfeasibleBudget(budget_bytes, floor, graph.name, why=why) from None
+                raise _below_floor(graph, budget_bytes, exc.min_bytes, exc.why,
+                                   reserve_bytes) from None
             break
         plan.check_graph(graph)
         peak = int(simulate(graph, plan.schedule).peak_bytes)
