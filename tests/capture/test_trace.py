@@ -444,11 +444,15 @@ class _HostRandom(nn.Module):
             h = h * torch.from_numpy(np.random.rand(*h.shape) > 0.5).to(h.dtype)
         elif self.use == "python" and random.random() < 0.5:
             h = torch.relu(h)
+        elif self.use == "python, never taken":  # (transformers' Musicgen: LayerDrop of 0.0)
+            for _ in range(3):
+                if random.uniform(0, 1) < 0.0:
+                    h = torch.relu(h)
         return h.square().mean()
 
 
 @pytest.mark.parametrize("use, named", [("numpy", "numpy.random"), ("python", "Python's random"),
-                                        ("none", None)])
+                                        ("python, never taken", None), ("none", None)])
 def test_random_draws_on_the_host_are_reported_and_undone(use: str, named: str | None) -> None:
     np.random.seed(7)
     random.seed(7)
@@ -466,6 +470,28 @@ def test_random_draws_on_the_host_are_reported_and_undone(use: str, named: str |
     assert random.getstate() == py_state
     now = np.random.get_state()
     assert np.array_equal(now[1], np_state[1]) and now[2:] == np_state[2:]
+
+
+def test_draws_that_cannot_change_the_step_are_drawn_at_each_call_as_eager_draws_them(
+        ) -> None:
+    """Python's random draws whose values do not change the traced step (the same graph with
+    each draw at either end of its range) raise no warning, and each training call advances
+    Python's generator as the model's own code does in plain PyTorch."""
+    import hrockmate
+
+    model = _HostRandom("python, never taken")
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    hm = hrockmate.HRockmate(model, (x,), cache=False, progress=False)  # (store-all, compiled)
+    assert hm.traced.python_draws == (("random", 0),) * 3
+    for seed in (1, 2):
+        random.seed(seed)
+        hm(x).backward()
+        after = random.getstate()
+        random.seed(seed)
+        ref(x).backward()
+        assert random.getstate() == after
+        assert torch.equal(model.lin.weight.grad, ref.lin.weight.grad)
 
 
 class _Misconfigured(nn.Module):

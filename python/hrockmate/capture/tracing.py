@@ -218,6 +218,9 @@ class Traced:
     # random decisions (LayerDrop): what each leaves out when the draw goes the other way
     # (``capture.decisions``); their tests are outputs after the model's, before finite_check
     skippable: list[SkippableRegion] = field(default_factory=list)
+    # the draws of Python's global generator a call makes (replayed at each call: a call
+    # advances it as plain PyTorch does; ``host_draws_recorded``)
+    python_draws: tuple[tuple[str, int], ...] = ()
     # sample leaf index -> IR tensor id of its new value: inputs the model updates in place
     # (written back into the caller's tensor once, as buffers are)
     input_updates: dict[int, int] = field(default_factory=dict)
@@ -544,18 +547,43 @@ def preserved_rng(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def host_draws_recorded(drawn: set[str]) -> Iterator[None]:
+def host_draws_recorded(drawn: set[str], calls: list[tuple[str, int]] | None = None,
+                        forced: float | None = None) -> Iterator[None]:
     """Adds to ``drawn`` the host generators (Python's ``random``, numpy's global one) that the
     body drew from, and restores their states on exit. A traced call's host draws are fixed in
-    the graph: the runtime replays torch's generators at every call, not these."""
+    the graph: the runtime replays torch's generators at every call, not these. ``calls``
+    gets the draws of Python's global generator, each ("random", 0) or ("getrandbits", bits):
+    every one of its functions draws through these two (``replay_python_draws`` advances it as
+    the traced call did). ``forced``: what each ``random()`` returns instead of its draw."""
     import random
 
     import numpy as np
 
     py, npy = random.getstate(), np.random.get_state()
+    inst = random._inst  # type: ignore[attr-defined]  # (the global generator)
+    real_random, real_bits = inst.random, inst.getrandbits
+    module_random, module_bits = random.random, random.getrandbits
+
+    def draw() -> float:
+        if calls is not None:
+            calls.append(("random", 0))
+        value = real_random()
+        return value if forced is None else forced
+
+    def bits(k: int) -> int:
+        if calls is not None:
+            calls.append(("getrandbits", int(k)))
+        return real_bits(k)
+
+    # (an instance attribute shadows the method for the generator's own functions: uniform,
+    # randint, choice, shuffle...; the module's random() and getrandbits() are bound apart)
+    inst.random, inst.getrandbits = draw, bits
+    random.random, random.getrandbits = draw, bits
     try:
         yield
     finally:
+        del inst.random, inst.getrandbits
+        random.random, random.getrandbits = module_random, module_bits
         if random.getstate() != py:
             drawn.add("Python's random")
         now = np.random.get_state()
@@ -563,6 +591,36 @@ def host_draws_recorded(drawn: set[str]) -> Iterator[None]:
             drawn.add("numpy.random")
         random.setstate(py)
         np.random.set_state(npy)
+
+
+def replay_python_draws(calls: Sequence[tuple[str, int]]) -> None:
+    """Advances Python's global generator by the draws a traced call made
+    (``host_draws_recorded``), as the model's own code would at that call."""
+    import random
+
+    for kind, k in calls:
+        if kind == "random":
+            random.random()
+        else:
+            random.getrandbits(k)
+
+
+def _same_joint(a: fx.GraphModule, b: fx.GraphModule) -> bool:
+    """Whether two traces of one step are the same graph: the same nodes, arguments and
+    literals, and equal constant tensors."""
+    if str(a.graph) != str(b.graph):
+        return False
+    for node in a.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        x, y = getattr(a, node.target, None), getattr(b, node.target, None)
+        try:
+            same = torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        except Exception:  # noqa: BLE001 - fake or odd values: not known to be the same
+            return False
+        if not same:
+            return False
+    return True
 
 
 # ---- eager-faithful dispatch ---------------------------------------------------------------------
@@ -1718,6 +1776,7 @@ def trace_model(
                            where=lambda: _user_code(traceback.extract_stack())[0],
                            answers=lambda k: k in not_taken)
         reads_box["last"] = reads  # (AOTAutograd may call this twice; the joint is the last)
+        python_draws.clear()  # (so are the draws of Python's random kept)
         # (on top of AOTAutograd's modes; writes through masks matter only where values of
         # the inputs are followed: the function mode costs about 8% of a trace's time)
         writes = MaskWritesByPositions(reads) if guarded_sources else contextlib.nullcontext()
@@ -1737,6 +1796,8 @@ def trace_model(
     flat_real += [leaves[i] for i in tensor_leaf_pos]
     module_stack: list[str] = []
     host_draws: set[str] = set()
+    python_draws: list[tuple[str, int]] = []  # (the last step's draws of Python's random)
+    forced_draw: list[float] = []  # (what Python's random() returns while tracing, if given)
     checkpointed: list[str] = []  # the model's own checkpointed calls (traced as plain calls)
 
     def capture(compiling_paths: bool) -> fx.GraphModule:
@@ -1745,8 +1806,10 @@ def trace_model(
         # Our own fake mode, so that real tensors the model or loss_fn closes over (e.g.
         # targets, plain tensor attributes) are accepted; they become constants of the graph.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        drawn = host_draws_recorded(host_draws, python_draws,
+                                    forced_draw[0] if forced_draw else None)
         try:
-            with preserved_rng(device), host_draws_recorded(host_draws), torch.enable_grad(), \
+            with preserved_rng(device), drawn, torch.enable_grad(), \
                     _eager_faithful_dispatch(device), _quiet_tracing_noise(), \
                     _distribution_checks_off(), _tensor_literals_read(), \
                     _module_annotations(model, module_stack), \
@@ -1845,6 +1908,31 @@ def trace_model(
 
     if out_box["count"] == 0:
         raise TraceError("the model's output contains no tensor; return a tensor or a loss")
+    def trace_again() -> fx.GraphModule | None:
+        """The kept try traced once more (with other answers or draws), or None."""
+        if which == "guarded" and not guarded_try:  # (as when the kept graph was traced)
+            follow_inputs_and_small_buffers()
+            guarded_try.append(True)
+        return try_capture(which)
+
+    draws = list(python_draws)  # (the kept trace's)
+    if host_draws == {"Python's random"} and all(kind == "random" for kind, _ in draws):
+        # draws that cannot change the step (transformers' Musicgen and VITS draw LayerDrop
+        # with random.uniform(0, 1) < layerdrop, at a default of 0.0): the same graph with
+        # every draw at either end of its range
+        for value in (0.0, 1.0 - 2.0 ** -53):
+            forced_draw[:] = [value]
+            try:
+                other = trace_again()
+            finally:
+                forced_draw.clear()
+            if other is None or not _same_joint(joint, other):
+                break
+        else:
+            host_draws.clear()
+            logger.info("the model draws from Python's random while it runs (%d draws), and "
+                        "the traced step is the same whatever they are; each call draws them "
+                        "as plain PyTorch does", len(draws))
     if host_draws:
         warnings.warn(
             f"the model drew random numbers from {' and '.join(sorted(host_draws))} while it "
@@ -1874,13 +1962,10 @@ def trace_model(
             1 if reads_box["last"].assumptions else 0)
 
         def trace_not_taken(indices: set[int]) -> Traced:
-            if which == "guarded" and not guarded_try:  # (as when the kept graph was traced)
-                follow_inputs_and_small_buffers()
-                guarded_try.append(True)
             not_taken.clear()
             not_taken.update(indices)
             try:
-                other = try_capture(which)
+                other = trace_again()
             finally:
                 not_taken.clear()
             if other is None:
@@ -1895,6 +1980,7 @@ def trace_model(
 
         traced.skippable = _skippable_regions(
             traced, decided, first_test, trace_not_taken, decisions_cache)
+    traced.python_draws = tuple(draws)
     traced.output_spec = out_box["spec"]
     traced.input_spec = input_spec
     traced.input_meta = [_leaf_meta(x) for x in leaves]

@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from hrockmate.capture.kernels import autocast_off, autocast_state, describe_autocast
-from hrockmate.capture.tracing import TensorLeaf, rebuild_output
+from hrockmate.capture.tracing import TensorLeaf, rebuild_output, replay_python_draws
 from hrockmate.capture.values import FiniteAssumptionError
 from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
@@ -797,6 +797,7 @@ class HRockmate(nn.Module):
         if not any(t.requires_grad for t in params) and not any(t.requires_grad for t in inputs):
             return model(*args, **kwargs)  # nothing to differentiate: plain forward
         buffers = [owner._buffers[attr] for owner, attr in self._hr_buffer_slots]
+        replay_python_draws(self.__dict__["_hr_traced"].python_draws)  # (as the model's code)
         state = _IterationState(program, params, buffers, inputs)
         n = len(program.chunks)
         token: torch.Tensor | None = None
