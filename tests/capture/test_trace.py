@@ -448,11 +448,18 @@ class _HostRandom(nn.Module):
             for _ in range(3):
                 if random.uniform(0, 1) < 0.0:
                     h = torch.relu(h)
+        elif self.use == "python, bound before" and _BOUND_RANDOM() < 2.0:  # (always taken,
+            h = torch.relu(h)  # but a draw hrockmate cannot see or force: still reported)
         return h.square().mean()
 
 
+_BOUND_RANDOM = random.random  # (the generator's method, taken before any trace)
+
+
 @pytest.mark.parametrize("use, named", [("numpy", "numpy.random"), ("python", "Python's random"),
-                                        ("python, never taken", None), ("none", None)])
+                                        ("python, never taken", None),
+                                        ("python, bound before", "Python's random"),
+                                        ("none", None)])
 def test_random_draws_on_the_host_are_reported_and_undone(use: str, named: str | None) -> None:
     np.random.seed(7)
     random.seed(7)

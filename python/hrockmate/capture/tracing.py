@@ -547,14 +547,13 @@ def preserved_rng(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def host_draws_recorded(drawn: set[str], calls: list[tuple[str, int]] | None = None,
+def host_draws_recorded(drawn: set[str], record: PythonDraws | None = None,
                         forced: float | None = None) -> Iterator[None]:
     """Adds to ``drawn`` the host generators (Python's ``random``, numpy's global one) that the
     body drew from, and restores their states on exit. A traced call's host draws are fixed in
-    the graph: the runtime replays torch's generators at every call, not these. ``calls``
-    gets the draws of Python's global generator, each ("random", 0) or ("getrandbits", bits):
-    every one of its functions draws through these two (``replay_python_draws`` advances it as
-    the traced call did). ``forced``: what each ``random()`` returns instead of its draw."""
+    the graph: the runtime replays torch's generators at every call, not these. ``record``
+    gets the draws of Python's global generator (``PythonDraws``). ``forced``: what each
+    ``random()`` returns instead of its draw."""
     import random
 
     import numpy as np
@@ -565,14 +564,14 @@ def host_draws_recorded(drawn: set[str], calls: list[tuple[str, int]] | None = N
     module_random, module_bits = random.random, random.getrandbits
 
     def draw() -> float:
-        if calls is not None:
-            calls.append(("random", 0))
+        if record is not None:
+            record.calls.append(("random", 0))
         value = real_random()
         return value if forced is None else forced
 
     def bits(k: int) -> int:
-        if calls is not None:
-            calls.append(("getrandbits", int(k)))
+        if record is not None:
+            record.calls.append(("getrandbits", int(k)))
         return real_bits(k)
 
     # (an instance attribute shadows the method for the generator's own functions: uniform,
@@ -584,6 +583,8 @@ def host_draws_recorded(drawn: set[str], calls: list[tuple[str, int]] | None = N
     finally:
         del inst.random, inst.getrandbits
         random.random, random.getrandbits = module_random, module_bits
+        if record is not None:
+            record.end = random.getstate()
         if random.getstate() != py:
             drawn.add("Python's random")
         now = np.random.get_state()
@@ -591,6 +592,37 @@ def host_draws_recorded(drawn: set[str], calls: list[tuple[str, int]] | None = N
             drawn.add("numpy.random")
         random.setstate(py)
         np.random.set_state(npy)
+
+
+@dataclass
+class PythonDraws:
+    """The draws of Python's global generator in one traced step: each ("random", 0) or
+    ("getrandbits", bits), the primitives all its functions draw through; ``start`` and
+    ``end``, its states around them (``complete``: nothing drew past the two, as a reference
+    to the generator's C method taken before tracing would)."""
+
+    calls: list[tuple[str, int]] = field(default_factory=list)
+    start: Any = None
+    end: Any = None
+
+    def begin(self) -> None:
+        import random
+
+        self.calls.clear()
+        self.start = random.getstate()
+
+    def complete(self) -> bool:
+        import random
+
+        if self.start is None or self.end is None:
+            return False
+        saved = random.getstate()
+        try:
+            random.setstate(self.start)
+            replay_python_draws(self.calls)
+            return bool(random.getstate() == self.end)
+        finally:
+            random.setstate(saved)
 
 
 def replay_python_draws(calls: Sequence[tuple[str, int]]) -> None:
@@ -1776,7 +1808,7 @@ def trace_model(
                            where=lambda: _user_code(traceback.extract_stack())[0],
                            answers=lambda k: k in not_taken)
         reads_box["last"] = reads  # (AOTAutograd may call this twice; the joint is the last)
-        python_draws.clear()  # (so are the draws of Python's random kept)
+        python_draws.begin()  # (so are the draws of Python's random kept)
         # (on top of AOTAutograd's modes; writes through masks matter only where values of
         # the inputs are followed: the function mode costs about 8% of a trace's time)
         writes = MaskWritesByPositions(reads) if guarded_sources else contextlib.nullcontext()
@@ -1796,8 +1828,9 @@ def trace_model(
     flat_real += [leaves[i] for i in tensor_leaf_pos]
     module_stack: list[str] = []
     host_draws: set[str] = set()
-    python_draws: list[tuple[str, int]] = []  # (the last step's draws of Python's random)
+    python_draws = PythonDraws()  # (the last step's draws of Python's random)
     forced_draw: list[float] = []  # (what Python's random() returns while tracing, if given)
+    drawn_by: dict[str, list[tuple[str, int]]] = {}  # try -> its draws of Python's random
     checkpointed: list[str] = []  # the model's own checkpointed calls (traced as plain calls)
 
     def capture(compiling_paths: bool) -> fx.GraphModule:
@@ -1843,12 +1876,15 @@ def trace_model(
         its failure kept in ``failures``."""
         try:
             with new_entries_cleared.around():
-                return capture(which == "compiling")
+                joint = capture(which == "compiling")
         except TraceError:
             raise
         except Exception as exc:  # noqa: BLE001 - explained below once every path failed
             failures[which] = (exc, module_stack[-1] if module_stack else "")
             return None
+        if not forced_draw:  # (its draws of Python's random, if they are all of them)
+            drawn_by[which] = list(python_draws.calls) if python_draws.complete() else []
+        return joint
 
     guards: ValueGuards | None = None
     compiling_paths = False
@@ -1915,8 +1951,9 @@ def trace_model(
             guarded_try.append(True)
         return try_capture(which)
 
-    draws = list(python_draws)  # (the kept trace's)
-    if host_draws == {"Python's random"} and all(kind == "random" for kind, _ in draws):
+    draws = drawn_by.get(which, [])
+    if host_draws == {"Python's random"} and draws and all(kind == "random"
+                                                           for kind, _ in draws):
         # draws that cannot change the step (transformers' Musicgen and VITS draw LayerDrop
         # with random.uniform(0, 1) < layerdrop, at a default of 0.0): the same graph with
         # every draw at either end of its range
