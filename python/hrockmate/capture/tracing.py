@@ -1957,12 +1957,16 @@ def trace_model(
         # draws that cannot change the step (transformers' Musicgen and VITS draw LayerDrop
         # with random.uniform(0, 1) < layerdrop, at a default of 0.0): the same graph with
         # every draw at either end of its range
+        kept = dict(out_box), dict(reads_box), list(checkpointed)  # (the kept trace's)
         for value in (0.0, 1.0 - 2.0 ** -53):
             forced_draw[:] = [value]
             try:
                 other = trace_again()
             finally:
                 forced_draw.clear()
+                out_box.clear(), out_box.update(kept[0])
+                reads_box.clear(), reads_box.update(kept[1])
+                checkpointed[:] = kept[2]
             if other is None or not _same_joint(joint, other):
                 break
         else:
