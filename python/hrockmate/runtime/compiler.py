@@ -549,7 +549,7 @@ class _Compiler:
             for t, _ in fresh:
                 alive[t] = True
             skips.track(pos, [t for t, _ in fresh], alive)
-            lines += skips.held(pos)
+            lines += skips.released(pos)
             out.extend(lines)
         tail = []
         for t in grad_slot:
@@ -864,6 +864,13 @@ class _Skips:
                     if graph.storage_root(t) == t and t not in r.stands_for:
                         self.own_of.setdefault(t, []).append((i, int(graph.tensors[t].bytes)))
         self.own_alive = [0] * len(regions)
+        # per region, each stand-in pair: (skipped tensor, its bytes if it owns its storage
+        # (else 0), whether a sum makes it, stand-in, its storage, that storage's bytes, slot)
+        self.pairs_of = [[
+            (o, int(graph.tensors[o].bytes) if graph.storage_root(o) == o else 0,
+             producer[o] in rules.sums, w, graph.storage_root(w),
+             int(graph.tensors[graph.storage_root(w)].bytes), self.hold_slot[(r.index, o)])
+            for o, w in r.stands_for.items()] for r in regions]
         self.excess_bytes = 0
         self._timeline: Any = None
         if regions:
@@ -932,7 +939,7 @@ class _Skips:
             self.clear_after.setdefault(last, []).append(h)
         return lines
 
-    def held(self, pos: int) -> list[str]:
+    def released(self, pos: int) -> list[str]:
         """After the op at step ``pos`` ran: the slots kept for it emptied."""
         done = self.clear_after.pop(pos, [])
         self.kept.difference_update(done)
@@ -948,20 +955,17 @@ class _Skips:
         for t in changed:
             for i, b in self.own_of.get(t, ()):
                 self.own_alive[i] += b if alive[t] else -b
-        g, extra = self.graph, 0
-        for i, r in enumerate(self.rules.regions):
+        extra = 0
+        for i, pairs in enumerate(self.pairs_of):
             more, held = -self.own_alive[i], set()
-            for o, w in r.stands_for.items():
-                root = g.storage_root(w)
+            for o, own, summed, w, root, root_bytes, slot in pairs:
                 # the stand-in's storage, where the schedule has it freed (once per storage)
-                given = int(g.tensors[root].bytes) if not alive[w] and root not in held else 0
-                if alive[o] and g.storage_root(o) == o:
+                given = root_bytes if not alive[w] and root not in held else 0
+                if alive[o] and own:
                     # the skipped tensor the schedule counts is the stand-in, or for a sum
                     # whose stand-in is missing, the sum of the terms there
-                    b = int(g.tensors[o].bytes)
-                    computed = b if self.producer[o] in self.rules.sums else 0
-                    more += max(given, computed) - b
-                elif self.hold_slot[(r.index, o)] in self.kept or alive[o]:
+                    more += max(given, own if summed else 0) - own
+                elif slot in self.kept or alive[o]:
                     more += given
                 else:
                     continue
