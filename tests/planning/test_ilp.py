@@ -1,5 +1,5 @@
-"""The stage MILP (hrockmate.planning.ilp): exactness on tiny graphs against brute force, options and
-pairs, model building and input checks."""
+"""The stage MILP (hrockmate.planning.ilp): exactness on tiny graphs against brute force, options
+and pairs, model building and input checks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from graph_builders import training_graph
 from highs_standins import HighsStandIn
 
 import hrockmate
-from hrockmate.ir.graph import PREEXISTING_ROLES, Graph
+from hrockmate.ir.graph import PREEXISTING_ROLES, Graph, Op, Tensor
 from hrockmate.planning import ilp, strategies
 
 
@@ -107,6 +107,62 @@ def test_min_peak_is_the_least_feasible_budget(seed: int) -> None:
     with pytest.raises(strategies.SolverInfeasible) as info:
         strategies.solve_checkmate(g, low - 1)
     assert info.value.proven or brute_force_time(g, low - 1) is None
+
+
+def _head_with_two_outputs() -> Graph:
+    """A head making a model output (kept to the end) and a hidden tensor; the hidden tensor is
+    freed for the memory-hungry backward of the op after it, and the head runs again to remake
+    it while its output is still alive: that output is a temporary copy then, not a second
+    tensor to the end."""
+    g = Graph(name="rerun_with_an_output_alive", time_unit="units")
+    x = g.add_tensor(Tensor("x", 64, role="input"))
+    logits = g.add_tensor(Tensor("logits", 100, role="output"))
+    h = g.add_tensor(Tensor("h", 100))
+    head = g.add_op(Op("head", "forward", 5.0, [x], [logits, h]))
+    z = g.add_tensor(Tensor("z", 100))
+    f1 = g.add_op(Op("f1", "forward", 1.0, [h], [z]))
+    loss = g.add_tensor(Tensor("loss", 4, role="output"))
+    lo = g.add_op(Op("loss", "forward", 1.0, [z], [loss]))
+    dloss = g.add_tensor(Tensor("dloss", 4, role="tangent"))
+    gz = g.add_tensor(Tensor("gz", 100))
+    g.add_op(Op("loss_bwd", "backward", 1.0, [dloss], [gz], differentiates=lo))
+    gh = g.add_tensor(Tensor("gh", 10))
+    g.add_op(Op("f1_bwd", "backward", 1.0, [gz], [gh], workspace=150, differentiates=f1))
+    gx = g.add_tensor(Tensor("gx", 10, role="input_grad"))
+    g.add_op(Op("head_bwd", "backward", 1.0, [gh, h], [gx], workspace=100, differentiates=head))
+    return g
+
+
+def test_an_op_run_again_while_an_output_is_alive_counts_that_output_once() -> None:
+    # (the model had counted the alive output twice until the stage's end: a lowest peak of
+    # 424 for a schedule that simulates at 364, and no schedule at budgets in between)
+    g = _head_with_two_outputs()
+    steps, fl, proven, bound = strategies.min_peak_checkmate(g)
+    low = _sim(g, steps, fl)[0]
+    assert proven and bound <= low + 1
+    assert brute_force_time(g, low - 1) is None
+    expected = brute_force_time(g, low)
+    assert expected is not None
+    r = strategies.solve_checkmate(g, low)
+    peak, t = _sim(g, r.steps, r.forward_len)
+    assert peak <= low and t == pytest.approx(expected)
+    assert [i for k, i in r.steps if k == "compute"].count(0) == 2  # the head runs again
+
+
+def test_a_block_run_again_while_an_output_is_kept_counts_that_output_once() -> None:
+    # the same at a block level: F0 makes x (kept to the end) and y; B1 needs room without y,
+    # so F0 runs again before B0, with x alive: 110 kept + 200 while F0 runs, then 220 + 100
+    V, N, O = ilp.LevelValue, ilp.LevelNode, ilp.NodeOption
+    values = [V("in", 0), V("x", 100, producer=0, keep=True), V("y", 100, producer=0),
+              V("z", 100, producer=1), V("dz", 10, producer=2), V("dy", 10, producer=3, keep=True)]
+    nodes = [N("F0", [0], [1, 2], [O(5.0)]), N("F1", [2], [3], [O(1.0)]),
+             N("B1", [3], [4], [O(1.0, 150)], backward=True),
+             N("B0", [2, 4], [5], [O(1.0, 100)], backward=True)]
+    p = ilp.LevelProblem(values, nodes, n_forward=2, name="rerun")
+    low = ilp.solve_level(p, None, minimize_peak=True)
+    assert low.stats["peak_bound_bytes"] == pytest.approx(360, abs=1e-3)  # B1: x, z, dz, 150
+    sp = ilp.solve_level(p, 400)
+    assert sp.computes[3] == [(0, 0), (3, 0)] and sp.objective == pytest.approx(13.0)
 
 
 def _store_all(g: Graph) -> tuple[list[tuple[str, int]], int]:

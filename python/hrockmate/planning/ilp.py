@@ -487,6 +487,15 @@ def build_model(
     limit = ((float(budget) + 0.5) / scale - MEMORY_TOLERANCE_MARGIN  # type: ignore[arg-type]
              if not minimize_peak else 0.0)
 
+    # outputs a rerun of their node may find alive, per node: kept to the end, or holding the
+    # storage of a view another node makes (kept with the view: a view needs its storage)
+    pinned: dict[int, list[int]] = {}
+    viewed = {a.storage[v] for v in range(nv)
+              if a.storage[v] != v and p.values[v].producer != p.values[a.storage[v]].producer}
+    for x in counted:
+        if p.values[x].keep or x in viewed:
+            pinned.setdefault(p.values[x].producer, []).append(x)  # type: ignore[arg-type]
+
     # memory: U[t,k] by recurrence over the computable nodes of the stage
     counted_by_stage_user: dict[int, list[int]] = {}
     for x in counted:
@@ -500,6 +509,21 @@ def build_model(
             u = b.col(0.0, -math.inf, math.inf, False)
             rk = rsum(t, k)
             vals_out = [-(out_mem[k] + p.nodes[k].options[o].saved / scale) for o in range(len(rk))]
+            # a node run again while one of its outputs is still alive makes that output again
+            # only as a temporary copy: it counts while the node runs, not after (the
+            # simulator's rule). AGAIN[t,k,x] <= run, <= kept; continuous: taking it off memory
+            # only helps, so it is min(run, kept) where that matters, and integral when they
+            # are. Only for pinned outputs: any other can be freed after its last read before
+            # the rerun at no cost, which the model already allows
+            again_c: list[int] = []
+            again_v: list[float] = []
+            for x in pinned.get(k, ()):
+                if (t, x) in S and rk:
+                    c = b.col(0.0, 0.0, 1.0, False)
+                    b.row([c] + rk, [1.0] + [-1.0] * len(rk), -math.inf, 0.0)
+                    b.row([c, S[(t, x)]], [1.0, -1.0], -math.inf, 0.0)
+                    again_c.append(c)
+                    again_v.append(mem[x])
             if prev_u is None:
                 base_c: list[int] = []
                 base_v: list[float] = []
@@ -511,16 +535,19 @@ def build_model(
                     if tt == t:
                         base_c.append(c)
                         base_v.append(-p.nodes[f].options[o].saved / scale)
-                b.row([u] + rk + base_c, [1.0] + vals_out + base_v, 0.0, 0.0)
+                b.row([u] + rk + base_c + again_c, [1.0] + vals_out + base_v + again_v,
+                      0.0, 0.0)
             else:
                 fc = [c for c, _ in prev_frees]
                 fv = [m for _, m in prev_frees]
-                b.row([u, prev_u] + rk + fc, [1.0, -1.0] + vals_out + fv, 0.0, 0.0)
+                b.row([u, prev_u] + rk + fc + again_c,
+                      [1.0, -1.0] + vals_out + fv + again_v, 0.0, 0.0)
             ov = [p.nodes[k].options[o].overhead / scale for o in range(len(rk))]
+            # while the node runs its copies count (its option's peak counts every output)
             if peak_col is None:
-                b.row([u] + rk, [1.0] + ov, -math.inf, limit)
+                b.row([u] + rk + again_c, [1.0] + ov + again_v, -math.inf, limit)
             else:
-                b.row([u, peak_col] + rk, [1.0, -1.0] + ov, -math.inf, 0.0)
+                b.row([u, peak_col] + rk + again_c, [1.0, -1.0] + ov + again_v, -math.inf, 0.0)
             # FREE[t,x,k] for counted values x touched by k
             prev_frees = []
             for x in counted_by_stage_user.get(k, []):
