@@ -84,6 +84,37 @@ def test_unpaired_backward_ops_join_the_blocks_whose_values_they_read(data_graph
                 assert k <= owner[prod[x]]
 
 
+def test_a_paired_op_reading_only_gradients_joins_the_block_it_reads_from() -> None:
+    # a weight's gradient made by a matmul's backward and turned by the transpose's backward;
+    # the forward transpose sits in an earlier block than the matmul: the transpose's backward
+    # reads no forward value, so it runs with the matmul's (before: in the earlier block, and
+    # the matmul's gradient stayed alive through the blocks' backward parts in between)
+    from hrockmate import _native
+
+    g = Graph(name="weight_transpose", time_unit="units")
+    x = g.add_tensor(Tensor("x", 64, role="input"))
+    h = g.add_tensor(Tensor("h", 64))
+    first = g.add_op(Op("relu", "forward", 1.0, [x], [h]))
+    w = g.add_tensor(Tensor("w", 4096, role="parameter"))
+    tw = g.add_tensor(Tensor("tw", 0, alias_of=w))
+    t_op = g.add_op(Op("t", "forward", 1.0, [w], [tw]))
+    y = g.add_tensor(Tensor("y", 64))
+    mm = g.add_op(Op("mm", "forward", 4.0, [h, tw], [y]))
+    loss = g.add_tensor(Tensor("loss", 4, role="output"))
+    lo = g.add_op(Op("loss", "forward", 1.0, [y], [loss]))
+    dloss = g.add_tensor(Tensor("dloss", 4, role="tangent"))
+    gy = g.add_tensor(Tensor("gy", 64))
+    g.add_op(Op("loss_bwd", "backward", 1.0, [dloss, y], [gy], differentiates=lo))
+    gwt = g.add_tensor(Tensor("gwt", 4096))
+    mm_w = g.add_op(Op("mm_w", "backward", 4.0, [gy, h], [gwt], differentiates=mm))
+    gw = g.add_tensor(Tensor("gw", 0, role="param_grad", alias_of=gwt))
+    t_bwd = g.add_op(Op("t_bwd", "backward", 1.0, [gwt], [gw], differentiates=t_op))
+    blocks = np.full(g.num_ops, -1, dtype=np.int64)
+    blocks[[first, t_op, mm, lo]] = [0, 0, 1, 2]
+    owners = _native.backward_owners(blocks, 2, **g.to_arrays())
+    assert owners[mm_w] == 1 and owners[t_bwd] == 1
+
+
 @pytest.mark.parametrize("name", ["gpt2_tiny_oplog", "resnet_like_train"])
 def test_each_block_count_is_the_schedule_built_alone(data_graphs: Path, name: str) -> None:
     # the sweep shares the block-independent facts between counts; sharing them must change no
