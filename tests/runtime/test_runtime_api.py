@@ -239,6 +239,53 @@ def test_a_reserve_for_the_runtimes_bytes_solves_a_tight_budget_once(monkeypatch
     assert info.value.why and why.startswith(info.value.why) and "the runtime keeps" in why
 
 
+def test_after_an_overflow_the_faster_of_the_reserved_and_the_looser_plan_is_kept(
+        monkeypatch) -> None:
+    """A plan over the budget once compiled makes the next round set all possible bytes aside;
+    that target may leave only a slower plan, so the target less the last plan's extra bytes is
+    solved too and its plan kept when it fits as compiled and is faster."""
+    from graph_builders import training_graph
+
+    import hrockmate.planning.api as api
+    from hrockmate.ir.schedule import simulate, store_all_schedule
+    from hrockmate.runtime.module import solve_within_budget
+
+    graph = training_graph(12, seed=3)
+    store_all = int(simulate(graph, store_all_schedule(graph)).peak_bytes)
+    options = {"time_limit": 10, "progress": False}
+    fast = api.solve_graph(graph, int(0.9 * store_all), **options)
+    slow = api.solve_graph(graph, int(0.7 * store_all), **options)
+    assert slow.time > fast.time
+    budget = fast.peak_bytes + 2
+    possible = int(0.03 * budget)  # above the first round's share, below the later one's
+    assert possible > 8
+    targets: list[int] = []
+
+    def fake_solve(g, target, **_):
+        targets.append(target)
+        return fast if target > budget - possible else slow
+
+    monkeypatch.setattr(api, "solve_graph", fake_solve)
+    compiled: list[int] = []
+
+    def compile_fn(schedule):
+        compiled.append(1)
+        return _Program(3 if len(compiled) == 1 else 0)  # the first plan overflows by 1 byte
+
+    plan, peak, _ = solve_within_budget(graph, budget, options, compile_fn,
+                                        possible_reserve_bytes=possible)
+    assert targets == [budget, budget - possible, budget - 4]
+    assert plan is fast and peak <= budget
+    # where the looser target's plan is not faster, the reserved round's plan stays
+    targets.clear()
+    compiled.clear()
+    monkeypatch.setattr(api, "solve_graph",
+                        lambda g, target, **_: targets.append(target) or slow)
+    plan, _, _ = solve_within_budget(graph, slow.peak_bytes + 2 + possible, options,
+                                     lambda s: _Program(0), possible_reserve_bytes=possible)
+    assert plan is slow and len(targets) == 1
+
+
 def test_the_first_round_reserves_what_a_plan_may_add(monkeypatch) -> None:
     """The bytes a plan may add at runtime (a generator state per replayed random op, an old
     value per recomputed buffer update) are set aside in the first round when they are a small
@@ -340,9 +387,10 @@ def test_after_a_plan_overflows_the_next_round_sets_aside_all_a_plan_may_add(
         solve_within_budget,
     )
 
-    class _Plan:  # a plan whose peak is its target
+    class _Plan:  # a plan whose peak is its target, slower the tighter it is
         def __init__(self, peak: int) -> None:
             self.schedule = peak
+            self.time = 1e9 - peak
 
         def check_graph(self, graph) -> None:
             pass
@@ -359,12 +407,14 @@ def test_after_a_plan_overflows_the_next_round_sets_aside_all_a_plan_may_add(
     budget = 100_000
     share = (POSSIBLE_RESERVE_SHARE + POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW) / 2
     possible = int(share * budget)  # too much for the first round, not after an overflow
-    adds = iter([possible // 4, possible])  # the tighter plan recomputes more
+    adds = iter([possible // 4, possible, possible // 4])  # the tighter plan recomputes more
     plan, peak, program = solve_within_budget(
         types.SimpleNamespace(name="g"), budget, {}, lambda s: _Program(next(adds)),
         possible_reserve_bytes=possible)
-    assert targets == [budget, budget - possible]  # (not budget - possible // 4 - 1)
-    assert peak + program.extra_bytes <= budget
+    # (not budget - possible // 4 - 1 next: that target is only tried against the plan with
+    # all possible bytes set aside, which fits; its plan fits too and is faster, so it is kept)
+    assert targets == [budget, budget - possible, budget - possible // 4 - 1]
+    assert peak + program.extra_bytes <= budget and plan.schedule == budget - possible // 4 - 1
     # beyond the share after an overflow, the rounds step down by the last plan's bytes
     targets.clear()
     adds = iter([budget // 40, budget // 40])
