@@ -73,7 +73,8 @@ def test_runtime_with_the_eager_batch_norm_kernels_trains_exactly(monkeypatch: p
     hm = HRockmate(model, x, budget=0.6)
     assert hm.recomputed_ops > 0
     program = hm._hr_program
-    used = {id(f) for seg in (program.forward, *program.chunks) for f in seg.fn.__globals__.values()}
+    used = {id(f) for seg in (program.forward, *program.chunks)
+            for f in seg.fn.__globals__.values()}
     assert id(kernels._batch_norm_as_eager) in used
     assert id(kernels._batch_norm_backward_as_eager) in used
     for _ in range(2):
@@ -146,3 +147,18 @@ def test_fused_attention_backwards_draw_no_random_numbers() -> None:
     assert all(kernels.draws_random_numbers(op) for op in draws)
     assert not any(kernels.draws_random_numbers(op) for op in given)
     assert not kernels.draws_random_numbers(lambda x: x)  # (a plain function: no tags)
+
+
+def test_the_cpu_flash_attention_draws_no_random_numbers() -> None:
+    """It carries the ``nondeterministic_seeded`` tag but refuses any dropout: taken for a random
+    op, every CPU transformer's attention was replayed with the generator's state kept for it
+    (5 KB per op, which pushed a tiny Starcoder2's plan over its budget as compiled)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert torch.Tag.nondeterministic_seeded in op.tags
+    assert not kernels.draws_random_numbers(op)
+    q = torch.randn(2, 2, 8, 4)
+    state = torch.get_rng_state()
+    op(q, q, q, 0.0, True)
+    assert torch.equal(state, torch.get_rng_state())
+    with pytest.raises(RuntimeError, match="dropout"):  # if this ever runs, revisit the rule
+        op(q, q, q, 0.1, True)

@@ -153,14 +153,23 @@ _EAGER_CPU: dict[Any, Callable[..., Any]] = {
 #: Schema arguments through which an op is handed a draw made by another op.
 _GIVEN_DRAWS = frozenset({"philox_seed", "philox_offset", "rng_state"})
 
+#: Tagged ops that never draw: the CPU flash attention refuses any dropout ("Currently do not
+#: support dropout > 0"), so it takes nothing from the generator. Taken for random, every CPU
+#: transformer's attention was replayed with the generator's 5,056-byte state kept for it.
+_NEVER_DRAWS = frozenset(
+    op.default for op in (getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
+                                  None),) if op is not None)
+
 
 @functools.lru_cache(maxsize=None)
 def draws_random_numbers(target: Any) -> bool:
     """Whether running ``target`` takes numbers from a random generator. ATen tags such ops
     ``nondeterministic_seeded``; the tag is also on the backwards of the fused attention
     kernels (memory-efficient, cuDNN), which take the forward's draw as inputs (its philox seed
-    and offset) and draw nothing: replaying them needs no generator state."""
-    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+    and offset) and draw nothing: replaying them needs no generator state. The CPU flash
+    attention carries it too and never draws (``_NEVER_DRAWS``)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()) or (
+            target in _NEVER_DRAWS):
         return False
     schema = getattr(target, "_schema", None)
     return schema is None or not any(a.name in _GIVEN_DRAWS for a in schema.arguments)
