@@ -156,9 +156,8 @@ _GIVEN_DRAWS = frozenset({"philox_seed", "philox_offset", "rng_state"})
 #: Tagged ops that never draw: the CPU flash attention refuses any dropout ("Currently do not
 #: support dropout > 0"), so it takes nothing from the generator. Taken for random, every CPU
 #: transformer's attention was replayed with the generator's 5,056-byte state kept for it.
-_NEVER_DRAWS = frozenset(
-    op.default for op in (getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
-                                  None),) if op is not None)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_NEVER_DRAWS = frozenset() if _CPU_FLASH is None else frozenset({_CPU_FLASH.default})
 
 
 @functools.lru_cache(maxsize=None)

@@ -1168,8 +1168,6 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
     fits as compiled is kept. Returns (plan, simulated peak, its
     compiled program); raises InfeasibleBudget when no round fits."""
     from hrockmate.ir.plan import InfeasibleBudget
-    from hrockmate.ir.schedule import simulate
-    from hrockmate.planning.api import solve_graph
 
     reserve_bytes = max(0, int(reserve_bytes))
     possible_all = max(0, int(possible_reserve_bytes))
@@ -1186,7 +1184,7 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
         if target <= 0:
             break
         try:
-            plan = solve_graph(graph, max(target, 2), **options)  # (a bare 1 would mean 100%)
+            plan, peak, program = _solved_and_compiled(graph, target, options, compile_fn)
         except InfeasibleBudget as exc:  # (its lowest peak needs the runtime's bytes too)
             if give_back is not None and give_back > target and (
                     exc.min_bytes + reserve_bytes <= budget_bytes):
@@ -1198,17 +1196,18 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                 raise _below_floor(graph, budget_bytes, exc.min_bytes, exc.why,
                                    reserve_bytes) from None
             break
-        plan.check_graph(graph)
-        peak = int(simulate(graph, plan.schedule).peak_bytes)
-        program = compile_fn(plan.schedule)
         if peak + program.extra_bytes <= budget_bytes:
             if looser is not None:
                 # all possible bytes set aside may leave only a slower method's plan (a
                 # 2-layer Starcoder2 at 50%: greedy eviction's +55.9%, where the hierarchy's
                 # plan for the budget less the last plan's bytes fits as compiled): one solve
                 # there, kept when it fits and is faster
-                other = _compiled_if_within(graph, looser, budget_bytes, options, compile_fn)
-                if other is not None and other[0].time < plan.time:
+                try:
+                    other = _solved_and_compiled(graph, looser, options, compile_fn)
+                except InfeasibleBudget:
+                    other = None
+                if other is not None and other[1] + other[2].extra_bytes <= budget_bytes \
+                        and other[0].time < plan.time:
                     return other
             return plan, peak, program
         if len(reached) >= 3 and peak + program.extra_bytes >= reached[-1]:
@@ -1230,22 +1229,17 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                            floor if floor is not None else budget_bytes + 1, graph.name)
 
 
-def _compiled_if_within(graph: Any, target: int, budget_bytes: int, options: dict[str, Any],
-                        compile_fn: Callable[[Any], Program]) -> tuple[Any, int, Program] | None:
-    """The solver's plan for ``target`` bytes, its simulated peak and program, if it fits
-    ``budget_bytes`` with the program's extra bytes; None otherwise or when infeasible."""
-    from hrockmate.ir.plan import InfeasibleBudget
+def _solved_and_compiled(graph: Any, target: int, options: dict[str, Any],
+                         compile_fn: Callable[[Any], Program]) -> tuple[Any, int, Program]:
+    """The solver's plan for ``target`` bytes, its simulated peak and its compiled program
+    (raises InfeasibleBudget as ``solve_graph`` does)."""
     from hrockmate.ir.schedule import simulate
     from hrockmate.planning.api import solve_graph
 
-    try:
-        plan = solve_graph(graph, max(target, 2), **options)
-    except InfeasibleBudget:
-        return None
+    plan = solve_graph(graph, max(target, 2), **options)  # (a bare 1 would mean 100%)
     plan.check_graph(graph)
     peak = int(simulate(graph, plan.schedule).peak_bytes)
-    program = compile_fn(plan.schedule)
-    return (plan, peak, program) if peak + program.extra_bytes <= budget_bytes else None
+    return plan, peak, compile_fn(plan.schedule)
 
 
 def _describe(graph: Any, schedule: Any, sim: Any, base: Any, budget_bytes: int,
