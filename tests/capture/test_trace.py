@@ -1077,6 +1077,29 @@ def test_a_read_of_a_buffer_the_step_updates_is_refused() -> None:
     assert torch.equal(model[1].num_batches_tracked, before)  # (followed on a copy)
 
 
+def test_a_refused_trace_leaves_no_module_on_the_next_trace() -> None:
+    """The refused trace's first try fails inside the BatchNorm's forward, whose exit hook
+    then never runs; torch keeps the module path process-wide, and a stale one named that
+    BatchNorm ('1') on the next trace's backward ops outside every module (the loss's), so a
+    LayerDrop model traced next failed to match its two outcomes."""
+    refused = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 1))
+    with pytest.raises(TraceError, match="num_batches_tracked"):
+        trace_model(refused, torch.randn(16, 8), cost="none")
+    assert "nn_module_stack" not in torch.fx.traceback.get_current_meta()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x).square().mean()  # (the loss outside every module)
+
+    traced = trace_model(Net(), torch.randn(4, 8), cost="none")
+    modules = {op.module for op in traced.graph.ops}
+    assert modules == {"", "body"}, modules
+
+
 @pytest.mark.parametrize("probability", [0.0, 1.0])
 def test_a_draw_every_value_of_which_decides_alike_is_no_random_read(probability: float) -> None:
     """LayerDrop off (transformers before 5.2x drew ``torch.rand([])`` and compared it with a

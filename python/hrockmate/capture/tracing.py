@@ -490,8 +490,11 @@ def _state_slots(model: nn.Module, kinds: list[tuple[str, Any]]) -> list[tuple[s
 def _module_annotations(model: nn.Module, stack: list[str]) -> Iterator[None]:
     """While tracing, keep ``nn_module_stack`` in the fx node metadata up to date (the nodes
     created inside a submodule's forward record its path), and the current path in ``stack``
-    for error messages."""
+    for error messages. torch keeps that metadata process-wide: a forward that raises skips
+    its module's exit hook, so what was there before is put back on exit (left stale, it named
+    the failed trace's module on every later trace's unplaced backward ops)."""
     handles = []
+    before = fx_traceback.get_current_meta().get("nn_module_stack")
 
     def pre(name: str, mod: nn.Module) -> Callable[..., None]:
         def hook(_m: nn.Module, _args: Any) -> None:
@@ -522,6 +525,11 @@ def _module_annotations(model: nn.Module, stack: list[str]) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+        meta = fx_traceback.get_current_meta()
+        if before is None:
+            meta.pop("nn_module_stack", None)
+        else:
+            meta["nn_module_stack"] = before
 
 
 def _node_module(node: fx.Node) -> str:
