@@ -185,9 +185,10 @@ class _Choice:
 
 class _Gaps:
     """Every stretch between two reads of an evictable tensor (``_Eviction``s), as arrays for
-    finding those that span a step."""
+    finding those that span a step, and per step the bytes all gaps not yet taken could free
+    there (``cover``: no set of evictions lowers a step by more)."""
 
-    def __init__(self, found: list[_Eviction]) -> None:
+    def __init__(self, found: list[_Eviction], num_steps: int) -> None:
         self.items = found
         self.after = np.array([e.after for e in found], dtype=np.int64)
         self.before = np.array([e.before for e in found], dtype=np.int64)
@@ -196,6 +197,16 @@ class _Gaps:
         # time per byte freed: the cheapest first
         self.price = self.cost / np.maximum(self.bytes, 1)
         self.free = np.ones(len(found), dtype=bool)
+        # (an eviction lowers the steps after+1 .. before-1: summed by differences)
+        diff = np.zeros(num_steps + 1, dtype=np.int64)
+        np.add.at(diff, self.after + 1, self.bytes)
+        np.add.at(diff, self.before, -self.bytes)
+        self.cover = np.cumsum(diff[:-1])
+
+    def take(self, g: int) -> None:
+        """Gap ``g`` is evicted: no longer free, nor counted in ``cover``."""
+        self.free[g] = False
+        self.cover[self.after[g] + 1:self.before[g]] -= self.bytes[g]
 
 
 def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
@@ -244,7 +255,7 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
             alive.add(x)
             if evictable[x]:
                 touched[x] = p
-    return _Gaps(found)
+    return _Gaps(found, len(steps))
 
 
 # Recomputations one eviction may move up at most (the Checkmate MobileNet at 50%: a padding
@@ -324,15 +335,21 @@ def _cheapest_per_byte(level: np.ndarray, a: int, room: np.ndarray, budget: int,
         if len(picked) >= _MAX_EVICTIONS or (
                 deadline is not None and _time.perf_counter() > deadline):
             return None
-        m += a
-        spans = np.flatnonzero(mask & (gaps.after < m) & (gaps.before > m))
+        # only gaps over step m lower it, each by its bytes, and only those that keep the
+        # cost under the gain can be picked from now on: when all of them together cannot
+        # bring m under the budget, no choice here can (most calls end so, in one pass)
+        step = m + a
+        spans = np.flatnonzero(mask & (gaps.after < step) & (gaps.before > step)
+                               & (cost + gaps.cost < gain))
+        if int(gaps.bytes[spans].sum()) < over[m]:
+            return None
         choice = None
         for g in spans[np.argsort(gaps.price[spans], kind="stable")][:_MAX_SCAN]:
             e = gaps.items[g]
-            if cost + e.cost >= gain or _conflicts(e, busy, reads_at, evicted) or any(
+            if _conflicts(e, busy, reads_at, evicted) or any(
                     _clash(e, gaps.items[h]) or _clash(gaps.items[h], e) for h in picked) or (
                     not e.moved_fits(level, budget)):
-                mask[g] = False  # (costs only grow: one too dear now stays so)
+                mask[g] = False  # (none of these gets better as more are picked)
                 continue
             choice = int(g)
             break
@@ -445,6 +462,8 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
         if int((level[a:p] + need).max()) > budget:
             if gaps is None:
                 gaps = _eviction_gaps(graph, steps)
+            if ((level[a:p] + need - budget) > gaps.cover[a:p]).any():
+                return None  # (even evicting every gap left leaves a step over)
             gain = sum(cands[c][0] for c in group)
             own = {cands[c][1] for c in group}
             picked = _make_room(level, a, p, need, budget, gain, gaps, busy | own, reads_at,
@@ -453,7 +472,7 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
                 return None
             for g in picked:
                 e = gaps.items[g]
-                gaps.free[g] = False
+                gaps.take(g)
                 e.apply(level)
                 busy.add(e.before)
                 busy.update(e.drops())
