@@ -459,10 +459,11 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
         for c in group:
             need[cands[c][4] - a:cands[c][1] - a] += cands[c][3]
         evictions: list[_Eviction] = []
-        if int((level[a:p] + need).max()) > budget:
+        over = level[a:p] + need - budget
+        if int(over.max()) > 0:
             if gaps is None:
                 gaps = _eviction_gaps(graph, steps)
-            if ((level[a:p] + need - budget) > gaps.cover[a:p]).any():
+            if (over > gaps.cover[a:p]).any():
                 return None  # (even evicting every gap left leaves a step over)
             gain = sum(cands[c][0] for c in group)
             own = {cands[c][1] for c in group}
