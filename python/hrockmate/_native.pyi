@@ -82,6 +82,16 @@ class MemoryModel:
         """(peak bytes of the storages rooted in ``counted`` over ``steps``, the tensors alive
         at the end as {tensor: (storage instance id, bytes)}); ``start``: alive before, in the
         same form; ``dying`` tensors go after their last read."""
+    def fragment_profile(
+        self,
+        steps: list[tuple[str, int]],
+        counted: set[int] | frozenset[int],
+        start: dict[int, tuple[int, int]],
+        dying: list[int] | set[int] | frozenset[int],
+    ) -> tuple[list[int], dict[int, int]]:
+        """The same measurement step by step: (per step, the bytes while it runs; {instance id
+        of ``start``: the step after which its last holder went, -1 before the first} for the
+        instances released inside the fragment)."""
 
 def gradient_chunks(
     step_kind: NDArray[np.int8],

@@ -165,6 +165,46 @@ def test_a_block_run_again_while_an_output_is_kept_counts_that_output_once() -> 
     assert sp.computes[3] == [(0, 0), (3, 0)] and sp.objective == pytest.approx(13.0)
 
 
+def _level_with_parts(parts: bool, b0_reads_a: bool) -> ilp.LevelProblem:
+    # F1 reads a (100 bytes) early in its fragment; its peak, 300 bytes beside what the level
+    # counts, comes after that read: in parts, a is gone by then if the level frees it after F1
+    V, N, O = ilp.LevelValue, ilp.LevelNode, ilp.NodeOption
+    values = [V("in", 0), V("a", 100, producer=0), V("b", 10, producer=1),
+              V("db", 10, producer=2), V("din", 10, producer=3, keep=True)]
+    f1 = O(1.0, 300, parts=[(200, frozenset()), (300, frozenset({1}))] if parts else None)
+    nodes = [N("F0", [0], [1], [O(5.0)]), N("F1", [1], [2], [f1]),
+             N("B1", [2], [3], [O(1.0)], backward=True),
+             N("B0", [1, 3] if b0_reads_a else [3], [4], [O(1.0)], backward=True)]
+    return ilp.LevelProblem(values, nodes, n_forward=2, name="parts")
+
+
+def test_an_input_freed_after_a_child_is_gone_from_its_fragments_later_parts() -> None:
+    # a is dead after F1: with parts the peak is a + b + 300 - a, without them a + b + 300
+    low = ilp.solve_level(_level_with_parts(True, False), None, minimize_peak=True)
+    assert low.stats["peak_bound_bytes"] == pytest.approx(310, abs=1e-3)
+    whole = ilp.solve_level(_level_with_parts(False, False), None, minimize_peak=True)
+    assert whole.stats["peak_bound_bytes"] == pytest.approx(410, abs=1e-3)
+    sp = ilp.solve_level(_level_with_parts(True, False), 320)
+    assert sp.objective == pytest.approx(8.0) and 1 in sp.frees[1][0]
+    with pytest.raises(ilp.LevelInfeasible):
+        ilp.solve_level(_level_with_parts(False, False), 320)
+    # when B0 reads a, freeing it after F1 means making it again: F0 runs twice at 320
+    again = ilp.solve_level(_level_with_parts(True, True), 320)
+    assert again.objective == pytest.approx(13.0)
+    assert (0, 0) in again.computes[3] and 1 in again.frees[1][0]
+    roomy = ilp.solve_level(_level_with_parts(True, True), 410)
+    assert roomy.objective == pytest.approx(8.0) and 1 not in roomy.frees[1][0]
+
+
+def test_parts_release_only_the_nodes_input_storages() -> None:
+    V, N, O = ilp.LevelValue, ilp.LevelNode, ilp.NodeOption
+    values = [V("in", 0), V("a", 100, producer=0), V("b", 10, producer=1)]
+    bad = O(1.0, 300, parts=[(300, frozenset({2}))])  # b is the node's own output
+    with pytest.raises(ValueError, match="parts"):
+        ilp.LevelProblem(values, [N("F0", [0], [1], [O(1.0)]), N("F1", [1], [2], [bad])],
+                         n_forward=2)
+
+
 def _store_all(g: Graph) -> tuple[list[tuple[str, int]], int]:
     s = hrockmate.store_all_schedule(g)
     return list(s.steps), s.forward_len

@@ -50,6 +50,11 @@ class NodeOption:
     # the backward partner needs what this option keeps, even when that costs no bytes
     # (e.g. views of parameters); implied by ``saved > 0``
     keeps: bool = False
+    # a child's fragment in parts, cut where inputs it reads go for the last time: per part,
+    # (its overhead, the input storages already released before it). A storage the level
+    # frees right after the node (``FREE``) goes inside the fragment after its last read, so
+    # each part is charged with those storages taken off. None: one part, ``overhead``.
+    parts: list[tuple[int, frozenset[int]]] | None = None
 
     @property
     def pairs(self) -> bool:
@@ -128,6 +133,20 @@ class LevelProblem:
                     f"level node '{node.name}': option_inputs needs one subset of the node's "
                     "inputs per option"
                 )
+            owners = set(node.inputs)
+            for x in node.inputs:
+                r = self.values[x].root
+                while r is not None and r not in owners:
+                    owners.add(r)
+                    r = self.values[r].root
+            for o in node.options:
+                if o.parts is not None and (not o.parts or any(
+                        not frees <= owners or set(node.outputs) & frees
+                        for _, frees in o.parts)):
+                    raise ValueError(
+                        f"level node '{node.name}': an option's parts must release only "
+                        "storages of the node's inputs"
+                    )
             if node.pair is not None:
                 f = self.nodes[node.pair]
                 if not node.backward or f.backward or len(f.options) != len(node.options):
@@ -542,16 +561,17 @@ def build_model(
                 fv = [m for _, m in prev_frees]
                 b.row([u, prev_u] + rk + fc + again_c,
                       [1.0, -1.0] + vals_out + fv + again_v, 0.0, 0.0)
-            ov = [p.nodes[k].options[o].overhead / scale for o in range(len(rk))]
-            # while the node runs its copies count (its option's peak counts every output)
-            if peak_col is None:
-                b.row([u] + rk + again_c, [1.0] + ov + again_v, -math.inf, limit)
-            else:
-                b.row([u, peak_col] + rk + again_c, [1.0, -1.0] + ov + again_v, -math.inf, 0.0)
             # FREE[t,x,k] for counted values x touched by k
+            free_col = {x: b.col(0.0, 0.0, 1.0, True) for x in counted_by_stage_user.get(k, [])}
+            # while the node runs its copies count (its option's peak counts every output)
+            for cols, vals in _running_rows(p.nodes[k].options, rk, free_col, mem, scale):
+                if peak_col is None:
+                    b.row([u] + cols + again_c, [1.0] + vals + again_v, -math.inf, limit)
+                else:
+                    b.row([u, peak_col] + cols + again_c, [1.0, -1.0] + vals + again_v,
+                          -math.inf, 0.0)
             prev_frees = []
-            for x in counted_by_stage_user.get(k, []):
-                c = b.col(0.0, 0.0, 1.0, True)
+            for x, c in free_col.items():
                 b.row([c] + rk, [1.0] + [-1.0] * len(rk), -math.inf, 0.0)
                 if (t + 1, x) in S:
                     b.row([c, S[(t + 1, x)]], [1.0, 1.0], -math.inf, 1.0)
@@ -565,6 +585,36 @@ def build_model(
                 prev_frees.append((c, mem[x]))
             prev_u = u
     return _Model(b, R, S, P, peak_col, scale)
+
+
+def _running_rows(options: list[NodeOption], rk: list[int], free_col: dict[int, int],
+                  mem: list[float], scale: float) -> list[tuple[list[int], list[float]]]:
+    """The terms, beside ``U[t,k]``, of the rows bounding memory while node ``k`` runs.
+
+    One row, ``sum_o overhead[o] R[o]``, unless an option comes in parts. Then each part of
+    each option gets a row: its overhead times ``R[o]``, less the bytes of the inputs released
+    before it times their ``FREE[t,x,k]`` (freed after the node means gone after the last
+    read). In the row of a part of option ``o`` another option ``o'`` counts with the least
+    its own rows allow (its lowest part with all it may release taken off), so the row holds
+    whenever ``o'`` is chosen instead."""
+    if not rk:
+        return [([], [])]
+    if all(o.parts is None for o in options):
+        return [(list(rk), [o.overhead / scale for o in options])]
+    parts = [o.parts if o.parts is not None else [(o.overhead, frozenset())] for o in options]
+    least = [min((ov - sum(mem[x] * scale for x in frees)) / scale for ov, frees in ps)
+             for ps in parts]
+    rows = []
+    for o, ps in enumerate(parts):
+        for ov, frees in ps:
+            vals = list(least)
+            vals[o] = ov / scale
+            cols = list(rk)
+            for x in sorted(frees):
+                cols.append(free_col[x])
+                vals.append(-mem[x])
+            rows.append((cols, vals))
+    return rows
 
 
 def _peak_floor(p: LevelProblem, a: _Analysis, mem: list[float], counted_mask: np.ndarray,
@@ -583,8 +633,12 @@ def _peak_floor(p: LevelProblem, a: _Analysis, mem: list[float], counted_mask: n
             read = nd.inputs if nd.option_inputs is None else nd.option_inputs[o]
             alive = {x for x in read if counted_mask[x]}.union(made)
             alive.difference_update(nd.outputs)
-            need = (out_mem[t] + (opt.saved + opt.overhead) / scale
-                    + sum(mem[x] for x in alive))
+            need = -math.inf
+            for ov, frees in opt.parts or [(opt.overhead, frozenset())]:
+                # (a storage in ``frees`` read through a view is not in ``alive``: nothing to
+                # take off then)
+                need = max(need, out_mem[t] + (opt.saved + ov) / scale
+                           + sum(mem[x] for x in alive - frees))
             least = min(least, need)
         floor = max(floor, least)
     # (a hair below: the rows hold it up to HiGHS's tolerances)

@@ -4,7 +4,7 @@ solved level expanded back into IR steps with the fragments' costs measured."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from hrockmate.ir.graph import Graph
@@ -32,8 +32,6 @@ class _Level:
     units: list[_Unit]
     value_tensor: list[int]
     partner_stage: dict[int, int]  # forward child node -> stage of its backward node
-    # backward child node -> inputs that nothing after it needs: its fragment frees them
-    dying: dict[int, frozenset[int]] = field(default_factory=dict)
 
 
 def block_level(ctx: GraphFacts, block: Block) -> _Level:
@@ -145,10 +143,9 @@ def block_level(ctx: GraphFacts, block: Block) -> _Level:
             )
         )
     partner_stage = {n.pair: k for k, n in enumerate(nodes) if n.pair is not None}
+    _release_parts(ctx, units, values, value_tensor, nodes)
     problem = ilp.LevelProblem(values, nodes, fwd_units, name=ctx.graph.name)
-    lvl = _Level(problem, units, value_tensor, partner_stage)
-    _dying_inputs(ctx, lvl, tensor_ids)
-    return lvl
+    return _Level(problem, units, value_tensor, partner_stage)
 
 
 def _fragment_reads(g: Graph, steps: list[Step]) -> set[int]:
@@ -168,47 +165,90 @@ def _fragment_reads(g: Graph, steps: list[Step]) -> set[int]:
     return reads
 
 
-def _dying_inputs(ctx: GraphFacts, lvl: _Level, tensor_ids: dict[int, int]) -> None:
-    """Let a backward child free the inputs that no later node of the level needs as soon as
-    its fragment is done with them, and charge its options' overheads accordingly.
+def _release_parts(ctx: GraphFacts, units: list[_Unit], values: list[ilp.LevelValue],
+                   value_tensor: list[int], nodes: list[ilp.LevelNode]) -> None:
+    """Cut each child's fragments where inputs it reads go for the last time
+    (``ilp.NodeOption.parts``), measured with the simulator's storage rules: an input storage
+    that the level frees right after the node is gone, inside the fragment, after its last
+    read (``expand_level`` passes those frees to the fragment as dying)."""
 
-    A backward node runs last in its stage, so an input whose last possible use is that node
-    is dead afterwards; inside the fragment it can go after its last read."""
-    p = lvl.problem
-    a = ilp.analyse(p)
-    views: dict[int, list[int]] = {}
-    for v in range(len(p.values)):
-        if a.storage[v] != v:
-            views.setdefault(a.storage[v], []).append(v)
-    for k, u in enumerate(lvl.units):
-        if not (u.backward and u.child is not None):
-            continue
+    def owner(x: int) -> int:
+        while values[x].root is not None:
+            x = values[x].root  # type: ignore[assignment]
+        return x
+
+    nbytes = [v.bytes for v in values]
+    for k, u in enumerate(units):
         c = u.child
-        node = p.nodes[k]
-        dead = {v for v in node.inputs
-                if p.values[v].producer is not None and not p.values[v].keep
-                and a.need_v[v] <= k}
-        dead = {v for v in dead if all(w in dead for w in views.get(v, []))}
-        if not dead:
+        if c is None:
             continue
-        dying = frozenset(lvl.value_tensor[v] for v in dead)
-        out_counted = sum(p.values[v].bytes for v in dict.fromkeys(node.outputs))
+        node = nodes[k]
+        # the input storages the level counts and may free after this node, with the node's
+        # input tensors of each
+        holders: dict[int, list[int]] = {}
+        for y in dict.fromkeys(node.inputs):
+            x = owner(y)
+            v = values[x]
+            if v.bytes > 0 and v.producer is not None and not v.keep and x not in node.outputs:
+                holders.setdefault(x, []).append(y)
+        if not holders:
+            continue
+        out_counted = sum(values[v].bytes for v in dict.fromkeys(node.outputs))
         own = own_storages(ctx, c)
         for idx, (o, opt) in enumerate(zip(node.options, c.options)):
-            # a dead input this option does not read is freed by the level before the node
-            # runs (its free waits only for the options that read it): it is neither alive
-            # in the fragment nor to be taken off the level's count again
+            # an option frees only storages it reads: those are alive when it runs (the level
+            # frees one it does not read before the node, if nothing else needs it)
             reads = None if node.option_inputs is None else node.option_inputs[idx]
-            dead_o = dead if reads is None else {v for v in dead if v in reads}
-            dying_o = frozenset(lvl.value_tensor[v] for v in dead_o)
-            mem = {lvl.value_tensor[v] for v in dead_o if p.values[v].bytes > 0}
-            mem_bytes = sum(p.values[v].bytes for v in dead_o)
-            start = {**_outside(ctx, dying_o, mem), **opt.saved_state}
-            peak, _ = fragment_peak(ctx, opt.bwd, own | mem, start, dying_o)
-            opt_ov = peak - opt.saved_bytes - out_counted - mem_bytes
-            o.overhead = min(o.overhead, opt_ov)
-        lvl.dying[k] = dying
-    del tensor_ids
+            mine = {x: ys for x, ys in holders.items()
+                    if reads is None or any(y in reads for y in ys)}
+            steps = opt.bwd if u.backward else opt.fwd
+            if not mine or not steps:
+                continue
+            tensors = {value_tensor[y] for ys in mine.values() for y in ys}
+            roots = {value_tensor[x] for x in mine}
+            start = _outside(ctx, tensors, roots)
+            if u.backward:
+                start.update(opt.saved_state)
+            during, released = ctx.memory.fragment_profile(steps, own | roots, start, tensors)
+            gone = {x: released[-1 - value_tensor[x]] for x in mine
+                    if -1 - value_tensor[x] in released}
+            n = len(steps)
+            # the fragment's own memory per step: the input storages still held taken off
+            held = [sum(values[x].bytes for x in mine)] * n
+            for x, r in gone.items():
+                for s in range(r + 1, n):
+                    held[s] -= values[x].bytes
+            base = opt.saved_bytes + out_counted
+            cuts = sorted({0} | {r + 1 for r in gone.values() if r + 1 < n})
+            parts = []
+            for i, a in enumerate(cuts):
+                b = cuts[i + 1] if i + 1 < len(cuts) else n
+                ov = max(d - h for d, h in zip(during[a:b], held[a:b])) - base
+                parts.append((ov if u.backward else max(0, ov),
+                              frozenset(x for x, r in gone.items() if r < a)))
+            parts = _binding_parts(parts, nbytes)
+            if len(parts) == 1 and not parts[0][1]:
+                o.overhead = min(o.overhead, parts[0][0])
+            else:
+                o.parts = parts
+
+
+def _binding_parts(parts: list[tuple[int, frozenset[int]]], nbytes: list[int]
+                   ) -> list[tuple[int, frozenset[int]]]:
+    """The parts whose rows other parts do not imply (each part releases what the ones before
+    it do, and more): a later part with no more overhead than an earlier one is implied by
+    it; an earlier one is implied by a later one whose overhead less all it may release beyond
+    it is still as high."""
+    rising: list[tuple[int, frozenset[int]]] = []
+    for ov, frees in parts:
+        if not rising or ov > max(r[0] for r in rising):
+            rising.append((ov, frees))
+    kept = []
+    for i, (ov, frees) in enumerate(rising):
+        if not any(ov2 - sum(nbytes[x] for x in frees2 - frees) >= ov
+                   for ov2, frees2 in rising[i + 1:]):
+            kept.append((ov, frees))
+    return kept
 
 
 def own_storages(ctx: GraphFacts, block: Block) -> set[int]:
@@ -324,6 +364,12 @@ def expand_level(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan
                 free(i)
         return alive - before
 
+    def dying(i: int, freed: list[int]) -> frozenset[int]:
+        # what the level frees after a child's fragment goes inside it after its last read
+        # (the model's ``parts``); nothing the fragment makes
+        outs = set(p.nodes[i].outputs)
+        return frozenset(lvl.value_tensor[y] for y in freed if y not in outs) & alive
+
     for t, stage in enumerate(sp.computes):
         # saved memory that is neither kept nor used in this stage goes first
         used_here = {i for i, _ in stage}
@@ -341,7 +387,7 @@ def expand_level(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan
                 c = u.child
                 assert c is not None
                 opt = c.options[o]
-                made = replay(opt.fwd, frozenset())
+                made = replay(opt.fwd, frozenset(), dying(i, freed))
                 for x in sorted(made - set(c.fwd_out) - opt.saved):
                     free(x)
                 if opt.saved:
@@ -357,7 +403,7 @@ def expand_level(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan
                 f = p.nodes[i].pair
                 assert f is not None
                 mine = phantoms.get((f, o), frozenset())
-                made = replay(opt.bwd, mine, lvl.dying.get(i, frozenset()))
+                made = replay(opt.bwd, mine, dying(i, freed))
                 for x in sorted(made - set(c.bwd_out)):
                     free(x)
                 # every saved tensor of this block dies with its backward

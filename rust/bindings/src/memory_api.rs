@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use hrockmate_core::arrays::schedule_from_arrays;
 use hrockmate_core::chunking::gradient_chunks as gradient_chunks_core;
 use hrockmate_core::graph::{Graph, TensorId};
-use hrockmate_core::memory::{fragment_peak, HeldTensor};
+use hrockmate_core::memory::{fragment_peak, FragmentResult, HeldTensor};
 use hrockmate_core::schedule::Step;
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
@@ -47,6 +47,40 @@ impl MemoryModel {
         start: HashMap<TensorId, (i64, u64)>,
         dying: HashSet<TensorId>,
     ) -> PyResult<(u64, Bound<'py, PyDict>)> {
+        let r = self.measure(py, steps, counted, start, dying)?;
+        let end = PyDict::new(py);
+        for (t, id, bytes) in r.end {
+            end.set_item(t, (id, bytes))?;
+        }
+        Ok((r.peak, end))
+    }
+
+    /// The same measurement step by step: (per step, the bytes while it runs; {instance id of
+    /// `start`: the step after which its last holder went, -1 before the first} for the
+    /// instances released inside the fragment).
+    #[pyo3(signature = (steps, counted, start, dying))]
+    fn fragment_profile<'py>(
+        &self,
+        py: Python<'py>,
+        steps: &Bound<'py, PyList>,
+        counted: HashSet<TensorId>,
+        start: HashMap<TensorId, (i64, u64)>,
+        dying: HashSet<TensorId>,
+    ) -> PyResult<(Vec<u64>, HashMap<i64, i64>)> {
+        let r = self.measure(py, steps, counted, start, dying)?;
+        Ok((r.during, r.released.into_iter().collect()))
+    }
+}
+
+impl MemoryModel {
+    fn measure<'py>(
+        &self,
+        py: Python<'py>,
+        steps: &Bound<'py, PyList>,
+        counted: HashSet<TensorId>,
+        start: HashMap<TensorId, (i64, u64)>,
+        dying: HashSet<TensorId>,
+    ) -> PyResult<FragmentResult> {
         let (nt, no) = (self.graph.tensors.len(), self.graph.ops.len());
         let mut parsed = Vec::with_capacity(steps.len());
         for item in steps.iter() {
@@ -82,13 +116,9 @@ impl MemoryModel {
         }
         let start: Vec<HeldTensor> = start.into_iter().map(|(t, (id, b))| (t, id, b)).collect();
         let dying: Vec<TensorId> = dying.into_iter().collect();
-        let r = py
-            .detach(|| fragment_peak(&self.graph, &self.roots, &parsed, &counted, &start, &dying));
-        let end = PyDict::new(py);
-        for (t, id, bytes) in r.end {
-            end.set_item(t, (id, bytes))?;
-        }
-        Ok((r.peak, end))
+        Ok(py.detach(|| {
+            fragment_peak(&self.graph, &self.roots, &parsed, &counted, &start, &dying)
+        }))
     }
 }
 

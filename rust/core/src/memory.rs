@@ -211,6 +211,12 @@ pub const UNCOUNTED_ID: i64 = i64::MIN;
 pub struct FragmentResult {
     pub peak: u64,
     pub end: Vec<HeldTensor>,
+    /// Per step, the memory while it runs: a compute's peak, or what is held before a free (a
+    /// storage released by a step still counts during it).
+    pub during: Vec<u64>,
+    /// Per instance of `start` whose last holder went inside the fragment: (the caller's id,
+    /// the step after which it went; -1 before the first).
+    pub released: Vec<(i64, i64)>,
 }
 
 /// The peak bytes over `steps` of the storages rooted in `counted`, starting from `start`
@@ -239,8 +245,12 @@ pub fn fragment_peak(
     let mut mem = Memory::new(HashMap::<TensorId, u32>::new());
     let mut caller_id: Vec<i64> = Vec::new(); // instance index -> the caller's id
     let mut index_of: HashMap<i64, u32> = HashMap::new();
+    let mut gone_at_once: Vec<i64> = Vec::new();
     for &(t, id, bytes) in start {
         if matches!(last.get(&t), Some(None)) {
+            if bytes > 0 {
+                gone_at_once.push(id);
+            }
             continue; // a dying tensor the fragment never reads is gone at once
         }
         if bytes == 0 {
@@ -267,8 +277,20 @@ pub fn fragment_peak(
         }
     }
     let counts = |root: TensorId| counted.contains(&root);
+    let n_start = caller_id.len();
+    // start instances not yet released (a dying tensor never read is gone before step 0)
+    let mut pending: Vec<u32> = (0..n_start as u32).collect();
+    gone_at_once.sort_unstable();
+    gone_at_once.dedup();
+    let mut released: Vec<(i64, i64)> = gone_at_once
+        .into_iter()
+        .filter(|id| !index_of.contains_key(id))
+        .map(|id| (id, -1))
+        .collect();
+    let mut during = Vec::with_capacity(steps.len());
     let mut peak = mem.held();
     for (s, step) in steps.iter().enumerate() {
+        let before = mem.held();
         match *step {
             Step::Compute(j) => {
                 // inputs the fragment did not make or receive are alive outside it: held, without
@@ -282,7 +304,9 @@ pub fn fragment_peak(
                 for &x in &outside {
                     mem.hold(x, UNCOUNTED);
                 }
-                peak = peak.max(mem.compute(g, roots, j, counts));
+                let running = mem.compute(g, roots, j, counts);
+                during.push(running.max(before));
+                peak = peak.max(running);
                 for &x in &outside {
                     mem.release(x);
                 }
@@ -291,10 +315,20 @@ pub fn fragment_peak(
                 }
             }
             Step::Free(t) => {
+                during.push(before);
                 mem.release(t);
             }
         }
         peak = peak.max(mem.held());
+        if !pending.is_empty() {
+            pending.retain(|&i| {
+                let gone = mem.inst_refs[i as usize] == 0;
+                if gone {
+                    released.push((caller_id[i as usize], s as i64));
+                }
+                !gone
+            });
+        }
     }
     let fresh = start
         .iter()
@@ -303,7 +337,6 @@ pub fn fragment_peak(
         .unwrap_or(0)
         .max(0)
         .saturating_add(1);
-    let n_start = caller_id.len();
     let mut end: Vec<HeldTensor> = mem
         .slots
         .iter()
@@ -322,5 +355,10 @@ pub fn fragment_peak(
         })
         .collect();
     end.sort_unstable();
-    FragmentResult { peak, end }
+    FragmentResult {
+        peak,
+        end,
+        during,
+        released,
+    }
 }
