@@ -224,8 +224,9 @@ def _release_parts(ctx: GraphFacts, units: list[_Unit], values: list[ilp.LevelVa
             for i, a in enumerate(cuts):
                 b = cuts[i + 1] if i + 1 < len(cuts) else n
                 ov = max(d - h for d, h in zip(during[a:b], held[a:b])) - base
-                parts.append((ov if u.backward else max(0, ov),
-                              frozenset(x for x, r in gone.items() if r < a)))
+                # (a forward part may be below the outputs and saved bytes the level counts
+                # from the node's start: those not made yet are not held)
+                parts.append((ov, frozenset(x for x, r in gone.items() if r < a)))
             parts = _binding_parts(parts, nbytes)
             if len(parts) == 1 and not parts[0][1]:
                 o.overhead = min(o.overhead, parts[0][0])
