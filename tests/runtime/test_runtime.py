@@ -1910,3 +1910,24 @@ CUDA_FACTORIES: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
 def test_measured_peak_matches_prediction_cuda(name: str) -> None:
     _check_memory(name, torch.device("cuda"), CUDA_FACTORIES)
 
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.7, None])
+def test_the_predicted_peak_counts_the_loss_gradient_seed(budget: float | None) -> None:
+    # loss.backward() makes the loss's 4-byte gradient inside the step: the measured peak was
+    # the predicted one plus those 4 bytes, over the budget when a plan met it exactly
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+    x = torch.randn(256, 64)
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x).square().mean()
+
+    hm = HRockmate(WithLoss(), x, budget=budget, progress=False)
+    got = hrockmate.measure_peak_memory(lambda: hm(x).backward(), params=list(hm.parameters()))
+    assert got.peak_bytes <= hm.predicted_peak_bytes < got.peak_bytes + 64
