@@ -214,10 +214,14 @@ def _release_parts(ctx: GraphFacts, units: list[_Unit], values: list[ilp.LevelVa
                     if -1 - value_tensor[x] in released}
             n = len(steps)
             # the fragment's own memory per step: the input storages still held taken off
-            held = [sum(values[x].bytes for x in mine)] * n
+            drop = [0] * (n + 1)
             for x, r in gone.items():
-                for s in range(r + 1, n):
-                    held[s] -= values[x].bytes
+                drop[r + 1] += values[x].bytes
+            held: list[int] = []
+            h = sum(values[x].bytes for x in mine)
+            for s in range(n):
+                h -= drop[s]
+                held.append(h)
             base = opt.saved_bytes + out_counted
             cuts = sorted({0} | {r + 1 for r in gone.values() if r + 1 < n})
             parts = []
