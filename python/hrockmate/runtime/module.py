@@ -1068,7 +1068,10 @@ def _choose_schedule(
     if budget is not None:
         from hrockmate.ir.budget import parse_budget
 
-        budget_bytes = parse_budget(budget, baseline)
+        # a fraction is of store-all's peak as it runs: with what the runtime keeps beside the
+        # graph's tensors (the loss's gradient seed; on CUDA the allocator's slack), as plain
+        # autograd's peak is measured; 1.0 is store-all
+        budget_bytes = parse_budget(budget, budget_bytes)
     if budget_bytes >= baseline + program.extra_bytes:
         made = _describe(graph, store_all, base, base, budget_bytes, "store-all")
         return store_all, made, baseline, program
