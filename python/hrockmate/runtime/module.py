@@ -533,8 +533,9 @@ class HRockmate(nn.Module):
     - ``sample``: what the model is called with (a tensor, a tuple of positional arguments or a
       dict of keyword arguments); every later call must have the same structure, tensor shapes,
       dtypes and devices, and the same non-tensor values.
-    - ``budget``: a fraction of the store-all peak (a number in (0, 1] or ``"50%"``), bytes (a
-      whole number above 1, or a size string such as ``"6GiB"``), or ``None`` for store-all
+    - ``budget``: a fraction of the store-all peak as it runs (a number in (0, 1] or
+      ``"50%"``; the loss's gradient seed and, on CUDA, the allocator's slack included), bytes
+      (a whole number above 1, or a size string such as ``"6GiB"``), or ``None`` for store-all
       (plain autograd's memory).
     - ``plan``: a ``Plan`` (from ``hrockmate.solve`` or ``load_plan``) or a ``Schedule`` for this
       model and sample; when given, ``budget`` and ``solve_options`` are not used.
