@@ -533,10 +533,9 @@ class HRockmate(nn.Module):
     - ``sample``: what the model is called with (a tensor, a tuple of positional arguments or a
       dict of keyword arguments); every later call must have the same structure, tensor shapes,
       dtypes and devices, and the same non-tensor values.
-    - ``budget``: a fraction of the store-all peak as it runs (a number in (0, 1] or
-      ``"50%"``; the loss's gradient seed and, on CUDA, the allocator's slack included), bytes
-      (a whole number above 1, or a size string such as ``"6GiB"``), or ``None`` for store-all
-      (plain autograd's memory).
+    - ``budget``: a fraction of the store-all peak (a number in (0, 1] or ``"50%"``; with the
+      loss's gradient seed that ``backward()`` makes), bytes (a whole number above 1, or a size
+      string such as ``"6GiB"``), or ``None`` for store-all (plain autograd's memory).
     - ``plan``: a ``Plan`` (from ``hrockmate.solve`` or ``load_plan``) or a ``Schedule`` for this
       model and sample; when given, ``budget`` and ``solve_options`` are not used.
     - ``cache``: the plan cache (``hrockmate.planning.cache``): ``None`` the default location, a
@@ -1069,10 +1068,11 @@ def _choose_schedule(
     if budget is not None:
         from hrockmate.ir.budget import parse_budget
 
-        # a fraction is of store-all's peak as it runs: with what the runtime keeps beside the
-        # graph's tensors (the loss's gradient seed; on CUDA the allocator's slack), as plain
-        # autograd's peak is measured; 1.0 is store-all
-        budget_bytes = parse_budget(budget, budget_bytes)
+        # a fraction is of plain autograd's peak by the same measure: with the outputs'
+        # gradients that the caller's backward() makes (a loss's 4-byte seed), which the
+        # graph takes as given
+        seed_bytes = sum(t.bytes for t in graph.tensors if t.role == "tangent")
+        budget_bytes = parse_budget(budget, baseline + seed_bytes)
     if budget_bytes >= baseline + program.extra_bytes:
         made = _describe(graph, store_all, base, base, budget_bytes, "store-all")
         return store_all, made, baseline, program
