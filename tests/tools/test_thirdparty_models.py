@@ -25,6 +25,7 @@ import torch.nn as nn
 import hrockmate
 from hrockmate.ir.budget import parse_budget
 from hrockmate.runtime import HRockmate
+from hrockmate.runtime.compiler import gradient_seed_bytes
 from hrockmate.thirdparty import BUILDERS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing may be downloaded
@@ -181,7 +182,7 @@ def test_trains_exactly_within_two_budgets(name: str) -> None:
         model.load_state_dict(reference.state_dict())
         hm = HRockmate(model, sample, budget=fraction, loss_fn=loss_fn, cost="estimate")
         # (a module's fraction counts the outputs' gradients that backward() makes)
-        seed = sum(t.bytes for t in hm.traced.graph.tensors if t.role == "tangent")
+        seed = gradient_seed_bytes(hm.traced.graph)
         budget = parse_budget(fraction, hm.plan.baseline_peak_bytes + seed)
         assert hm.recomputed_ops > 0 and hm.predicted_peak_bytes <= budget
         _train_both(hm, ref, sample, loss_fn, f"{name} at {fraction:.0%}")

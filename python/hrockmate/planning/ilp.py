@@ -602,8 +602,7 @@ def _running_rows(options: list[NodeOption], rk: list[int], free_col: dict[int, 
     if all(o.parts is None for o in options):
         return [(list(rk), [o.overhead / scale for o in options])]
     parts = [o.parts if o.parts is not None else [(o.overhead, frozenset())] for o in options]
-    least = [min((ov - sum(mem[x] * scale for x in frees)) / scale for ov, frees in ps)
-             for ps in parts]
+    least = [min(ov / scale - sum(mem[x] for x in frees) for ov, frees in ps) for ps in parts]
     rows = []
     for o, ps in enumerate(parts):
         for ov, frees in ps:

@@ -246,7 +246,7 @@ def _binding_parts(parts: list[tuple[int, frozenset[int]]], nbytes: list[int]
     it is still as high."""
     rising: list[tuple[int, frozenset[int]]] = []
     for ov, frees in parts:
-        if not rising or ov > max(r[0] for r in rising):
+        if not rising or ov > rising[-1][0]:  # (the kept overheads rise)
             rising.append((ov, frees))
     kept = []
     for i, (ov, frees) in enumerate(rising):

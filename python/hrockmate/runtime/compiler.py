@@ -92,6 +92,14 @@ class Program:
     num_decision_slots: int = 0
 
 
+def gradient_seed_bytes(graph: Any) -> int:
+    """Bytes of the outputs' gradients (tangents), which the caller's ``backward()`` makes
+    inside the step (a loss's 4-byte seed), not before it as the graph's other preexisting
+    tensors: the runtime holds them beside the plan's tensors through the backward, and plain
+    autograd's measured peak has them."""
+    return sum(t.bytes for t in graph.tensors if t.role == "tangent")
+
+
 def _tangents_reaching(graph: Any, sources: dict[int, tuple[str, Any]]) -> list[int]:
     """Per tensor, the outputs whose gradients reach it (a bitmask over output positions)."""
     reach = [0] * len(graph.tensors)
@@ -597,11 +605,6 @@ class _Compiler:
             if kind == "tangent":
                 meta = tr.tensor_nodes[int(tid)][0].meta["val"]
                 tangent_layout[int(key)] = (tuple(meta.shape), meta.stride(), meta.dtype)
-        # the outputs' gradients are made by the caller's backward() inside the step (a loss's
-        # 4-byte seed), not before it as the graph's other preexisting tensors: held beside
-        # the plan's tensors through the backward (measured peaks were 4 bytes over the plan's)
-        tangent_bytes = sum(g.tensors[int(t)].bytes for t, (kind, _) in tr.sources.items()
-                            if kind == "tangent")
         reach = _tangents_reaching(g, tr.sources)
         param_tangents, input_tangents = [0] * n_params, [0] * len(self.input_slot)
         for t, (kind, j) in grad_slot.items():
@@ -620,7 +623,7 @@ class _Compiler:
             num_input_slots=len(self.input_slot),
             recomputed_ops=sum(max(0, r - 1) for r in runs),
             modelled_peak_bytes=self._modelled_peak,
-            extra_bytes=rng_bytes + extra_bytes + skips.excess_bytes + tangent_bytes
+            extra_bytes=rng_bytes + extra_bytes + skips.excess_bytes + gradient_seed_bytes(g)
             + allocator_slack_bytes(g, tr.device),
             possible_extra_bytes=possible_state_bytes + sum(
                 g.tensors[old].bytes for _, old in update_target.values() if old is not None),

@@ -50,7 +50,12 @@ import torch.utils._pytree as pytree
 from hrockmate.capture.kernels import autocast_off, autocast_state, describe_autocast
 from hrockmate.capture.tracing import TensorLeaf, rebuild_output, replay_python_draws
 from hrockmate.capture.values import FiniteAssumptionError
-from hrockmate.runtime.compiler import Program, RuntimeScheduleError, compile_schedule
+from hrockmate.runtime.compiler import (
+    Program,
+    RuntimeScheduleError,
+    compile_schedule,
+    gradient_seed_bytes,
+)
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
 from hrockmate.runtime.cuda_memory import split_cuda_blocks
 
@@ -1068,11 +1073,8 @@ def _choose_schedule(
     if budget is not None:
         from hrockmate.ir.budget import parse_budget
 
-        # a fraction is of plain autograd's peak by the same measure: with the outputs'
-        # gradients that the caller's backward() makes (a loss's 4-byte seed), which the
-        # graph takes as given
-        seed_bytes = sum(t.bytes for t in graph.tensors if t.role == "tangent")
-        budget_bytes = parse_budget(budget, baseline + seed_bytes)
+        # a fraction is of plain autograd's peak by the same measure: with the gradient seed
+        budget_bytes = parse_budget(budget, baseline + gradient_seed_bytes(graph))
     if budget_bytes >= baseline + program.extra_bytes:
         made = _describe(graph, store_all, base, base, budget_bytes, "store-all")
         return store_all, made, baseline, program
