@@ -133,20 +133,8 @@ class LevelProblem:
                     f"level node '{node.name}': option_inputs needs one subset of the node's "
                     "inputs per option"
                 )
-            owners = set(node.inputs)
-            for x in node.inputs:
-                r = self.values[x].root
-                while r is not None and r not in owners:
-                    owners.add(r)
-                    r = self.values[r].root
-            for o in node.options:
-                if o.parts is not None and (not o.parts or any(
-                        not frees <= owners or set(node.outputs) & frees
-                        for _, frees in o.parts)):
-                    raise ValueError(
-                        f"level node '{node.name}': an option's parts must release only "
-                        "storages of the node's inputs"
-                    )
+            if any(o.parts is not None for o in node.options):
+                self._check_parts(node)
             if node.pair is not None:
                 f = self.nodes[node.pair]
                 if not node.backward or f.backward or len(f.options) != len(node.options):
@@ -159,6 +147,24 @@ class LevelProblem:
                 raise ValueError(f"level value '{v.name}' has producer {v.producer} out of range")
             if v.producer is not None and x not in self.nodes[v.producer].outputs:
                 raise ValueError(f"level value '{v.name}' is not among its producer's outputs")
+
+
+    def _check_parts(self, node: LevelNode) -> None:
+        # the storages a node's inputs hold: its inputs and the values up their view chains
+        owners = set(node.inputs)
+        for x in node.inputs:
+            r = self.values[x].root
+            while r is not None and r not in owners:
+                owners.add(r)
+                r = self.values[r].root
+        outputs = set(node.outputs)
+        for o in node.options:
+            if o.parts is not None and (not o.parts or any(
+                    not frees <= owners or outputs & frees for _, frees in o.parts)):
+                raise ValueError(
+                    f"level node '{node.name}': an option's parts must release only storages "
+                    "of the node's inputs"
+                )
 
 
 @dataclass

@@ -1186,6 +1186,10 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
     reached: list[int] = []  # peaks with the runtime's bytes of the plans the rounds compiled
     floor: int | None = None  # the lowest peak the solver reached, with the reserve
     looser: int | None = None  # a target above the one with all possible bytes set aside
+
+    def fits(peak: int, program: Program) -> bool:  # as compiled, with the runtime's bytes
+        return peak + program.extra_bytes <= budget_bytes
+
     for _ in range(MAX_ROUNDS):
         if target <= 0:
             break
@@ -1202,7 +1206,7 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                 raise _below_floor(graph, budget_bytes, exc.min_bytes, exc.why,
                                    reserve_bytes) from None
             break
-        if peak + program.extra_bytes <= budget_bytes:
+        if fits(peak, program):
             if looser is not None:
                 # all possible bytes set aside may leave only a slower method's plan (a
                 # 2-layer Starcoder2 at 50%: greedy eviction's +55.9%, where the hierarchy's
@@ -1212,8 +1216,7 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                     other = _solved_and_compiled(graph, looser, options, compile_fn)
                 except InfeasibleBudget:
                     other = None
-                if other is not None and other[1] + other[2].extra_bytes <= budget_bytes \
-                        and other[0].time < plan.time:
+                if other is not None and fits(other[1], other[2]) and other[0].time < plan.time:
                     return other
             return plan, peak, program
         if len(reached) >= 3 and peak + program.extra_bytes >= reached[-1]:

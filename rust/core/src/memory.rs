@@ -278,8 +278,6 @@ pub fn fragment_peak(
     }
     let counts = |root: TensorId| counted.contains(&root);
     let n_start = caller_id.len();
-    // start instances not yet released (a dying tensor never read is gone before step 0)
-    let mut pending: Vec<u32> = (0..n_start as u32).collect();
     gone_at_once.sort_unstable();
     gone_at_once.dedup();
     let mut released: Vec<(i64, i64)> = gone_at_once
@@ -287,6 +285,22 @@ pub fn fragment_peak(
         .filter(|id| !index_of.contains_key(id))
         .map(|id| (id, -1))
         .collect();
+    // releases `t` after step `s`; a start instance whose last holder it was is reported (only
+    // the released tensor's instance is looked at: a start instance goes at most once, as no
+    // tensor can share it again once none holds it)
+    let release = |mem: &mut Memory<HashMap<TensorId, u32>>,
+                   released: &mut Vec<(i64, i64)>,
+                   t: TensorId,
+                   s: usize| {
+        let inst = Slots::get(&mem.slots, t);
+        if mem.release(t)
+            && inst != UNCOUNTED
+            && (inst as usize) < n_start
+            && mem.inst_refs[inst as usize] == 0
+        {
+            released.push((caller_id[inst as usize], s as i64));
+        }
+    };
     let mut during = Vec::with_capacity(steps.len());
     let mut peak = mem.held();
     for (s, step) in steps.iter().enumerate() {
@@ -311,24 +325,15 @@ pub fn fragment_peak(
                     mem.release(x);
                 }
                 for &t in released_after.get(&s).into_iter().flatten() {
-                    mem.release(t);
+                    release(&mut mem, &mut released, t, s);
                 }
             }
             Step::Free(t) => {
                 during.push(before);
-                mem.release(t);
+                release(&mut mem, &mut released, t, s);
             }
         }
         peak = peak.max(mem.held());
-        if !pending.is_empty() {
-            pending.retain(|&i| {
-                let gone = mem.inst_refs[i as usize] == 0;
-                if gone {
-                    released.push((caller_id[i as usize], s as i64));
-                }
-                !gone
-            });
-        }
     }
     let fresh = start
         .iter()
