@@ -1,7 +1,8 @@
 """hrockmate against the simple strategies, predicted by the simulator, on every test graph.
 
 For each graph (the repository's tests/data/graphs, third-party graphs with ``--graphs``, and a
-trace of the demo GPT-2 with ``--demo``) and each budget (a fraction of the store-all peak), it
+trace of the demo GPT-2 with ``--demo``, every zoo model exported as an operator log without
+pairing with ``--zoo SIZE``) and each budget (a fraction of the store-all peak), it
 plans with the default method and with block checkpointing, selective checkpointing,
 whole-graph Rotor and greedy eviction (DTR-style), and reports each one's time over store-all
 (``inf.`` where it does not fit; ``RA`` where only recompute-all fits), which method made
@@ -9,7 +10,7 @@ hrockmate's plan, its solve time, and whether hrockmate cost more than any strat
 (it must not), with a lower bound on what any schedule costs there
 (``hrockmate.time_lower_bound``; ``inf.`` where no schedule can fit) and hrockmate's gap to it.
 
-    OMP_NUM_THREADS=1 python benches/simple_strategies.py [--demo] [--graphs DIR]
+    OMP_NUM_THREADS=1 python benches/simple_strategies.py [--demo] [--zoo small] [--graphs DIR]
 
 Writes JSON (default ``bench-results/simple_strategies.json``) and prints a table.
 """
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("checkpoint", "selective", "rotor", "greedy")
 
 
-def graphs(folders: list[Path], demo: bool) -> list[tuple[str, Graph]]:
+def graphs(folders: list[Path], demo: bool, zoo: str | None = None) -> list[tuple[str, Graph]]:
     out = []
     for folder in folders:
         for path in sorted(folder.glob("*.json")):
@@ -47,6 +48,29 @@ def graphs(folders: list[Path], demo: bool) -> list[tuple[str, Graph]]:
         model, sample = gpt2_tiny(n_layer=4, n_embd=128, n_head=4, seq=128, batch=8, vocab=256,
                                   dropout=0.1, with_loss=True, seed=0)
         out.append(("gpt2_demo (traced)", hrockmate.trace(model, sample)))
+    if zoo:
+        out += zoo_operator_logs(zoo)
+    return out
+
+
+def zoo_operator_logs(size: str) -> list[tuple[str, Graph]]:
+    """Every built-in zoo model at ``size``, traced and exported as another tool's operator log
+    (``Graph.to_node_link``: one tensor per op, no pairing of backward with forward ops, only
+    ``backward`` flags), read back. Models whose library is not installed are left out."""
+    from hrockmate.bench import ModelUnavailable
+    from hrockmate.zoo import ZOO
+
+    out = []
+    for name, spec in ZOO.items():
+        try:
+            model, sample = spec.build(size)
+        except ModelUnavailable as exc:
+            print(f"{name}: left out ({exc})")
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            g = hrockmate.trace(model, sample)
+        out.append((f"{name} (log)", Graph.from_json(json.dumps(g.to_node_link()))))
     return out
 
 
@@ -88,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", action="append", default=[],
                     help="another folder of graph files (repeatable)")
     ap.add_argument("--demo", action="store_true", help="also trace and plan the demo GPT-2")
+    ap.add_argument("--zoo", metavar="SIZE", choices=("tiny", "small", "large"),
+                    help="also plan every built-in zoo model of this size, traced and exported "
+                         "as an operator log without pairing (only backward flags)")
     ap.add_argument("--budgets", default="0.9,0.7,0.5,0.3")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--out", default=str(REPO / "bench-results" / "simple_strategies.json"))
@@ -96,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'graph':32} {'budget':>6} {'hrockmate':>12} {'made by':>21} {'solve s':>8} "
           + " ".join(f"{s:>12}" for s in STRATEGIES) + f" {'bound':>8}  never costlier")
-    for name, g in graphs(folders, args.demo):
+    for name, g in graphs(folders, args.demo, args.zoo):
         for fraction in (float(b) for b in args.budgets.split(",")):
             row: dict[str, Any] = {"graph": name, "ops": g.num_ops, "budget": fraction}
             row["hrockmate"] = run_one(g, fraction, "hrockmate", args.time_limit)

@@ -168,7 +168,9 @@ def _hf_gpt2(size: str) -> tuple[nn.Module, Any]:
     })
     batch = {"tiny": 2, "small": 4, "large": 8}[size]
     torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(**cfg))
+    # (the special tokens inside the vocabulary: GPT-2's default 50256 is not in a small one)
+    last = cfg["vocab_size"] - 1
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(**cfg, bos_token_id=last, eos_token_id=last))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg["vocab_size"], (batch, cfg["n_positions"]), generator=gen)
     return _HFLoss(model), {"input_ids": ids, "labels": ids.clone()}
@@ -184,7 +186,10 @@ def _hf_t5(size: str) -> tuple[nn.Module, Any]:
     })
     batch, seq = {"tiny": (2, 8), "small": (4, 64), "large": (16, 512)}[size]
     torch.manual_seed(0)
-    model = tf.T5ForConditionalGeneration(tf.T5Config(**cfg))
+    # (T5 shifts the labels right from the decoder's start token, which a configuration built
+    # from scratch lacks in transformers 5: the pad token, as the released T5 checkpoints set)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(**cfg, pad_token_id=0, eos_token_id=1,
+                                                      decoder_start_token_id=0))
     gen = torch.Generator().manual_seed(1)
     src = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=gen)
     labels = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=gen)

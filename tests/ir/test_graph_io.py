@@ -221,6 +221,35 @@ def test_node_link_error_paths() -> None:
     assert "the ops form a cycle" in load_error(bad)
 
 
+def test_a_graph_exports_as_an_operator_log_without_pairing() -> None:
+    g = mlp_graph()
+    # a view of the relu's output, read by the loss instead of the output itself
+    v = g.add_tensor(Tensor("r_view", 0, "activation", alias_of=3))
+    g.ops.insert(2, Op("view", "forward", 0.0, [3], [v]))
+    g.ops[3].inputs = [v]
+    for op in g.ops:  # (op ids from the insertion on moved up by one)
+        if op.differentiates is not None and op.differentiates >= 2:
+            op.differentiates += 1
+    g.validate()
+    doc = g.to_node_link()
+    # nothing in the names pairs two nodes: "<index>:<op name>"
+    assert [n["name"] for n in doc["nodes"]][:3] == ["0:linear", "1:relu", "2:view"]
+    back = Graph.from_json(json.dumps(doc))
+    assert back.name == "mlp" and back.num_ops == g.num_ops
+    assert [o.phase for o in back.ops] == [o.phase for o in g.ops]
+    assert [o.time for o in back.ops] == [o.time for o in g.ops]
+    assert all(o.differentiates is None for o in back.ops)
+    # one tensor per op, of the bytes of the storages it makes (the view makes none)
+    assert [t.bytes for t in back.tensors] == [64, 64, 0, 4, 64, 64, 64]
+    # the loss reads the view and, through it, the relu's storage
+    assert sorted(back.ops[3].inputs) == [1, 2]
+    # the last backward op's result nobody reads: a required gradient
+    assert back.tensors[-1].role == "input_grad"
+    # the storage read through the view stays alive while the view is read
+    r = simulate(back, store_all_schedule(back))
+    assert r.peak_bytes >= 64 + 64 + 4
+
+
 def test_random_layered_dag_format() -> None:
     doc = node_link(
         [

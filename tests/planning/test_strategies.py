@@ -156,6 +156,27 @@ def test_the_hierarchy_plans_operator_logs_itself(data_graphs: Path, name: str,
     assert plan.time < 1.5 * plan.baseline_time
 
 
+def test_the_hierarchy_plans_a_traced_model_exported_without_pairing() -> None:
+    # another tool's view of a traced encoder-decoder: one tensor per op, no pairing of backward
+    # with forward ops, no views; planned by the hierarchy itself, faster than the simple
+    # strategies (block checkpointing only fits by recomputing everything at 50%)
+    import json
+
+    pytest.importorskip("torch")
+    from hrockmate.zoo import ZOO
+
+    model, sample = ZOO["encdec"].build("tiny")
+    g = Graph.from_json(json.dumps(hrockmate.trace(model, sample).to_node_link()))
+    assert all(o.differentiates is None for o in g.ops)
+    plan = hrockmate.solve_graph(g, 0.5, progress=False, time_limit=60)
+    assert plan.made_by == "hrockmate" and not plan.stats.get("fallback"), plan.stats
+    assert simulate_steps(g, plan.schedule.steps, plan.schedule.forward_len)[0] <= \
+        plan.budget_bytes
+    for method in ("checkpoint", "greedy"):
+        other = hrockmate.solve_graph(g, 0.5, method=method, progress=False)
+        assert plan.time <= other.time, method
+
+
 @pytest.mark.parametrize("name,fraction", [
     ("gpt2_tiny_oplog", 0.75), ("gpt2_tiny_oplog", 0.9), ("resnet_like_train", 0.5),
     ("vgg_like_train", 0.9), ("cnn_bn_oplog", 0.6), ("unet_like_train", 0.85),

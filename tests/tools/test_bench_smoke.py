@@ -132,6 +132,8 @@ def test_zoo_entries_build_or_explain() -> None:
             assert "transformers" in str(exc)
         else:
             assert len(zoo[name].blocks(model)) >= 1
+            # the model runs at the library's defaults with its own sample, a finite loss
+            assert torch.isfinite(model(**sample)), name
     with pytest.raises(ValueError, match="unknown size"):
         zoo["gpt2"].build("huge")
 

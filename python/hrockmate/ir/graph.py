@@ -170,6 +170,36 @@ class Graph:
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
+    def to_node_link(self) -> dict[str, Any]:
+        """The graph as another tool's operator log: a networkx node-link graph of the
+        Checkmate training kind (docs/graph-ir.md), one node per op with its ``backward`` flag,
+        time (``cost_cpu``) and the bytes of the storages it makes (``cost_ram``), and a link
+        from the op that made each tensor an op reads.
+
+        What the format cannot say is left out: which forward op a backward op differentiates
+        and which parameter a gradient is of (nodes are named ``"<index>:<op name>"``, which
+        never pairs two nodes), views (a view's op makes no bytes; its readers are linked to
+        the op that made the storage too, so that storage stays alive while the view is read),
+        workspace, tensors that exist before the iteration, random ops and buffer updates.
+        ``Graph.from_json`` reads the result back as a graph of one tensor per op."""
+        made_by = self.producers()
+        nodes = []
+        links: list[dict[str, int]] = []
+        for i, op in enumerate(self.ops):
+            owned = sum(self.tensors[t].bytes for t in op.outputs
+                        if self.tensors[t].alias_of is None)
+            nodes.append({"id": i, "name": f"{i}:{op.name}", "backward": op.phase == "backward",
+                          "cost_cpu": op.time, "cost_ram": owned})
+            sources: dict[int, None] = {}
+            for x in op.inputs:
+                for y in (x, self.storage_root(x)):
+                    p = made_by[y]
+                    if p is not None and p != i:
+                        sources[p] = None
+            links.extend({"source": p, "target": i} for p in sources)
+        return {"directed": True, "multigraph": False, "graph": {"name": self.name},
+                "nodes": nodes, "links": links}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Graph":
         """Build from an already validated IR dict (as returned by the Rust parser)."""
