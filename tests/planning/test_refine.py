@@ -166,6 +166,39 @@ def test_an_exchange_keeps_the_expensive_output_and_recomputes_the_cheap_one() -
     assert r.time == before.time - 10.0 + 1.0
 
 
+def test_an_exchange_recomputes_the_cheap_op_from_the_output_it_keeps() -> None:
+    """As in a ResNet's batch norm and ReLU (and as greedy eviction plans them): the plan frees
+    the batch norm's output ``b`` after the forward and runs ``f1`` again for its backward,
+    after the ReLU's backward, while the ReLU's output ``c`` stays alive across the backward.
+    Keeping ``b`` fits only with ``c`` evicted over ``h``, and ``f2`` can make ``c`` again from
+    ``b`` only because ``b`` is kept: the exchange must not ask for ``f1``'s recomputation,
+    the one it drops, to move up."""
+    g, t, ops = _small_graph("kept input", {"he": 300}, [
+        ("x", "input"), ("w", "parameter"), ("a", "activation"), ("b", "activation"),
+        ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
+        ("gd", "activation"), ("gc", "activation"), ("he", "activation"), ("hh", "activation"),
+        ("gb", "activation"), ("ga", "activation"), ("gw", "param_grad")], [
+        ("f0", "forward", 10.0, ["x", "w"], ["a"]), ("f1", "forward", 5.0, ["a"], ["b"]),
+        ("f2", "forward", 1.0, ["b"], ["c"]), ("f3", "forward", 10.0, ["c", "w"], ["d"]),
+        ("L", "forward", 1.0, ["d"], ["loss"]), ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+        ("f3b", "backward", 1.0, ["gd", "c"], ["gc"]),
+        ("h", "backward", 1.0, ["gc"], ["he"]), ("h2", "backward", 1.0, ["he"], ["hh"]),
+        ("f2b", "backward", 1.0, ["hh", "c"], ["gb"]),
+        ("f1b", "backward", 1.0, ["gb", "a", "b"], ["ga"]),
+        ("f0b", "backward", 1.0, ["ga", "x"], ["gw"])])
+    c, f = "compute", "free"
+    steps = [(c, ops["f0"]), (c, ops["f1"]), (c, ops["f2"]), (f, t["b"]), (c, ops["f3"]),
+             (c, ops["L"])]
+    fl = len(steps)
+    steps += [(c, ops["Lb"]), (f, t["d"]), (c, ops["f3b"]), (f, t["gd"]), (c, ops["h"]),
+              (f, t["gc"]), (c, ops["h2"]), (f, t["he"]), (c, ops["f2b"]), (f, t["hh"]),
+              (f, t["c"]), (c, ops["f1"]), (c, ops["f1b"]), (f, t["gb"]), (f, t["b"]),
+              (f, t["a"]), (c, ops["f0b"]), (f, t["ga"])]
+    r, before, names = _refined_at_its_peak(g, steps, fl)
+    assert names.count("f1") == 1 and names.count("f2") == 2  # b kept, c made again from it
+    assert r.time == before.time - 5.0 + 1.0
+
+
 def _two_level_exchange(f1b_reads_a: bool) -> tuple[Graph, list[tuple[str, int]], int]:
     """``f1 -> f2 -> f3 -> f4``; the plan recomputes the expensive ``f4`` for the backward
     while the cheap ``f2``'s output ``b`` stays alive across it (keeping ``d`` over ``g``

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import time as _time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -137,6 +137,22 @@ class _Eviction:
         """The steps of the recomputations moved up (dropped where they were)."""
         return self._drops
 
+    def keeping(self, kept: frozenset[int]) -> _Eviction:
+        """This eviction beside the recomputations at steps ``kept`` dropped for their outputs
+        kept alive since their previous run: a move of one of them up to ``before`` is not
+        needed, its output is alive there (ResNets: a batch norm's output kept, the ReLU after
+        it evicted and made again from it, as greedy eviction does). Moves whose inputs other
+        moves make stay (their inputs would then be made for nothing)."""
+        if kept.isdisjoint(self._drops):
+            return self
+        gone = [m for m in self.moved if m.drop in kept and m.on_alive]
+        if not gone:
+            return self
+        moved = tuple(m for m in self.moved if m not in gone)
+        own = self.inputs[:len(self.inputs) - sum(len(m.reads) for m in self.moved)]
+        return replace(self, inputs=own + tuple(y for m in moved for y in m.reads),
+                       moved=moved)
+
     def fresh(self) -> list[int]:
         """The outputs made for this eviction alone (freed once ``op`` has run)."""
         return [m.output for m in self.moved if m.drop < 0]
@@ -174,6 +190,9 @@ class _Move:
     bytes: int
     output: int
     time: float = 0.0  # (added, if drop is -1)
+    reads: tuple[int, ...] = ()  # the op's inputs
+    # whether its inputs were all alive (no other move of the eviction makes one of them)
+    on_alive: bool = True
 
 
 @dataclass
@@ -244,8 +263,7 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
                 assert k is not None
                 moved = _moves(graph, ops[k].inputs, p, alive, evictable, producer, runs)
                 if moved is not None:
-                    reads = tuple(ops[k].inputs) + tuple(
-                        y for m in moved for y in ops[m.op].inputs)
+                    reads = tuple(ops[k].inputs) + tuple(y for m in moved for y in m.reads)
                     found.append(_Eviction(x, k, a, p, int(tensors[x].bytes),
                                            float(ops[k].time) + sum(m.time for m in moved),
                                            reads, moved))
@@ -281,14 +299,19 @@ def _moves(graph: Graph, needed: list[int], p: int, alive: set[int], evictable: 
         if not evictable[y] or k is None or len(made) >= _MAX_MOVED:
             return False
         made.add(y)
+        before = len(moved)
         if not all(make(z) for z in ops[k].inputs):
             return False
+        on_alive = len(moved) == before
+        reads = tuple(ops[k].inputs)
         later = runs[k]
         at = bisect.bisect_right(later, p)
         if at < len(later) and later[at] - p <= _MOVE_REACH:
-            moved.append(_Move(k, later[at], int(graph.tensors[y].bytes), y))
+            moved.append(_Move(k, later[at], int(graph.tensors[y].bytes), y, 0.0, reads,
+                               on_alive))
         else:
-            moved.append(_Move(k, -1, int(graph.tensors[y].bytes), y, float(ops[k].time)))
+            moved.append(_Move(k, -1, int(graph.tensors[y].bytes), y, float(ops[k].time), reads,
+                               on_alive))
         return True
 
     return tuple(moved) if all(make(y) for y in needed) else None
@@ -304,24 +327,26 @@ _MAX_SCAN = 256  # gaps looked at for one eviction, cheapest per byte first
 def _make_room(level: np.ndarray, a: int, p: int, need: np.ndarray, budget: int, gain: float,
                gaps: _Gaps, busy: set[int], reads_at: dict[int, list[int]],
                evicted: dict[int, list[tuple[int, int]]],
-               deadline: float | None) -> list[int] | None:
+               deadline: float | None, kept: frozenset[int] = frozenset()) -> list[int] | None:
     """Gaps (indices) whose evictions lower ``level[a:p]`` so that ``need`` (bytes more at
     each of those steps) fits under ``budget``, costing less than ``gain`` in all; None when
     there are none. The cheapest of two picks: gaps cheapest per byte first, or one gap
     that alone covers all (those per byte can add up to more: the Checkmate MobileNet at
-    50%, where one padding made again makes room for two outputs kept)."""
+    50%, where one padding made again makes room for two outputs kept). ``kept``: the
+    recomputations dropped for the outputs kept (each gap is taken as ``keeping`` them)."""
     room = level[a:p] + need
     picked = _cheapest_per_byte(level, a, room.copy(), budget, gain, gaps, busy, reads_at,
-                                evicted, deadline)
+                                evicted, deadline, kept)
     cost = gain if picked is None else float(sum(gaps.cost[g] for g in picked))
-    whole = _one_gap_for_all(level, a, room, budget, cost, gaps, busy, reads_at, evicted)
+    whole = _one_gap_for_all(level, a, room, budget, cost, gaps, busy, reads_at, evicted, kept)
     return [whole] if whole is not None else picked
 
 
 def _cheapest_per_byte(level: np.ndarray, a: int, room: np.ndarray, budget: int, gain: float,
                        gaps: _Gaps, busy: set[int], reads_at: dict[int, list[int]],
                        evicted: dict[int, list[tuple[int, int]]],
-                       deadline: float | None) -> list[int] | None:
+                       deadline: float | None, kept: frozenset[int] = frozenset()
+                       ) -> list[int] | None:
     """``_make_room``'s gaps taken cheapest per byte first, at the step most over each time
     (``room`` is the memory from step ``a`` with the outputs kept, lowered in place)."""
     picked: list[int] = []
@@ -345,9 +370,10 @@ def _cheapest_per_byte(level: np.ndarray, a: int, room: np.ndarray, budget: int,
             return None
         choice = None
         for g in spans[np.argsort(gaps.price[spans], kind="stable")][:_MAX_SCAN]:
-            e = gaps.items[g]
+            e = gaps.items[g].keeping(kept)
             if _conflicts(e, busy, reads_at, evicted) or any(
-                    _clash(e, gaps.items[h]) or _clash(gaps.items[h], e) for h in picked) or (
+                    _clash(e, f) or _clash(f, e)
+                    for f in (gaps.items[h].keeping(kept) for h in picked)) or (
                     not e.moved_fits(level, budget)):
                 mask[g] = False  # (none of these gets better as more are picked)
                 continue
@@ -355,7 +381,7 @@ def _cheapest_per_byte(level: np.ndarray, a: int, room: np.ndarray, budget: int,
             break
         if choice is None:
             return None
-        e = gaps.items[choice]
+        e = gaps.items[choice].keeping(kept)
         mask[choice] = False
         picked.append(choice)
         cost += e.cost
@@ -364,7 +390,8 @@ def _cheapest_per_byte(level: np.ndarray, a: int, room: np.ndarray, budget: int,
 
 def _one_gap_for_all(level: np.ndarray, a: int, room: np.ndarray, budget: int, gain: float,
                      gaps: _Gaps, busy: set[int], reads_at: dict[int, list[int]],
-                     evicted: dict[int, list[tuple[int, int]]]) -> int | None:
+                     evicted: dict[int, list[tuple[int, int]]],
+                     kept: frozenset[int] = frozenset()) -> int | None:
     """The cheapest gap whose eviction alone brings ``room`` (the memory from step ``a`` with
     the outputs kept) under ``budget`` for less than ``gain``, or None."""
     over = room - budget
@@ -375,7 +402,7 @@ def _one_gap_for_all(level: np.ndarray, a: int, room: np.ndarray, budget: int, g
     spans = np.flatnonzero(gaps.free & (gaps.after < lo) & (gaps.before > hi)
                            & (gaps.bytes >= int(over.max())) & (gaps.cost < gain))
     for g in spans[np.argsort(gaps.cost[spans], kind="stable")][:_MAX_SCAN]:
-        e = gaps.items[g]
+        e = gaps.items[g].keeping(kept)
         if _conflicts(e, busy, reads_at, evicted) or not e.moved_fits(level, budget):
             continue
         after = room.copy()
@@ -448,6 +475,7 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
     gaps: _Gaps | None = None
     exchanges = 0
     failed: list[int] = []  # candidates that found no room alone
+    kept: frozenset[int] = frozenset()  # the recomputations dropped so far (outputs kept)
 
     def room_for(group: list[int]) -> list[_Eviction] | None:
         """Evictions that make room for keeping every candidate of ``group`` (those in
@@ -466,13 +494,15 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
             if (over > gaps.cover[a:p]).any():
                 return None  # (even evicting every gap left leaves a step over)
             gain = sum(cands[c][0] for c in group)
-            own = {cands[c][1] for c in group}
+            own = frozenset(cands[c][1] for c in group)
+            # (recomputations dropped before, for outputs kept, count as kept too)
+            held = own | kept
             picked = _make_room(level, a, p, need, budget, gain, gaps, busy | own, reads_at,
-                                evicted, deadline)
+                                evicted, deadline, held)
             if picked is None:
                 return None
             for g in picked:
-                e = gaps.items[g]
+                e = gaps.items[g].keeping(held)
                 gaps.take(g)
                 e.apply(level)
                 busy.add(e.before)
@@ -503,6 +533,7 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
             failed.append(n)
             continue
         busy.add(p)
+        kept |= {p}
         chosen.append(_Choice(p, freed, evictions))
     # two recomputations kept for one set of evictions: each alone gains less than they cost
     # (ResNet-50 at 70%: one block output of 784 MiB made again makes room for two of 392)
@@ -524,6 +555,7 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
                 continue
             taken.update((c, d))
             busy.update((pc, pd))
+            kept |= {pc, pd}
             chosen.append(_Choice(pc, cands[c][2], evictions))
             chosen.append(_Choice(pd, cands[d][2], []))
     return chosen
