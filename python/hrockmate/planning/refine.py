@@ -13,8 +13,9 @@ that slack into time, on any valid schedule:
    is freed after a read and made again right before the next one, when all such evictions
    together cost less time than the recomputation dropped. This is how an op-level plan keeps
    a batch norm's output and recomputes the ReLU after it, where a plan made of whole blocks
-   re-runs the block. Recomputations that found no room alone are tried in pairs (one
-   eviction can make room for two, neither worth it alone);
+   re-runs the block (the ReLU is made from the output kept: a recomputation dropped, now or
+   before, is not moved up for an eviction). Recomputations that found no room alone are
+   tried in pairs (one eviction can make room for two, neither worth it alone);
 2. *dead recomputations*: a recomputation none of whose outputs is read before it is freed
    again (it fed a recomputation dropped in 1) is dropped;
 3. *earlier frees*: every free moves up to just after the last read of its tensor.
