@@ -148,7 +148,6 @@ class LevelProblem:
             if v.producer is not None and x not in self.nodes[v.producer].outputs:
                 raise ValueError(f"level value '{v.name}' is not among its producer's outputs")
 
-
     def _check_parts(self, node: LevelNode) -> None:
         # the storages a node's inputs hold: its inputs and the values up their view chains
         owners = set(node.inputs)

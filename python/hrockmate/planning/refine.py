@@ -351,6 +351,7 @@ def _cheapest_per_byte(level: np.ndarray, a: int, room: np.ndarray, budget: int,
     """``_make_room``'s gaps taken cheapest per byte first, at the step most over each time
     (``room`` is the memory from step ``a`` with the outputs kept, lowered in place)."""
     picked: list[int] = []
+    taken: list[_Eviction] = []  # the picked gaps' evictions, as taken beside ``kept``
     cost = 0.0
     mask = gaps.free.copy()
     while True:
@@ -373,8 +374,7 @@ def _cheapest_per_byte(level: np.ndarray, a: int, room: np.ndarray, budget: int,
         for g in spans[np.argsort(gaps.price[spans], kind="stable")][:_MAX_SCAN]:
             e = gaps.items[g].keeping(kept)
             if _conflicts(e, busy, reads_at, evicted) or any(
-                    _clash(e, f) or _clash(f, e)
-                    for f in (gaps.items[h].keeping(kept) for h in picked)) or (
+                    _clash(e, f) or _clash(f, e) for f in taken) or (
                     not e.moved_fits(level, budget)):
                 mask[g] = False  # (none of these gets better as more are picked)
                 continue
@@ -382,9 +382,9 @@ def _cheapest_per_byte(level: np.ndarray, a: int, room: np.ndarray, budget: int,
             break
         if choice is None:
             return None
-        e = gaps.items[choice].keeping(kept)
         mask[choice] = False
         picked.append(choice)
+        taken.append(e)
         cost += e.cost
         e.apply(room, a)
 
