@@ -166,19 +166,24 @@ def test_an_exchange_keeps_the_expensive_output_and_recomputes_the_cheap_one() -
     assert r.time == before.time - 10.0 + 1.0
 
 
-def test_an_exchange_recomputes_the_cheap_op_from_the_output_it_keeps() -> None:
+@pytest.mark.parametrize("a_recomputed", [False, True])
+def test_an_exchange_recomputes_the_cheap_op_from_the_output_it_keeps(
+        a_recomputed: bool) -> None:
     """As in a ResNet's batch norm and ReLU (and as greedy eviction plans them): the plan frees
     the batch norm's output ``b`` after the forward and runs ``f1`` again for its backward,
     after the ReLU's backward, while the ReLU's output ``c`` stays alive across the backward.
     Keeping ``b`` fits only with ``c`` evicted over ``h``, and ``f2`` can make ``c`` again from
     ``b`` only because ``b`` is kept: the exchange must not ask for ``f1``'s recomputation,
-    the one it drops, to move up."""
+    the one it drops, to move up. With ``a_recomputed`` the plan also frees the convolution's
+    output ``a`` in the forward and runs ``f0`` again right before ``f1``: that recomputation
+    must not move up either (it only made ``f1``'s input)."""
     g, t, ops = _small_graph("kept input", {"he": 300}, [
         ("x", "input"), ("w", "parameter"), ("a", "activation"), ("b", "activation"),
         ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
         ("gd", "activation"), ("gc", "activation"), ("he", "activation"), ("hh", "activation"),
         ("gb", "activation"), ("ga", "activation"), ("gw", "param_grad")], [
-        ("f0", "forward", 10.0, ["x", "w"], ["a"]), ("f1", "forward", 5.0, ["a"], ["b"]),
+        ("f0", "forward", 4.0 if a_recomputed else 10.0, ["x", "w"], ["a"]),
+        ("f1", "forward", 5.0, ["a"], ["b"]),
         ("f2", "forward", 1.0, ["b"], ["c"]), ("f3", "forward", 10.0, ["c", "w"], ["d"]),
         ("L", "forward", 1.0, ["d"], ["loss"]), ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
         ("f3b", "backward", 1.0, ["gd", "c"], ["gc"]),
@@ -187,15 +192,17 @@ def test_an_exchange_recomputes_the_cheap_op_from_the_output_it_keeps() -> None:
         ("f1b", "backward", 1.0, ["gb", "a", "b"], ["ga"]),
         ("f0b", "backward", 1.0, ["ga", "x"], ["gw"])])
     c, f = "compute", "free"
-    steps = [(c, ops["f0"]), (c, ops["f1"]), (c, ops["f2"]), (f, t["b"]), (c, ops["f3"]),
-             (c, ops["L"])]
+    steps = [(c, ops["f0"]), (c, ops["f1"])] + ([(f, t["a"])] if a_recomputed else []) + [
+        (c, ops["f2"]), (f, t["b"]), (c, ops["f3"]), (c, ops["L"])]
     fl = len(steps)
     steps += [(c, ops["Lb"]), (f, t["d"]), (c, ops["f3b"]), (f, t["gd"]), (c, ops["h"]),
               (f, t["gc"]), (c, ops["h2"]), (f, t["he"]), (c, ops["f2b"]), (f, t["hh"]),
-              (f, t["c"]), (c, ops["f1"]), (c, ops["f1b"]), (f, t["gb"]), (f, t["b"]),
+              (f, t["c"])] + ([(c, ops["f0"])] if a_recomputed else []) + [
+              (c, ops["f1"]), (c, ops["f1b"]), (f, t["gb"]), (f, t["b"]),
               (f, t["a"]), (c, ops["f0b"]), (f, t["ga"])]
     r, before, names = _refined_at_its_peak(g, steps, fl)
     assert names.count("f1") == 1 and names.count("f2") == 2  # b kept, c made again from it
+    assert names.count("f0") == (2 if a_recomputed else 1)  # (a is not kept: no room for it)
     assert r.time == before.time - 5.0 + 1.0
 
 
@@ -400,8 +407,8 @@ def test_one_gap_that_covers_all_is_taken_before_cheaper_ones_per_byte() -> None
     from hrockmate.planning.refine import _Eviction, _Gaps, _make_room
 
     level = np.full(10, 1000, dtype=np.int64)
-    small = _Eviction(tensor=0, op=0, after=1, before=8, bytes=100, cost=5.0, inputs=())
-    large = _Eviction(tensor=1, op=1, after=1, before=8, bytes=300, cost=20.0, inputs=())
+    small = _Eviction(tensor=0, op=0, after=1, before=8, bytes=100, cost=5.0, reads=())
+    large = _Eviction(tensor=1, op=1, after=1, before=8, bytes=300, cost=20.0, reads=())
     need = np.zeros(10, dtype=np.int64)
     need[3:6] = 250  # (250 over the budget of 1000 at steps 3-5)
     picked = _make_room(level, 0, 10, need, 1000, 22.0, _Gaps([small, large], 10), set(), {}, {},

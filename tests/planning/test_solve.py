@@ -619,7 +619,9 @@ def test_later_leaf_sizes_may_replace_a_fallbacks_plan(data_graphs: Path,
     # the DenseNet log at 50%: with the first leaf size greedy eviction's plan beats the
     # hierarchy's; counted as close enough to the lower bound to stop (it was within 1% on the
     # resnet-like graph before the refinement learnt to beat greedy there), it must not stop
-    # the later leaf sizes, one of which plans faster than greedy's
+    # the later leaf sizes, one of which plans as fast as greedy's or faster (since the
+    # refinement's exchanges drop moves that only fed a kept output, greedy's refined plan ties
+    # the best of them: the tie goes to the hierarchy)
     from hrockmate.planning import api, refine
 
     monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", 0.05)
@@ -634,7 +636,7 @@ def test_later_leaf_sizes_may_replace_a_fallbacks_plan(data_graphs: Path,
     assert first.time <= bound.time + api.MIN_GAIN_TO_RETRY * first.baseline_time
     plan = hrockmate.solve_graph(g, 0.5, **opts)
     _check(plan, g)
-    assert not plan.stats.get("fallback") and plan.time < first.time
+    assert not plan.stats.get("fallback") and plan.time <= first.time
 
 
 def test_the_op_level_milp_replaces_a_fallbacks_plan_it_ties(data_graphs: Path) -> None:

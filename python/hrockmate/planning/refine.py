@@ -127,12 +127,13 @@ class _Eviction:
     before: int
     bytes: int
     cost: float
-    inputs: tuple[int, ...]  # what ``op`` and the moved ops read
+    reads: tuple[int, ...]  # what ``op`` reads
     moved: tuple[_Move, ...] = ()
 
     def __post_init__(self) -> None:
         # (read for every pair of gaps compared: made once)
         self._drops = frozenset(m.drop for m in self.moved if m.drop >= 0)
+        self.inputs = self.reads + tuple(y for m in self.moved for y in m.reads)
 
     def drops(self) -> frozenset[int]:
         """The steps of the recomputations moved up (dropped where they were)."""
@@ -142,17 +143,22 @@ class _Eviction:
         """This eviction beside the recomputations at steps ``kept`` dropped for their outputs
         kept alive since their previous run: a move of one of them up to ``before`` is not
         needed, its output is alive there (ResNets: a batch norm's output kept, the ReLU after
-        it evicted and made again from it, as greedy eviction does). Moves whose inputs other
-        moves make stay (their inputs would then be made for nothing)."""
+        it evicted and made again from it, as greedy eviction does), and neither are the moves
+        that only made its inputs (the convolution before that batch norm)."""
         if kept.isdisjoint(self._drops):
             return self
-        gone = [m for m in self.moved if m.drop in kept and m.on_alive]
-        if not gone:
+        needed = set(self.reads)
+        stay: list[_Move] = []
+        for m in reversed(self.moved):  # (a move comes after the moves that make its inputs)
+            if m.output not in needed or m.drop in kept:
+                continue
+            stay.append(m)
+            needed.update(m.reads)
+        if len(stay) == len(self.moved):
             return self
-        moved = tuple(m for m in self.moved if m not in gone)
-        own = self.inputs[:len(self.inputs) - sum(len(m.reads) for m in self.moved)]
-        return replace(self, inputs=own + tuple(y for m in moved for y in m.reads),
-                       moved=moved)
+        stay.reverse()
+        return replace(self, cost=self.cost - sum(m.time for m in self.moved if m not in stay),
+                       moved=tuple(stay))
 
     def fresh(self) -> list[int]:
         """The outputs made for this eviction alone (freed once ``op`` has run)."""
@@ -192,8 +198,6 @@ class _Move:
     output: int
     time: float = 0.0  # (added, if drop is -1)
     reads: tuple[int, ...] = ()  # the op's inputs
-    # whether its inputs were all alive (no other move of the eviction makes one of them)
-    on_alive: bool = True
 
 
 @dataclass
@@ -264,10 +268,9 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
                 assert k is not None
                 moved = _moves(graph, ops[k].inputs, p, alive, evictable, producer, runs)
                 if moved is not None:
-                    reads = tuple(ops[k].inputs) + tuple(y for m in moved for y in m.reads)
                     found.append(_Eviction(x, k, a, p, int(tensors[x].bytes),
                                            float(ops[k].time) + sum(m.time for m in moved),
-                                           reads, moved))
+                                           tuple(ops[k].inputs), moved))
             if x in touched:
                 touched[x] = p
         for x in op.outputs:
@@ -300,19 +303,15 @@ def _moves(graph: Graph, needed: list[int], p: int, alive: set[int], evictable: 
         if not evictable[y] or k is None or len(made) >= _MAX_MOVED:
             return False
         made.add(y)
-        before = len(moved)
         if not all(make(z) for z in ops[k].inputs):
             return False
-        on_alive = len(moved) == before
         reads = tuple(ops[k].inputs)
         later = runs[k]
         at = bisect.bisect_right(later, p)
         if at < len(later) and later[at] - p <= _MOVE_REACH:
-            moved.append(_Move(k, later[at], int(graph.tensors[y].bytes), y, 0.0, reads,
-                               on_alive))
+            moved.append(_Move(k, later[at], int(graph.tensors[y].bytes), y, 0.0, reads))
         else:
-            moved.append(_Move(k, -1, int(graph.tensors[y].bytes), y, float(ops[k].time), reads,
-                               on_alive))
+            moved.append(_Move(k, -1, int(graph.tensors[y].bytes), y, float(ops[k].time), reads))
         return True
 
     return tuple(moved) if all(make(y) for y in needed) else None
