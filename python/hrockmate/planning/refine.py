@@ -543,8 +543,10 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
         if deadline is not None and _time.perf_counter() > deadline:
             break
         for d in failed[k + 1:k + 1 + _PARTNERS]:
-            if c in taken or d in taken or exchanges >= _MAX_EXCHANGES:
+            if c in taken or exchanges >= _MAX_EXCHANGES:
                 break
+            if d in taken:  # (kept with an earlier partner)
+                continue
             pc, pd = cands[c][1], cands[d][1]
             if (pc in busy or pd in busy or blocked(c) or blocked(d)
                     or max(cands[c][4], cands[d][4]) >= min(pc, pd)):  # (no overlap)
