@@ -206,7 +206,8 @@ def test_an_exchange_recomputes_the_cheap_op_from_the_output_it_keeps(
     assert r.time == before.time - 5.0 + 1.0
 
 
-def _two_level_exchange(f1b_reads_a: bool) -> tuple[Graph, list[tuple[str, int]], int]:
+def _two_level_exchange(f1b_reads_a: bool, f1_time: float = 1.0
+                        ) -> tuple[Graph, list[tuple[str, int]], int]:
     """``f1 -> f2 -> f3 -> f4``; the plan recomputes the expensive ``f4`` for the backward
     while the cheap ``f2``'s output ``b`` stays alive across it (keeping ``d`` over ``g``
     fits only with ``b`` evicted), and frees ``f1``'s output after ``f2``: made again later
@@ -216,7 +217,7 @@ def _two_level_exchange(f1b_reads_a: bool) -> tuple[Graph, list[tuple[str, int]]
         ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
         ("gd", "activation"), ("gc", "activation"), ("gb", "activation"), ("ga", "activation"),
         ("gw", "param_grad"), ("e", "activation")], [
-        ("f1", "forward", 1.0, ["x", "w"], ["a"]), ("f2", "forward", 2.0, ["a"], ["b"]),
+        ("f1", "forward", f1_time, ["x", "w"], ["a"]), ("f2", "forward", 2.0, ["a"], ["b"]),
         ("f3", "forward", 5.0, ["b", "w"], ["c"]), ("f4", "forward", 8.0, ["c"], ["d"]),
         ("L", "forward", 1.0, ["d"], ["loss"]), ("g", "forward", 1.0, ["c"], ["e"]),
         ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
@@ -307,6 +308,109 @@ def test_an_exchange_may_add_the_recomputation_of_its_ops_input(
     assert r.time <= before.time - 8.0 + 2.0 + 1.0
     monkeypatch.setattr(refine_module, "_MAX_MOVED", 0)
     assert refine(g, steps, fl, budget) is None
+
+
+def test_an_exchange_may_keep_its_ops_input_alive_instead_of_making_it_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the exchange that adds a run of ``f1``, but ``f1`` is too expensive to run again
+    (7 units: with ``f2``'s 2, more than ``f4``'s 8 saved): ``f1``'s output, freed after
+    ``f2``'s first run, stays alive until ``f2`` runs again instead (no extra time, 100 bytes
+    more over that stretch), as greedy eviction plans the DenseNet log at 30%: a concatenation
+    made again from the convolution output it keeps, where the hierarchy's plan recomputed the
+    convolution (+25.56% -> +25.05%)."""
+    from hrockmate.planning import refine as refine_module
+
+    g, steps, fl = _two_level_exchange(f1b_reads_a=False, f1_time=7.0)
+    r, before, names = _refined_at_its_peak(g, steps, fl)
+    assert (names.count("f4"), names.count("f2"), names.count("f1")) == (1, 2, 1)
+    assert r.time == before.time - 8.0 + 2.0
+    a = g.ops[steps[0][1]].outputs[0]
+    frees = [p for p, s in enumerate(r.steps) if s == ("free", a)]
+    second_f2 = [p for p, s in enumerate(r.steps) if s == ("compute", steps[1][1])][1]
+    assert frees == [second_f2 + 1]  # (alive from its first run until read again)
+
+    # b's gap over the backward is offered twice: f1 run again (9 units), or a kept alive
+    # from its free (2 units, 300 - 100 bytes freed over the gap)
+    gaps = refine_module._eviction_gaps(g, steps)
+    b = g.ops[steps[1][1]].outputs[0]
+    f3b = next(j for j, op in enumerate(g.ops) if op.name == "f3b")
+    offered = sorted((float(gaps.cost[k]), int(gaps.bytes[k])) for k, e in enumerate(gaps.items)
+                     if e.tensor == b and e.before == steps.index(("compute", f3b)))
+    assert offered == [(2.0, 200), (9.0, 300)]
+
+    moves = refine_module._moves
+
+    def without_keeping_inputs(*args: object) -> object:
+        return moves(*args[:7])
+    monkeypatch.setattr(refine_module, "_moves", without_keeping_inputs)
+    assert refine(g, steps, fl, int(before.peak_bytes)) is None
+
+
+def test_an_input_kept_alive_clashes_with_an_eviction_that_makes_it() -> None:
+    """Two evictions taken together must not both keep alive the same input, nor one keep it
+    alive while the other makes it again (it would be made while alive, then freed under the
+    first one's reader)."""
+    from hrockmate.planning.refine import _clash, _Eviction, _Move
+
+    def eviction(tensor: int, before: int, *moved: _Move) -> _Eviction:
+        return _Eviction(tensor=tensor, op=tensor, after=1, before=before, bytes=100, cost=1.0,
+                         reads=(), moved=moved)
+
+    keeps = eviction(0, 10, _Move(op=5, drop=-1, bytes=10, output=5, unfree=3))
+    makes = eviction(1, 8, _Move(op=5, drop=-1, bytes=10, output=5, time=1.0, reads=(9,)))
+    also_keeps = eviction(2, 9, _Move(op=5, drop=-1, bytes=10, output=5, unfree=3))
+    other = eviction(3, 7, _Move(op=6, drop=-1, bytes=10, output=6, time=1.0, reads=(9,)))
+    for a, b in ((keeps, makes), (keeps, also_keeps)):
+        assert _clash(a, b) and _clash(b, a)
+    assert not _clash(keeps, other) and not _clash(other, keeps)
+    assert keeps.drops() == frozenset({3}) and keeps.held == 10 and makes.held == 0
+
+
+def test_keeping_an_output_frees_the_inputs_only_its_recomputation_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a DenseNet: the plan keeps the two convolution outputs ``a1`` and ``a2`` alive
+    across the backward only to concatenate them again for the concatenation's backward.
+    Keeping the concatenation's output ``c`` instead (400 bytes) leaves them unread from the
+    forward's concatenation on: they go then, 400 bytes less over the same stretch, so it fits
+    at the plan's own peak (and evicting either costs more than the concatenation saves)."""
+    from hrockmate.planning import refine as refine_module
+
+    g, t, ops = _small_graph("dense", {"a1": 200, "a2": 200, "c": 400, "gc": 400}, [
+        ("x", "input"), ("w", "parameter"), ("a1", "activation"), ("a2", "activation"),
+        ("c", "activation"), ("d", "activation"), ("loss", "output"), ("dloss", "tangent"),
+        ("gd", "activation"), ("gc", "activation"), ("ga1", "activation"),
+        ("ga2", "activation"), ("gw1", "param_grad"), ("gw2", "param_grad")], [
+        ("f1", "forward", 10.0, ["x", "w"], ["a1"]), ("f2", "forward", 10.0, ["x", "w"], ["a2"]),
+        ("cat", "forward", 3.0, ["a1", "a2"], ["c"]), ("f4", "forward", 1.0, ["c", "w"], ["d"]),
+        ("L", "forward", 1.0, ["d"], ["loss"]), ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+        ("f4b", "backward", 1.0, ["gd", "c", "w"], ["gc"]),
+        ("catb", "backward", 1.0, ["gc"], ["ga1", "ga2"]),
+        ("f1b", "backward", 1.0, ["ga1", "x"], ["gw1"]),
+        ("f2b", "backward", 1.0, ["ga2", "x"], ["gw2"])])
+    c_, f = "compute", "free"
+    steps = [(c_, ops["f1"]), (c_, ops["f2"]), (c_, ops["cat"]), (c_, ops["f4"]), (f, t["c"]),
+             (c_, ops["L"])]
+    fl = len(steps)
+    steps += [(c_, ops["Lb"]), (f, t["d"]), (c_, ops["cat"]), (f, t["a1"]), (f, t["a2"]),
+              (c_, ops["f4b"]), (f, t["gd"]), (f, t["c"]), (c_, ops["catb"]), (f, t["gc"]),
+              (c_, ops["f1b"]), (f, t["ga1"]), (c_, ops["f2b"]), (f, t["ga2"])]
+    r, before, names = _refined_at_its_peak(g, steps, fl)
+    assert names.count("cat") == 1 and names.count("f1") == names.count("f2") == 1
+    assert r.time == before.time - 3.0
+    # the convolution outputs go right after the forward's concatenation
+    first_cat = r.steps.index(("compute", ops["cat"]))
+    assert {r.steps.index((f, t["a1"])), r.steps.index((f, t["a2"]))} == {
+        first_cat + 1, first_cat + 2}
+
+    candidates = refine_module._candidates
+
+    def without_releases(*args: object) -> object:
+        found = candidates(*args)
+        for cand in found:
+            cand.released = []
+        return found
+    monkeypatch.setattr(refine_module, "_candidates", without_releases)
+    assert refine(g, steps, fl, int(before.peak_bytes)) is None
 
 
 def test_one_eviction_may_make_room_for_two_recomputations_kept(

@@ -202,12 +202,15 @@ def test_plans_never_cost_more_than_the_simple_strategies(data_graphs: Path, nam
 def test_a_simple_strategy_that_beats_the_hierarchy_says_by_how_much(
         data_graphs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the DenseNet log at 50% with the first leaf size alone, without the refinement's
-    # single-gap pick: greedy eviction's plan (refined) is faster than the hierarchy's own;
-    # the plan says what the hierarchy's cost
+    # single-gap pick nor its exchanges that keep an input alive instead of making it again:
+    # greedy eviction's plan (refined) is faster than the hierarchy's own; the plan says what
+    # the hierarchy's cost
     from hrockmate.planning import refine
     from hrockmate.planning.hierarchy import leaf_sizes
 
     monkeypatch.setattr(refine, "_one_gap_for_all", lambda *a, **k: None)
+    moves = refine._moves
+    monkeypatch.setattr(refine, "_moves", lambda *a: moves(*a[:7]))
 
     g = Graph.load(data_graphs / "densenet_tiny_oplog.json")
     plan = hrockmate.solve_graph(g, 0.5, progress=False, time_limit=60,
@@ -361,8 +364,8 @@ def test_greedy_eviction_serves_long_skips(data_graphs: Path) -> None:
 
 def test_greedy_eviction_takes_the_fastest_of_its_scores(data_graphs: Path) -> None:
     """Every eviction score runs and the fastest refined schedule is returned: on the U-Net
-    operator log at 50% the next use beats DTR's staleness (by staleness alone the schedule was
-    20 points slower), and the result is as fast as the best score."""
+    operator log at 50% the four differ by 9% once refined (the fastest before refinement,
+    the next use with inputs, is the slowest after), and the result is as fast as the best."""
     from hrockmate import _native
     from hrockmate.ir.schedule import call_native
     from hrockmate.planning.refine import refine
@@ -377,7 +380,7 @@ def test_greedy_eviction_takes_the_fastest_of_its_scores(data_graphs: Path) -> N
         steps, fl = hrockmate.Schedule.from_arrays(*found).steps, int(found[2])
         r = refine(g, steps, fl, budget)
         times[score] = r.time if r is not None else simulate_steps(g, steps, fl)[1]
-    assert times["next_use"] < times["staleness"] * 0.9
+    assert max(times.values()) > 1.05 * min(times.values())  # (the choice matters)
     steps, fl = strategies.greedy_eviction_schedule(g, budget)
     peak, t = simulate_steps(g, steps, fl)
     assert peak <= budget and t == pytest.approx(min(times.values()))

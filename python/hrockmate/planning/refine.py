@@ -7,15 +7,17 @@ that slack into time, on any valid schedule:
 1. *keep instead of recompute*: a recomputation of op ``j`` whose outputs were freed since its
    previous run is dropped, and those frees with it, so the outputs stay alive in between. The
    recomputations saving the most time per byte kept go first, each only where the simulator's
-   memory timeline has room for the outputs over that stretch, or where evicting cheaper
+   memory timeline has room for the outputs over that stretch (less the inputs that only the
+   recomputation dropped read until their free: they go earlier), or where evicting cheaper
    tensors makes room (*exchange*): a tensor whose forward op reads only tensors alive at its
-   next read (or made there by recomputations the plan runs a little later anyway, moved up)
-   is freed after a read and made again right before the next one, when all such evictions
-   together cost less time than the recomputation dropped. This is how an op-level plan keeps
-   a batch norm's output and recomputes the ReLU after it, where a plan made of whole blocks
-   re-runs the block (the ReLU is made from the output kept: a recomputation dropped, now or
-   before, is not moved up for an eviction). Recomputations that found no room alone are
-   tried in pairs (one eviction can make room for two, neither worth it alone);
+   next read (or made there by recomputations the plan runs a little later anyway, moved up,
+   or kept alive since the plan freed them a little before) is freed after a read and made
+   again right before the next one, when all such evictions together cost less time than the
+   recomputation dropped. This is how an op-level plan keeps a batch norm's output and
+   recomputes the ReLU after it, where a plan made of whole blocks re-runs the block (the
+   ReLU is made from the output kept: a recomputation dropped, now or before, is not moved up
+   for an eviction). Recomputations that found no room alone are tried in pairs (one eviction
+   can make room for two, neither worth it alone);
 2. *dead recomputations*: a recomputation none of whose outputs is read before it is freed
    again (it fed a recomputation dropped in 1) is dropped;
 3. *earlier frees*: every free moves up to just after the last read of its tensor.
@@ -129,14 +131,24 @@ class _Eviction:
     cost: float
     reads: tuple[int, ...]  # what ``op`` reads
     moved: tuple[_Move, ...] = ()
+    # (derived from the above, read for every pair of gaps compared: made once)
+    inputs: tuple[int, ...] = field(init=False, repr=False)  # what it and the moves read
+    _drops: frozenset[int] = field(init=False, repr=False)
+    _made: frozenset[int] = field(init=False, repr=False)  # the moves' outputs
+    _kept_alive: frozenset[int] = field(init=False, repr=False)  # those not made again
+    held: int = field(init=False, repr=False)  # their bytes
 
     def __post_init__(self) -> None:
-        # (read for every pair of gaps compared: made once)
-        self._drops = frozenset(m.drop for m in self.moved if m.drop >= 0)
+        self._drops = frozenset(m.drop if m.drop >= 0 else m.unfree for m in self.moved
+                                if max(m.drop, m.unfree) >= 0)
         self.inputs = self.reads + tuple(y for m in self.moved for y in m.reads)
+        self._made = frozenset(m.output for m in self.moved)
+        self._kept_alive = frozenset(m.output for m in self.moved if m.unfree >= 0)
+        self.held = sum(m.bytes for m in self.moved if m.unfree >= 0)
 
     def drops(self) -> frozenset[int]:
-        """The steps of the recomputations moved up (dropped where they were)."""
+        """The steps of the recomputations moved up (dropped where they were), and of the frees
+        dropped to keep an input alive."""
         return self._drops
 
     def keeping(self, kept: frozenset[int]) -> _Eviction:
@@ -149,35 +161,40 @@ class _Eviction:
             return self
         needed = set(self.reads)
         stay: list[_Move] = []
+        saved = 0.0  # the time of the runs added and left out
         for m in reversed(self.moved):  # (a move comes after the moves that make its inputs)
             if m.output not in needed or m.drop in kept:
+                saved += m.time
                 continue
             stay.append(m)
             needed.update(m.reads)
         if len(stay) == len(self.moved):
             return self
         stay.reverse()
-        return replace(self, cost=self.cost - sum(m.time for m in self.moved if m not in stay),
-                       moved=tuple(stay))
+        return replace(self, cost=self.cost - saved, moved=tuple(stay))
 
     def fresh(self) -> list[int]:
         """The outputs made for this eviction alone (freed once ``op`` has run)."""
         return [m.output for m in self.moved if m.drop < 0]
 
     def moved_fits(self, level: np.ndarray, budget: int) -> bool:
-        """Whether ``level`` has room for the moved outputs from ``before`` on."""
+        """Whether ``level`` has room for the moved outputs from ``before`` on (and the inputs
+        kept alive, from their frees on)."""
         if not self.moved:
             return True
-        start = self.before - 1
-        over = level[start:max(start + 1, *(m.drop for m in self.moved))].copy()
+        start = min([self.before - 1, *(m.unfree for m in self.moved if m.unfree >= 0)])
+        over = level[start:max([self.before, *(m.drop for m in self.moved)])].copy()
         self.apply_moved(over, start)
+        if start < self.before - 1:  # (an input kept alive over the gap, where the tensor
+            # evicted is not)
+            over[max(self.after + 1 - start, 0):self.before - 1 - start] -= self.bytes
         return int(over.max()) <= budget
 
     def apply_moved(self, level: np.ndarray, offset: int = 0) -> None:
         """Count the moved outputs in ``level`` (indexed from step ``offset``)."""
         for m in self.moved:
-            lo = max(self.before - 1 - offset, 0)
-            level[lo:max(m.drop - offset, lo + 1)] += m.bytes
+            lo = max((self.before - 1 if m.unfree < 0 else m.unfree) - offset, 0)
+            level[lo:max(m.drop - offset, self.before - offset, lo + 1)] += m.bytes
 
     def apply(self, level: np.ndarray, offset: int = 0) -> None:
         """Count the eviction in ``level`` (indexed from step ``offset``): its tensor gone over
@@ -190,14 +207,17 @@ class _Eviction:
 class _Move:
     """A recomputation of ``op`` (at step ``drop``) moved up to an eviction's ``before``;
     its output (``bytes``) is then alive from there. With ``drop`` -1 a recomputation added
-    for the eviction alone, its output freed after the eviction's op."""
+    for the eviction alone, or, with ``unfree`` a step, none: the free of the output at that
+    step is dropped instead, so it stays alive until the eviction's op; either way the output
+    is freed after that op."""
 
     op: int
     drop: int
     bytes: int
     output: int
     time: float = 0.0  # (added, if drop is -1)
-    reads: tuple[int, ...] = ()  # the op's inputs
+    reads: tuple[int, ...] = ()  # the op's inputs (none, if kept alive)
+    unfree: int = -1
 
 
 @dataclass
@@ -216,7 +236,8 @@ class _Gaps:
         self.items = found
         self.after = np.array([e.after for e in found], dtype=np.int64)
         self.before = np.array([e.before for e in found], dtype=np.int64)
-        self.bytes = np.array([e.bytes for e in found], dtype=np.int64)
+        # (bytes freed at every step of the gap: less the inputs kept alive over it)
+        self.bytes = np.array([e.bytes - e.held for e in found], dtype=np.int64)
         self.cost = np.array([e.cost for e in found], dtype=np.float64)
         # time per byte freed: the cheapest first
         self.price = self.cost / np.maximum(self.bytes, 1)
@@ -239,7 +260,10 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
     that touch it, and the op's inputs alive at the second (recomputing it is one step), or
     made there by up to ``_MAX_MOVED`` recomputations the plan runs later anyway, moved up
     (``_moves``; ResNet-50 at 90%: a block's ReLU output, whose input the plan recomputes for
-    the add's backward a few steps after the ReLU's own)."""
+    the add's backward a few steps after the ReLU's own). Where that needs a run added, the
+    gap is offered a second time with the inputs the plan freed within reach kept alive
+    instead (no time, their bytes over that stretch; the DenseNet log at 30%: a concatenation
+    made again from a convolution output kept); its bytes count less theirs."""
     ops, tensors = graph.ops, graph.tensors
     producer = graph.producers()
     has_view = {t.alias_of for t in tensors if t.alias_of is not None}
@@ -254,9 +278,12 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
             runs.setdefault(i, []).append(p)
     alive = {x for x, t in enumerate(tensors) if t.role in PREEXISTING_ROLES}
     touched: dict[int, int] = {}  # alive evictable tensor -> the last step that made/read it
+    freed: dict[int, int] = {}  # tensor made and freed since -> the step of that free
     found: list[_Eviction] = []
     for p, (kind, i) in enumerate(steps):
         if kind == "free":
+            if i in alive:
+                freed[i] = p
             alive.discard(i)
             touched.pop(i, None)
             continue
@@ -266,15 +293,24 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
             if a is not None and p - a > 1:
                 k = producer[x]
                 assert k is not None
-                moved = _moves(graph, ops[k].inputs, p, alive, evictable, producer, runs)
-                if moved is not None:
-                    found.append(_Eviction(x, k, a, p, int(tensors[x].bytes),
-                                           float(ops[k].time) + sum(m.time for m in moved),
-                                           tuple(ops[k].inputs), moved))
+                moved: tuple[_Move, ...] | None = ()
+                for kept in (False, True):
+                    if kept and moved is not None and all(m.drop >= 0 for m in moved):
+                        break  # (inputs kept alive replace only runs added)
+                    moved = _moves(graph, ops[k].inputs, p, alive, evictable, producer, runs,
+                                   freed if kept else None)
+                    if moved is None or (kept and not any(m.unfree >= 0 for m in moved)):
+                        continue
+                    e = _Eviction(x, k, a, p, int(tensors[x].bytes),
+                                  float(ops[k].time) + sum(m.time for m in moved),
+                                  tuple(ops[k].inputs), moved)
+                    if e.held < e.bytes:  # (else it frees nothing at some step of the gap)
+                        found.append(e)
             if x in touched:
                 touched[x] = p
         for x in op.outputs:
             alive.add(x)
+            freed.pop(x, None)
             if evictable[x]:
                 touched[x] = p
     return _Gaps(found, len(steps))
@@ -283,15 +319,18 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
 # Recomputations one eviction may move up at most (the Checkmate MobileNet at 50%: a padding
 # whose input's batch norm and ReLU the plan recomputes a few steps after its next read)
 _MAX_MOVED = 16
-# and how many steps up (each check of the room for the moved outputs scans that stretch)
+# and how many steps up, or back to the free of an input kept alive (each check of the room
+# for the moved outputs scans that stretch)
 _MOVE_REACH = 256
 
 
 def _moves(graph: Graph, needed: list[int], p: int, alive: set[int], evictable: list[bool],
-           producer: list[int | None], runs: dict[int, list[int]]) -> tuple[_Move, ...] | None:
+           producer: list[int | None], runs: dict[int, list[int]],
+           freed: dict[int, int] | None = None) -> tuple[_Move, ...] | None:
     """The recomputations to move up to step ``p`` so that all of ``needed`` are alive there
-    (inputs first): the next run of each op after ``p`` within reach, else a run added; None
-    when some cannot be made (not evictable, or too many)."""
+    (inputs first): the next run of each op after ``p`` within reach, else, with ``freed``
+    (tensor -> the step that freed it), the tensor kept alive from its free within reach, else
+    a run added; None when some cannot be made (not evictable, or too many)."""
     ops = graph.ops
     moved: list[_Move] = []
     made: set[int] = set()
@@ -303,11 +342,16 @@ def _moves(graph: Graph, needed: list[int], p: int, alive: set[int], evictable: 
         if not evictable[y] or k is None or len(made) >= _MAX_MOVED:
             return False
         made.add(y)
+        later = runs[k]
+        at = bisect.bisect_right(later, p)
+        f = -1 if freed is None else freed.get(y, -1)
+        if f >= 0 and p - f <= _MOVE_REACH and not (
+                at < len(later) and later[at] - p <= _MOVE_REACH):
+            moved.append(_Move(k, -1, int(graph.tensors[y].bytes), y, unfree=f))
+            return True
         if not all(make(z) for z in ops[k].inputs):
             return False
         reads = tuple(ops[k].inputs)
-        later = runs[k]
-        at = bisect.bisect_right(later, p)
         if at < len(later) and later[at] - p <= _MOVE_REACH:
             moved.append(_Move(k, later[at], int(graph.tensors[y].bytes), y, 0.0, reads))
         else:
@@ -426,26 +470,99 @@ def _conflicts(e: _Eviction, busy: set[int], reads_at: dict[int, list[int]],
 
 def _clash(e: _Eviction, other: _Eviction) -> bool:
     """Whether ``other``'s recomputation reads ``e``'s tensor within ``e``'s gap, both
-    recompute right before the same step, or move the same recomputation (or ``other``
-    moves the one ``e`` recomputes before)."""
+    recompute right before the same step, move the same recomputation (or ``other`` moves the
+    one ``e`` recomputes before), or one keeps alive an input the other makes."""
     return e.before == other.before or (
         e.tensor in other.inputs and e.after < other.before < e.before) or (
-        e.before in other.drops() or not e.drops().isdisjoint(other.drops()))
+        e.before in other.drops() or not e.drops().isdisjoint(other.drops())) or (
+        not e._kept_alive.isdisjoint(other._made) or not other._kept_alive.isdisjoint(e._made))
 
 
-def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget: int,
-                  deadline: float | None) -> list[_Choice]:
-    """Recomputations to drop, most time saved per byte kept first, each fitting the timeline
-    as raised by the ones before it, or after evictions that make room (``_eviction_gaps``,
-    found at the first recomputation that needs them)."""
+@dataclass
+class _Candidate:
+    """A recomputation to drop (at step ``pos``), its outputs kept alive instead from the
+    first of their frees dropped with it (``start``). Inputs it was the last to read before
+    their next free are freed earlier then (``released``: from, to, bytes), as the
+    convolutions feeding a concatenation in a DenseNet, dead once the concatenation's output
+    is kept."""
+
+    gain: float  # the time saved
+    pos: int
+    frees: list[int]
+    bytes: int  # kept from ``start`` to ``pos``
+    start: int
+    released: list[tuple[int, int, int]]
+
+    def drop_released(self, busy: set[int]) -> None:
+        """Forget the inputs whose free (the step ``to``) is dropped by a change chosen
+        before (``busy``): they are not freed earlier."""
+        self.released = [r for r in self.released if r[1] not in busy]
+
+    def add_need(self, need: np.ndarray, a: int) -> None:
+        """Count the bytes this needs more at each step from ``a`` in ``need``, less those
+        released there."""
+        need[self.start - a:self.pos - a] += self.bytes
+        for lo, hi, b in self.released:
+            lo, hi = max(lo, a), min(hi, a + len(need))
+            if lo < hi:
+                need[lo - a:hi - a] -= b
+
+    def release_outside(self, level: np.ndarray, a: int, p: int) -> None:
+        """Count the bytes released outside steps ``a:p`` (those inside, ``add_need``) in
+        ``level``."""
+        for lo, hi, b in self.released:
+            if lo < a:
+                level[lo:min(a, hi)] -= b
+            if hi > p:
+                level[max(lo, p):hi] -= b
+
+    @property
+    def net_bytes(self) -> int:
+        """The bytes kept less those released over the whole stretch kept."""
+        return self.bytes - sum(b for lo, hi, b in self.released
+                                if lo <= self.start and hi >= self.pos)
+
+
+def _candidates(graph: Graph, steps: list[Step]) -> list[_Candidate]:
+    """Every recomputation whose outputs were freed since the op's previous run."""
     ops, tensors = graph.ops, graph.tensors
-    last_compute: dict[int, int] = {}
-    frees_of: dict[int, list[int]] = {}  # tensor -> positions of its frees
-    # (time saved, its position, the frees dropped, bytes kept, the first of them)
-    cands: list[tuple[float, int, list[int], int, int]] = []
+    has_view = {t.alias_of for t in tensors if t.alias_of is not None}
+    reads_of: dict[int, list[int]] = {}  # tensor -> the steps that read it
+    made_at: dict[int, list[int]] = {}  # tensor -> the steps that make it
+    frees_of: dict[int, list[int]] = {}  # tensor -> the steps that free it
     for p, (kind, i) in enumerate(steps):
         if kind == "free":
             frees_of.setdefault(i, []).append(p)
+            continue
+        for x in dict.fromkeys(ops[i].inputs):
+            reads_of.setdefault(x, []).append(p)
+        for x in ops[i].outputs:
+            made_at.setdefault(x, []).append(p)
+
+    def released(x: int, p: int) -> tuple[int, int, int] | None:
+        """The stretch over which input ``x`` would no longer be alive without its read at
+        ``p``: from after the step that touched it before to its next free, when nothing
+        reads it in between."""
+        t = tensors[x]
+        if t.role != "activation" or t.alias_of is not None or x in has_view or t.bytes <= 0:
+            return None
+        fs = frees_of.get(x, [])
+        j = bisect.bisect_right(fs, p)
+        if j == len(fs):
+            return None  # (alive to the end)
+        rs = reads_of[x]
+        k = bisect.bisect_left(rs, p)
+        if k + 1 < len(rs) and rs[k + 1] < fs[j]:
+            return None
+        ms = made_at.get(x, [])
+        m = bisect.bisect_left(ms, p)
+        touched = max(rs[k - 1] if k else -1, ms[m - 1] if m else -1)
+        return (touched + 1, fs[j], int(t.bytes)) if touched >= 0 else None
+
+    last_compute: dict[int, int] = {}
+    cands: list[_Candidate] = []
+    for p, (kind, i) in enumerate(steps):
+        if kind == "free":
             continue
         prev = last_compute.get(i)
         last_compute[i] = p
@@ -455,18 +572,28 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
         extra = 0
         for x in ops[i].outputs:
             fs = frees_of.get(x, [])
-            k = bisect.bisect_right(fs, prev)
-            between = fs[k:]  # frees after the previous run (all before p)
-            freed.extend(between)
+            between = fs[bisect.bisect_right(fs, prev):bisect.bisect_left(fs, p)]
+            freed.extend(between)  # (the frees after the previous run)
             if between:
                 # a view kept alive keeps its base's storage (the simulator counts it when
                 # the base is freed, and again if the base is recomputed)
                 extra += int(tensors[graph.storage_root(x)].bytes)
         if freed:
-            cands.append((float(ops[i].time), p, freed, extra, min(freed)))
+            gone = [r for x in dict.fromkeys(ops[i].inputs) if (r := released(x, p))]
+            cands.append(_Candidate(float(ops[i].time), p, freed, extra, min(freed), gone))
+    return cands
+
+
+def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget: int,
+                  deadline: float | None) -> list[_Choice]:
+    """Recomputations to drop, most time saved per byte kept first, each fitting the timeline
+    as raised by the ones before it, or after evictions that make room (``_eviction_gaps``,
+    found at the first recomputation that needs them)."""
+    ops = graph.ops
+    cands = _candidates(graph, steps)
     # most time saved per byte kept first (a knapsack's greedy order; by time alone it did a
     # little worse on the Checkmate ResNet-50 at 30%: +5.48% against +5.42%)
-    cands.sort(key=lambda c: -c[0] / max(c[3], 1))
+    cands.sort(key=lambda c: -c.gain / max(c.net_bytes, 1))
     level = np.asarray(timeline, dtype=np.int64).copy()
     chosen: list[_Choice] = []
     busy: set[int] = set()  # compute steps dropped, or that an eviction recomputes before
@@ -477,15 +604,17 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
     failed: list[int] = []  # candidates that found no room alone
     kept: frozenset[int] = frozenset()  # the recomputations dropped so far (outputs kept)
 
-    def room_for(group: list[int]) -> list[_Eviction] | None:
+    def room_for(group: list[_Candidate]) -> list[_Eviction] | None:
         """Evictions that make room for keeping every candidate of ``group`` (those in
         ``level`` and the bookkeeping once found), or None."""
         nonlocal gaps
-        a = min(cands[c][4] for c in group)
-        p = max(cands[c][1] for c in group)
+        for c in group:
+            c.drop_released(busy)
+        a = min(c.start for c in group)
+        p = max(c.pos for c in group)
         need = np.zeros(p - a, dtype=np.int64)
         for c in group:
-            need[cands[c][4] - a:cands[c][1] - a] += cands[c][3]
+            c.add_need(need, a)
         evictions: list[_Eviction] = []
         over = level[a:p] + need - budget
         if int(over.max()) > 0:
@@ -493,12 +622,14 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
                 gaps = _eviction_gaps(graph, steps)
             if (over > gaps.cover[a:p]).any():
                 return None  # (even evicting every gap left leaves a step over)
-            gain = sum(cands[c][0] for c in group)
-            own = frozenset(cands[c][1] for c in group)
+            gain = sum(c.gain for c in group)
+            own = frozenset(c.pos for c in group)
             # (recomputations dropped before, for outputs kept, count as kept too)
             held = own | kept
-            picked = _make_room(level, a, p, need, budget, gain, gaps, busy | own, reads_at,
-                                evicted, deadline, held)
+            # (and no eviction may keep an input alive by dropping a free the group drops)
+            own_frees = {f for c in group for f in c.frees}
+            picked = _make_room(level, a, p, need, budget, gain, gaps, busy | own | own_frees,
+                                reads_at, evicted, deadline, held)
             if picked is None:
                 return None
             for g in picked:
@@ -512,54 +643,65 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
                 evicted.setdefault(e.tensor, []).append((e.after, e.before))
                 evictions.append(e)
         level[a:p] += need
+        for c in group:
+            c.release_outside(level, a, p)
+            busy.update(hi for _, hi, _ in c.released)  # (the frees they count on stay)
         return evictions
 
-    def blocked(c: int) -> bool:
+    def blocked(c: _Candidate) -> bool:
         """Whether an inserted recomputation reads an output of ``c`` while it is freed."""
-        _, p, _, _, a = cands[c]
-        return any(a < q < p for x in ops[steps[p][1]].outputs for q in reads_at.get(x, ()))
+        return any(c.start < q < c.pos for x in ops[steps[c.pos][1]].outputs
+                   for q in reads_at.get(x, ()))
 
-    for n, (gain, p, freed, extra, a) in enumerate(cands):
+    def fits(c: _Candidate) -> bool:
+        c.drop_released(busy)
+        need = np.zeros(c.pos - c.start, dtype=np.int64)
+        c.add_need(need, c.start)
+        return int((level[c.start:c.pos] + need).max()) <= budget
+
+    for n, c in enumerate(cands):
         if deadline is not None and n % 64 == 63 and _time.perf_counter() > deadline:
             break
-        if p in busy:
+        if c.pos in busy or not busy.isdisjoint(c.frees):
             continue
-        if extra and int(level[a:p].max()) + extra > budget:
-            if exchanges >= _MAX_EXCHANGES or blocked(n):
+        if c.bytes and not fits(c):
+            if exchanges >= _MAX_EXCHANGES or blocked(c):
                 continue
             exchanges += 1
-        evictions = room_for([n])
+        evictions = room_for([c])
         if evictions is None:
             failed.append(n)
             continue
-        busy.add(p)
-        kept |= {p}
-        chosen.append(_Choice(p, freed, evictions))
+        busy.add(c.pos)
+        busy.update(c.frees)
+        kept |= {c.pos}
+        chosen.append(_Choice(c.pos, c.frees, evictions))
     # two recomputations kept for one set of evictions: each alone gains less than they cost
     # (ResNet-50 at 70%: one block output of 784 MiB made again makes room for two of 392)
     exchanges = 0
     taken: set[int] = set()
-    for k, c in enumerate(failed):
+    for k, n in enumerate(failed):
         if deadline is not None and _time.perf_counter() > deadline:
             break
-        for d in failed[k + 1:k + 1 + _PARTNERS]:
-            if c in taken or exchanges >= _MAX_EXCHANGES:
+        for m in failed[k + 1:k + 1 + _PARTNERS]:
+            if n in taken or exchanges >= _MAX_EXCHANGES:
                 break
-            if d in taken:  # (kept with an earlier partner)
+            if m in taken:  # (kept with an earlier partner)
                 continue
-            pc, pd = cands[c][1], cands[d][1]
-            if (pc in busy or pd in busy or blocked(c) or blocked(d)
-                    or max(cands[c][4], cands[d][4]) >= min(pc, pd)):  # (no overlap)
+            c, d = cands[n], cands[m]
+            if (c.pos in busy or d.pos in busy or blocked(c) or blocked(d)
+                    or not busy.isdisjoint(c.frees) or not busy.isdisjoint(d.frees)
+                    or max(c.start, d.start) >= min(c.pos, d.pos)):  # (no overlap)
                 continue
             exchanges += 1
             evictions = room_for([c, d])
             if evictions is None:
                 continue
-            taken.update((c, d))
-            busy.update((pc, pd))
-            kept |= {pc, pd}
-            chosen.append(_Choice(pc, cands[c][2], evictions))
-            chosen.append(_Choice(pd, cands[d][2], []))
+            taken.update((n, m))
+            busy.update((c.pos, d.pos, *c.frees, *d.frees))
+            kept |= {c.pos, d.pos}
+            chosen.append(_Choice(c.pos, c.frees, evictions))
+            chosen.append(_Choice(d.pos, d.frees, []))
     return chosen
 
 
@@ -578,6 +720,9 @@ def _apply(graph: Graph, steps: list[Step], forward_len: int,
         for e in c.evictions:
             free_after.setdefault(e.after, []).append(("free", e.tensor))
             for m in e.moved:
+                if m.unfree >= 0:
+                    drop.add(m.unfree)
+                    continue
                 compute_before.setdefault(e.before, []).append(("compute", m.op))
                 if m.drop >= 0:
                     drop.add(m.drop)
