@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import time as _time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -115,6 +116,9 @@ def _one_round(graph: Graph, arrays: dict[str, np.ndarray], steps: list[Step],
     return found
 
 
+_NONE: frozenset[int] = frozenset()
+
+
 @dataclass
 class _Eviction:
     """``tensor`` freed after the step at ``after`` and made again by ``op`` right before the
@@ -139,6 +143,10 @@ class _Eviction:
     held: int = field(init=False, repr=False)  # their bytes
 
     def __post_init__(self) -> None:
+        if not self.moved:  # (most gaps: made once per gap of a large schedule)
+            self._drops = self._made = self._kept_alive = _NONE
+            self.inputs, self.held = self.reads, 0
+            return
         self._drops = frozenset(m.drop if m.drop >= 0 else m.unfree for m in self.moved
                                 if max(m.drop, m.unfree) >= 0)
         self.inputs = self.reads + tuple(y for m in self.moved for y in m.reads)
@@ -293,19 +301,21 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
             if a is not None and p - a > 1:
                 k = producer[x]
                 assert k is not None
-                moved: tuple[_Move, ...] | None = ()
-                for kept in (False, True):
-                    if kept and moved is not None and all(m.drop >= 0 for m in moved):
-                        break  # (inputs kept alive replace only runs added)
-                    moved = _moves(graph, ops[k].inputs, p, alive, evictable, producer, runs,
-                                   freed if kept else None)
-                    if moved is None or (kept and not any(m.unfree >= 0 for m in moved)):
-                        continue
-                    e = _Eviction(x, k, a, p, int(tensors[x].bytes),
-                                  float(ops[k].time) + sum(m.time for m in moved),
-                                  tuple(ops[k].inputs), moved)
-                    if e.held < e.bytes:  # (else it frees nothing at some step of the gap)
-                        found.append(e)
+                reads = tuple(ops[k].inputs)
+                moved = _moves(graph, reads, p, alive, evictable, producer, runs)
+                if moved is not None:
+                    found.append(_Eviction(x, k, a, p, int(tensors[x].bytes),
+                                           float(ops[k].time) + sum(m.time for m in moved),
+                                           reads, moved))
+                if moved is None or any(m.drop < 0 for m in moved):
+                    # (inputs kept alive replace only runs added)
+                    kept = _moves(graph, reads, p, alive, evictable, producer, runs, freed)
+                    if kept is not None and any(m.unfree >= 0 for m in kept):
+                        e = _Eviction(x, k, a, p, int(tensors[x].bytes),
+                                      float(ops[k].time) + sum(m.time for m in kept),
+                                      reads, kept)
+                        if e.held < e.bytes:  # (else it frees nothing at some step)
+                            found.append(e)
             if x in touched:
                 touched[x] = p
         for x in op.outputs:
@@ -324,7 +334,7 @@ _MAX_MOVED = 16
 _MOVE_REACH = 256
 
 
-def _moves(graph: Graph, needed: list[int], p: int, alive: set[int], evictable: list[bool],
+def _moves(graph: Graph, needed: Sequence[int], p: int, alive: set[int], evictable: list[bool],
            producer: list[int | None], runs: dict[int, list[int]],
            freed: dict[int, int] | None = None) -> tuple[_Move, ...] | None:
     """The recomputations to move up to step ``p`` so that all of ``needed`` are alive there
@@ -496,7 +506,8 @@ class _Candidate:
     def drop_released(self, busy: set[int]) -> None:
         """Forget the inputs whose free (the step ``to``) is dropped by a change chosen
         before (``busy``): they are not freed earlier."""
-        self.released = [r for r in self.released if r[1] not in busy]
+        if self.released:
+            self.released = [r for r in self.released if r[1] not in busy]
 
     def add_need(self, need: np.ndarray, a: int) -> None:
         """Count the bytes this needs more at each step from ``a`` in ``need``, less those
@@ -526,43 +537,12 @@ class _Candidate:
 def _candidates(graph: Graph, steps: list[Step]) -> list[_Candidate]:
     """Every recomputation whose outputs were freed since the op's previous run."""
     ops, tensors = graph.ops, graph.tensors
-    has_view = {t.alias_of for t in tensors if t.alias_of is not None}
-    reads_of: dict[int, list[int]] = {}  # tensor -> the steps that read it
-    made_at: dict[int, list[int]] = {}  # tensor -> the steps that make it
-    frees_of: dict[int, list[int]] = {}  # tensor -> the steps that free it
-    for p, (kind, i) in enumerate(steps):
-        if kind == "free":
-            frees_of.setdefault(i, []).append(p)
-            continue
-        for x in dict.fromkeys(ops[i].inputs):
-            reads_of.setdefault(x, []).append(p)
-        for x in ops[i].outputs:
-            made_at.setdefault(x, []).append(p)
-
-    def released(x: int, p: int) -> tuple[int, int, int] | None:
-        """The stretch over which input ``x`` would no longer be alive without its read at
-        ``p``: from after the step that touched it before to its next free, when nothing
-        reads it in between."""
-        t = tensors[x]
-        if t.role != "activation" or t.alias_of is not None or x in has_view or t.bytes <= 0:
-            return None
-        fs = frees_of.get(x, [])
-        j = bisect.bisect_right(fs, p)
-        if j == len(fs):
-            return None  # (alive to the end)
-        rs = reads_of[x]
-        k = bisect.bisect_left(rs, p)
-        if k + 1 < len(rs) and rs[k + 1] < fs[j]:
-            return None
-        ms = made_at.get(x, [])
-        m = bisect.bisect_left(ms, p)
-        touched = max(rs[k - 1] if k else -1, ms[m - 1] if m else -1)
-        return (touched + 1, fs[j], int(t.bytes)) if touched >= 0 else None
-
     last_compute: dict[int, int] = {}
+    frees_of: dict[int, list[int]] = {}  # tensor -> the steps that free it (so far)
     cands: list[_Candidate] = []
     for p, (kind, i) in enumerate(steps):
         if kind == "free":
+            frees_of.setdefault(i, []).append(p)
             continue
         prev = last_compute.get(i)
         last_compute[i] = p
@@ -572,15 +552,56 @@ def _candidates(graph: Graph, steps: list[Step]) -> list[_Candidate]:
         extra = 0
         for x in ops[i].outputs:
             fs = frees_of.get(x, [])
-            between = fs[bisect.bisect_right(fs, prev):bisect.bisect_left(fs, p)]
-            freed.extend(between)  # (the frees after the previous run)
+            between = fs[bisect.bisect_right(fs, prev):]  # (the frees after the previous run)
+            freed.extend(between)
             if between:
                 # a view kept alive keeps its base's storage (the simulator counts it when
                 # the base is freed, and again if the base is recomputed)
                 extra += int(tensors[graph.storage_root(x)].bytes)
         if freed:
-            gone = [r for x in dict.fromkeys(ops[i].inputs) if (r := released(x, p))]
-            cands.append(_Candidate(float(ops[i].time), p, freed, extra, min(freed), gone))
+            cands.append(_Candidate(float(ops[i].time), p, freed, extra, min(freed), []))
+    # the inputs whose reads go with a recomputation dropped: their reads, makes and frees
+    # (a second pass, over those tensors only)
+    has_view = {t.alias_of for t in tensors if t.alias_of is not None}
+    wanted = {x for c in cands for x in ops[steps[c.pos][1]].inputs
+              if tensors[x].role == "activation" and tensors[x].alias_of is None
+              and x not in has_view and tensors[x].bytes > 0}
+    reads_of: dict[int, list[int]] = {x: [] for x in wanted}
+    made_at: dict[int, list[int]] = {x: [] for x in wanted}
+    frees_of = {x: [] for x in wanted}
+    for p, (kind, i) in enumerate(steps):
+        if kind == "free":
+            if i in wanted:
+                frees_of[i].append(p)
+            continue
+        op = ops[i]
+        for x in op.inputs:
+            if x in wanted and (not reads_of[x] or reads_of[x][-1] != p):
+                reads_of[x].append(p)
+        for x in op.outputs:
+            if x in wanted:
+                made_at[x].append(p)
+
+    def released(x: int, p: int) -> tuple[int, int, int] | None:
+        """The stretch over which input ``x`` would no longer be alive without its read at
+        ``p``: from after the step that touched it before to its next free, when nothing
+        reads it in between."""
+        fs = frees_of[x]
+        j = bisect.bisect_right(fs, p)
+        if j == len(fs):
+            return None  # (alive to the end)
+        rs = reads_of[x]
+        k = bisect.bisect_left(rs, p)
+        if k + 1 < len(rs) and rs[k + 1] < fs[j]:
+            return None
+        ms = made_at[x]
+        m = bisect.bisect_left(ms, p)
+        touched = max(rs[k - 1] if k else -1, ms[m - 1] if m else -1)
+        return (touched + 1, fs[j], int(tensors[x].bytes)) if touched >= 0 else None
+
+    for c in cands:
+        c.released = [r for x in dict.fromkeys(ops[steps[c.pos][1]].inputs)
+                      if x in wanted and (r := released(x, c.pos))]
     return cands
 
 
@@ -655,6 +676,8 @@ def _keep_choices(graph: Graph, steps: list[Step], timeline: np.ndarray, budget:
 
     def fits(c: _Candidate) -> bool:
         c.drop_released(busy)
+        if not c.released:  # (most candidates)
+            return int(level[c.start:c.pos].max()) + c.bytes <= budget
         need = np.zeros(c.pos - c.start, dtype=np.int64)
         c.add_need(need, c.start)
         return int((level[c.start:c.pos] + need).max()) <= budget
