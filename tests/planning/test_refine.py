@@ -338,11 +338,7 @@ def test_an_exchange_may_keep_its_ops_input_alive_instead_of_making_it_again(
                      if e.tensor == b and e.before == steps.index(("compute", f3b)))
     assert offered == [(2.0, 200), (9.0, 300)]
 
-    moves = refine_module._moves
-
-    def without_keeping_inputs(*args: object) -> object:
-        return moves(*args[:7])
-    monkeypatch.setattr(refine_module, "_moves", without_keeping_inputs)
+    monkeypatch.setattr(refine_module, "_KEEP_ALIVE_REACH", -1)  # (no input kept alive)
     assert refine(g, steps, fl, int(before.peak_bytes)) is None
 
 

@@ -628,8 +628,7 @@ def test_later_leaf_sizes_may_replace_a_fallbacks_plan(data_graphs: Path,
     # (without the refinement's single-gap pick, nor its exchanges that keep an input alive
     # instead of making it again: with either the first leaf size ties or beats greedy)
     monkeypatch.setattr(refine, "_one_gap_for_all", lambda *a, **k: None)
-    moves = refine._moves
-    monkeypatch.setattr(refine, "_moves", lambda *a: moves(*a[:7]))
+    monkeypatch.setattr(refine, "_KEEP_ALIVE_REACH", -1)
     g = Graph.load(data_graphs / "densenet_tiny_oplog.json")
     opts = dict(progress=False, time_limit=60, improve_time=None)
     first = hrockmate.solve_graph(g, 0.5, leaf_size=hierarchy_mod.leaf_sizes(g, None)[0],

@@ -209,8 +209,7 @@ def test_a_simple_strategy_that_beats_the_hierarchy_says_by_how_much(
     from hrockmate.planning.hierarchy import leaf_sizes
 
     monkeypatch.setattr(refine, "_one_gap_for_all", lambda *a, **k: None)
-    moves = refine._moves
-    monkeypatch.setattr(refine, "_moves", lambda *a: moves(*a[:7]))
+    monkeypatch.setattr(refine, "_KEEP_ALIVE_REACH", -1)
 
     g = Graph.load(data_graphs / "densenet_tiny_oplog.json")
     plan = hrockmate.solve_graph(g, 0.5, progress=False, time_limit=60,

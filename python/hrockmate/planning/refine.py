@@ -329,9 +329,10 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
 # Recomputations one eviction may move up at most (the Checkmate MobileNet at 50%: a padding
 # whose input's batch norm and ReLU the plan recomputes a few steps after its next read)
 _MAX_MOVED = 16
-# and how many steps up, or back to the free of an input kept alive (each check of the room
-# for the moved outputs scans that stretch)
+# and how many steps up (each check of the room for the moved outputs scans that stretch)
 _MOVE_REACH = 256
+# and how many steps back an input may be kept alive from its free (the same scan)
+_KEEP_ALIVE_REACH = 256
 
 
 def _moves(graph: Graph, needed: Sequence[int], p: int, alive: set[int], evictable: list[bool],
@@ -355,7 +356,7 @@ def _moves(graph: Graph, needed: Sequence[int], p: int, alive: set[int], evictab
         later = runs[k]
         at = bisect.bisect_right(later, p)
         f = -1 if freed is None else freed.get(y, -1)
-        if f >= 0 and p - f <= _MOVE_REACH and not (
+        if f >= 0 and p - f <= _KEEP_ALIVE_REACH and not (
                 at < len(later) and later[at] - p <= _MOVE_REACH):
             moved.append(_Move(k, -1, int(graph.tensors[y].bytes), y, unfree=f))
             return True
