@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import time
 from typing import Any
 
 import torch
@@ -25,24 +26,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_TRIES = 5
+
+
 def _spawn(worker: Any) -> None:
     """Run ``worker(rank, port)`` on WORLD processes. A worker killed by a signal is retried on a
-    fresh port, up to three tries: in some runs on a loaded 2-core machine the gloo processes
-    aborted in native code ("terminate called without an active exception") with no Python
-    error, twice in a row once. An exception or failed assertion inside a worker still fails the
-    test at once."""
-    for attempt in range(3):
+    fresh port after a pause that doubles each time (1, 2, 4, 8 s): on a loaded 2-core machine
+    the gloo processes sometimes abort in native code at start-up ("terminate called without an
+    active exception", within 3 s of the spawn) with no Python error, once three times within
+    10 s. An exception or failed assertion inside a worker still fails the test at once."""
+    for attempt in range(_TRIES):
         try:
             mp.spawn(worker, args=(_free_port(),), nprocs=WORLD, join=True)
             return
         except mp.ProcessExitedException:
-            if attempt == 2:
+            if attempt == _TRIES - 1:
                 raise
+            time.sleep(2.0**attempt)
 
 
 def _init(rank: int, port: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    if os.path.exists("/sys/class/net/lo"):
+        # gloo's pairs then connect over loopback, not over whichever interface the host name
+        # resolves to
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
 
