@@ -443,6 +443,86 @@ def test_one_eviction_may_make_room_for_two_recomputations_kept(
     assert refine(g, steps, fl, budget) is None
 
 
+def test_recomputations_run_early_move_down_to_their_first_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a block's plan does (the Checkmate MobileNet at 30%): the chain ``f1``, ``f2`` is
+    run again before ``f4b``, whose step is the plan's peak, though nothing reads its outputs
+    before ``f3b``. Where the refinement is stuck, the chain moves down there and leaves 500
+    bytes of room at ``f4b``: then ``e`` (made by ``h``, 10 units) is kept from the forward
+    through the backward at the plan's own peak, and ``b`` too. Without the move, only ``f2``'s
+    recomputation fits (1 unit)."""
+    from hrockmate.planning import refine as refine_module
+
+    g, t, ops = _small_graph("sink", {"a": 300, "b": 200, "e": 300}, [
+        ("x", "input"), ("w", "parameter"), ("a", "activation"), ("b", "activation"),
+        ("c", "activation"), ("d", "activation"), ("e", "activation"), ("loss", "output"),
+        ("dloss", "tangent"), ("gd", "activation"), ("gc", "activation"),
+        ("gb", "activation"), ("ga", "activation"), ("gw", "param_grad"),
+        ("ge", "param_grad")], [
+        ("f1", "forward", 1.0, ["x", "w"], ["a"]), ("f2", "forward", 1.0, ["a", "w"], ["b"]),
+        ("f3", "forward", 1.0, ["b", "w"], ["c"]), ("h", "forward", 10.0, ["x", "w"], ["e"]),
+        ("f4", "forward", 1.0, ["c", "e"], ["d"]), ("L", "forward", 1.0, ["d"], ["loss"]),
+        ("Lb", "backward", 1.0, ["dloss", "d"], ["gd"]),
+        ("f4b", "backward", 1.0, ["gd", "c"], ["gc"]),
+        ("f3b", "backward", 1.0, ["gc", "b", "w"], ["gb"]),
+        ("f2b", "backward", 1.0, ["gb", "a", "w"], ["ga"]),
+        ("hb", "backward", 1.0, ["ga", "e"], ["ge"]),
+        ("f1b", "backward", 1.0, ["ga", "x"], ["gw"])])
+    c, f = "compute", "free"
+    steps = [(c, ops["f1"]), (c, ops["f2"]), (f, t["a"]), (c, ops["f3"]), (f, t["b"]),
+             (c, ops["h"]), (c, ops["f4"]), (f, t["e"]), (c, ops["L"])]
+    fl = len(steps)
+    steps += [(c, ops["Lb"]), (f, t["d"]), (c, ops["f1"]), (c, ops["f2"]), (c, ops["f4b"]),
+              (f, t["gd"]), (f, t["c"]), (c, ops["f3b"]), (f, t["gc"]), (f, t["b"]),
+              (c, ops["f2b"]), (f, t["gb"]), (f, t["a"]), (c, ops["h"]), (c, ops["hb"]),
+              (c, ops["f1b"]), (f, t["ga"]), (f, t["e"])]
+    before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+    assert (before.peak_bytes, before.time) == (900, 33.0)
+
+    sunk = refine_module._sink_recomputes(g, steps, fl)
+    assert sunk is not None and sunk[:fl] == steps[:fl]
+    backward = sunk[fl:]
+    f4b, f3b = backward.index((c, ops["f4b"])), backward.index((c, ops["f3b"]))
+    assert backward[f3b - 2:f3b] == [(c, ops["f1"]), (c, ops["f2"])] and f4b < f3b - 2
+    moved = hrockmate.simulate(g, hrockmate.Schedule(sunk, fl))
+    assert moved.time == 33.0
+    assert before.timeline[steps.index((c, ops["f4b"]))] == 900
+    assert moved.timeline[fl + f4b] == 400
+
+    r = refine(g, steps, fl, 900)
+    assert r is not None
+    _checked(g, r.steps, r.forward_len, 900, before.time)
+    names = [g.ops[i].name for k, i in r.steps if k == c]
+    assert (names.count("h"), names.count("f2"), names.count("f1")) == (1, 1, 2)
+    assert r.time == 33.0 - 10.0 - 1.0 and r.time_before == 33.0
+    monkeypatch.setattr(refine_module, "_sink_recomputes", lambda *args: None)
+    without = refine(g, steps, fl, 900)
+    assert without is not None and without.time == 33.0 - 1.0
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 25), seed=st.integers(0, 10_000), blocks=st.integers(1, 6),
+       skips=st.booleans(), views=st.booleans())
+def test_moved_down_recomputations_keep_the_time_and_lower_no_step(
+        n: int, seed: int, blocks: int, skips: bool, views: bool) -> None:
+    """Block checkpointing and recompute-all schedules, with their recomputations moved down:
+    valid, the same time, and no step holds more memory than the same step did (the steps
+    matched by what they run)."""
+    from hrockmate.planning.refine import _sink_recomputes
+
+    g = training_graph(n, seed, skips=skips, views=views)
+    for steps, fl in (strategies.block_checkpoint_schedule(g, blocks),
+                      _steps(recompute_all_schedule(g))):
+        sunk = _sink_recomputes(g, steps, fl)
+        if sunk is None:
+            continue
+        assert sorted(sunk) == sorted(steps) and sunk[:fl] == steps[:fl]
+        before = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+        after = hrockmate.simulate(g, hrockmate.Schedule(sunk, fl))  # raises on a broken rule
+        assert after.time == pytest.approx(before.time)
+        assert after.peak_bytes <= before.peak_bytes
+
+
 def test_dead_recomputation_chains_go_whole_in_one_pass() -> None:
     """A chain of recomputations that only fed each other, ending in one freed unread, is
     removed whole however long it is (it was cut at 16 links), and nothing else is."""

@@ -363,8 +363,8 @@ def test_greedy_eviction_serves_long_skips(data_graphs: Path) -> None:
 
 def test_greedy_eviction_takes_the_fastest_of_its_scores(data_graphs: Path) -> None:
     """Every eviction score runs and the fastest refined schedule is returned: on the U-Net
-    operator log at 50% the four differ by 9% once refined (the fastest before refinement,
-    the next use with inputs, is the slowest after), and the result is as fast as the best."""
+    operator log at 50% the four differ by 2.2% once refined (staleness first, next use last),
+    and the result is as fast as the best."""
     from hrockmate import _native
     from hrockmate.ir.schedule import call_native
     from hrockmate.planning.refine import refine
@@ -379,7 +379,7 @@ def test_greedy_eviction_takes_the_fastest_of_its_scores(data_graphs: Path) -> N
         steps, fl = hrockmate.Schedule.from_arrays(*found).steps, int(found[2])
         r = refine(g, steps, fl, budget)
         times[score] = r.time if r is not None else simulate_steps(g, steps, fl)[1]
-    assert max(times.values()) > 1.05 * min(times.values())  # (the choice matters)
+    assert max(times.values()) > 1.02 * min(times.values())  # (the choice matters)
     steps, fl = strategies.greedy_eviction_schedule(g, budget)
     peak, t = simulate_steps(g, steps, fl)
     assert peak <= budget and t == pytest.approx(min(times.values()))
