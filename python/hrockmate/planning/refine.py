@@ -140,7 +140,10 @@ def _sink_recomputes(graph: Graph, steps: list[Step], forward_len: int) -> list[
             ev = events[x]
             first: tuple[int, float] | None = None
             for q in ev[bisect.bisect_right(ev, p):]:
-                if makes(q, x) or q - p > _SINK_REACH:
+                if makes(q, x):
+                    break
+                if q - p > _SINK_REACH:  # (the steps from q on sit at q or later)
+                    first = None if first is None else min(first, (q, 0.0))
                     break
                 if reads(q, x):
                     first = key[q] if first is None else min(first, key[q])
