@@ -795,6 +795,34 @@ def test_a_top_milp_without_a_schedule_stops_early_when_a_simple_strategy_fits(
     assert len(calls) == 2 and calls[1]["budget"] is None and calls[1]["minimize_peak"]
 
 
+def test_a_top_milp_without_a_schedule_gives_way_to_the_leaf_sizes_after_it(
+        monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
+    # the CNN+BN log at 50% with its default leaf sizes (6, 8, 9, 4): simple strategies fit,
+    # so the first size's top MILP stops at the end of its share of the window if it has no
+    # schedule of its own by then, not TOP_BARREN_SECONDS after it began (the mlp-mixer log at
+    # 30%: leaves of 6 found none for 8 s of the 9 s window; 9 and 12 plan it faster)
+    from hrockmate.planning import api
+
+    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
+    calls: list[dict[str, Any]] = []
+    solve_top = policy.solve_top
+
+    def recorded(h, b, **kw):  # type: ignore[no-untyped-def]
+        calls.append({"budget": b, "at": time.perf_counter(), "leaf_size": h.leaf_size, **kw})
+        return solve_top(h, b, **kw)
+
+    monkeypatch.setattr(policy, "solve_top", recorded)
+    monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
+    plan = hrockmate.solve_graph(g, 0.5, progress=False, exact_ops=0)
+    _check(plan, g)
+    sizes = [c["leaf_size"] for c in calls if c["budget"] is not None]
+    assert sizes[0] == 6 and len(sizes) > 1
+    first = calls[0]
+    assert first["barren_deadline"] is not None
+    assert first["barren_deadline"] == first["soft_deadline"]
+    assert first["barren_deadline"] < first["at"] + policy.TOP_BARREN_SECONDS - 1.0
+
+
 def test_no_later_leaf_size_runs_once_the_plan_meets_the_lower_bound(
         monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
     # the CNN+BN log at 50%: its plan is far above store-all's time, so later leaf sizes run;
