@@ -64,17 +64,16 @@ def refine(graph: Graph, steps: list[Step], forward_len: int, budget: int, *,
     best: Refined | None = None
     cur_steps, cur_fl = list(steps), forward_len
     arrays = graph.to_arrays()
-    sunk_at: list[Step] | None = None  # (the schedule last sunk: once per local optimum)
     for _ in range(rounds):
         if deadline is not None and _time.perf_counter() > deadline:
             break
         step = _one_round(graph, arrays, cur_steps, cur_fl, budget, deadline)
         started = step.time_before if step is not None else None
-        if step is None and sunk_at is not cur_steps:
+        if step is None:
             # stuck: recomputations moved down to their first read hold less memory for as
             # long, which may leave room for more (sunk only here: sinking first led the
-            # rounds elsewhere, to worse plans as often as to better)
-            sunk_at = cur_steps
+            # rounds elsewhere, to worse plans as often as to better); stuck again after
+            # that, the refinement ends
             sunk = _sink_recomputes(graph, cur_steps, cur_fl)
             if sunk is not None:
                 sunk_steps, sunk_fl = _free_early(graph, [(s, q < cur_fl)
@@ -93,6 +92,13 @@ def refine(graph: Graph, steps: list[Step], forward_len: int, budget: int, *,
     return best
 
 
+def _unshared(graph: Graph) -> list[bool]:
+    """Per tensor, whether its storage is its own: it is no view and no view is taken of it
+    (keeping, freeing or moving it then touches no other tensor's storage)."""
+    has_view = {t.alias_of for t in graph.tensors if t.alias_of is not None}
+    return [t.alias_of is None and x not in has_view for x, t in enumerate(graph.tensors)]
+
+
 def _sink_recomputes(graph: Graph, steps: list[Step], forward_len: int) -> list[Step] | None:
     """``steps`` with each recomputation of the backward segment moved down to right before
     the first step that reads its outputs, where no input has to stay alive longer for it
@@ -104,8 +110,7 @@ def _sink_recomputes(graph: Graph, steps: list[Step], forward_len: int) -> list[
     layers made again ahead of two other layers' backward, holding half the budget there).
     Moved last to first, a chain of recomputations moves as one."""
     ops, tensors = graph.ops, graph.tensors
-    has_view = {t.alias_of for t in tensors if t.alias_of is not None}
-    plain = [t.alias_of is None and x not in has_view for x, t in enumerate(tensors)]
+    plain = _unshared(graph)
     n = len(steps)
     # where each step now sits: (the original position of the step it precedes, and among
     # the steps moved before that one, a later move first: a producer moves after its reader)
@@ -388,10 +393,10 @@ def _eviction_gaps(graph: Graph, steps: list[Step]) -> _Gaps:
     made again from a convolution output kept); its bytes count less theirs."""
     ops, tensors = graph.ops, graph.tensors
     producer = graph.producers()
-    has_view = {t.alias_of for t in tensors if t.alias_of is not None}
+    unshared = _unshared(graph)
     evictable = [
         producer[x] is not None and ops[producer[x]].phase == "forward"
-        and len(ops[producer[x]].outputs) == 1 and t.alias_of is None and x not in has_view
+        and len(ops[producer[x]].outputs) == 1 and unshared[x]
         and t.role == "activation" and ops[producer[x]].time > 0 and t.bytes > 0
         for x, t in enumerate(tensors)]
     runs: dict[int, list[int]] = {}  # op -> the positions of its computations
@@ -677,10 +682,9 @@ def _candidates(graph: Graph, steps: list[Step]) -> list[_Candidate]:
             cands.append(_Candidate(float(ops[i].time), p, freed, extra, min(freed), []))
     # the inputs whose reads go with a recomputation dropped: their reads, makes and frees
     # (a second pass, over those tensors only)
-    has_view = {t.alias_of for t in tensors if t.alias_of is not None}
+    unshared = _unshared(graph)
     wanted = {x for c in cands for x in ops[steps[c.pos][1]].inputs
-              if tensors[x].role == "activation" and tensors[x].alias_of is None
-              and x not in has_view and tensors[x].bytes > 0}
+              if tensors[x].role == "activation" and unshared[x] and tensors[x].bytes > 0}
     reads_of: dict[int, list[int]] = {x: [] for x in wanted}
     made_at: dict[int, list[int]] = {x: [] for x in wanted}
     frees_of = {x: [] for x in wanted}
