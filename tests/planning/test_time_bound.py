@@ -114,3 +114,19 @@ def test_the_bound_honours_its_time_limit() -> None:
     bound = hrockmate.time_lower_bound(g, 0.4, time_limit=1.0)
     assert time.perf_counter() - start < 1.0 + 4.0  # (building the model, on a loaded machine)
     assert bound.time <= greedy.time
+
+
+def test_without_presolve_the_bound_is_the_same(data_graphs: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # large models skip HiGHS's presolve (it does not always poll the time limit): the bound
+    # proven without it is the one proven with it
+    from hrockmate.planning import bounds as bounds_module
+
+    g = Graph.load(data_graphs / "resnet_like_train.json")
+    with_presolve = [hrockmate.time_lower_bound(g, f) for f in (0.7, 0.3)]
+    monkeypatch.setattr(bounds_module, "PRESOLVE_MAX_COLUMNS", 0)
+    without = [hrockmate.time_lower_bound(g, f) for f in (0.7, 0.3)]
+    for a, b in zip(with_presolve, without):
+        assert a.proven and b.proven
+        assert b.time == pytest.approx(a.time, rel=1e-6)
+    assert without[1].overhead > 0.05
