@@ -78,3 +78,53 @@ def training_graph(
     # produced by exactly one op, which holds by construction
     g.validate()
     return g
+
+
+def gated_chain(cells: int, heavy_bytes: int = 900, light_bytes: int = 50,
+                heavy_time: float = 30.0, light_time: float = 1.0) -> Graph:
+    """A recurrent chain in the shape of an unrolled LSTM: per cell a heavy op (a matmul and its
+    gates: ``heavy_bytes``, ``heavy_time``) reading the state, then two cheap ones (``tanh`` of
+    the gates, and the new state from both) whose outputs are small; the backward reads every
+    one of them. Dropping the cheap outputs saves a small share of the bytes for little time."""
+    g = Graph(name=f"gated_chain{cells}", time_unit="units")
+    state = g.add_tensor(Tensor("h0", light_bytes, role="input"))
+    w = g.add_tensor(Tensor("w", 64, role="parameter"))
+    states, cell_ops = [state], []
+    for i in range(cells):
+        gates = g.add_tensor(Tensor(f"gates{i}", heavy_bytes))
+        act = g.add_tensor(Tensor(f"act{i}", light_bytes))
+        new = g.add_tensor(Tensor(f"h{i + 1}", light_bytes))
+        ops = (g.add_op(Op(f"matmul{i}", "forward", heavy_time, [state, w], [gates])),
+               g.add_op(Op(f"tanh{i}", "forward", light_time, [gates], [act])),
+               g.add_op(Op(f"mix{i}", "forward", light_time, [gates, act], [new])))
+        cell_ops.append((ops, gates, act))
+        state = new
+        states.append(new)
+    loss = g.add_tensor(Tensor("loss", 4, role="output"))
+    loss_op = g.add_op(Op("loss", "forward", light_time, [state], [loss]))
+    tangent = g.add_tensor(Tensor("dloss", 4, role="tangent"))
+    grad = g.add_tensor(Tensor("g_out", light_bytes))
+    g.add_op(Op("loss_bwd", "backward", light_time, [tangent, state], [grad],
+                differentiates=loss_op))
+    dws = []
+    for i in range(cells - 1, -1, -1):
+        (matmul, tanh, mix), gates, act = cell_ops[i]
+        d_act = g.add_tensor(Tensor(f"d_act{i}", light_bytes))
+        d_gates_mix = g.add_tensor(Tensor(f"d_gates_mix{i}", heavy_bytes))
+        g.add_op(Op(f"mix{i}_bwd", "backward", light_time, [grad, gates, act],
+                    [d_gates_mix, d_act], differentiates=mix))
+        d_gates = g.add_tensor(Tensor(f"d_gates{i}", heavy_bytes))
+        g.add_op(Op(f"tanh{i}_bwd", "backward", light_time, [d_act, act, d_gates_mix],
+                    [d_gates], differentiates=tanh))
+        d_state = g.add_tensor(Tensor(f"d_h{i}", light_bytes,
+                                      role="input_grad" if i == 0 else "activation",
+                                      grad_of=states[0] if i == 0 else None))
+        dw = g.add_tensor(Tensor(f"dw{i}", 64))
+        g.add_op(Op(f"matmul{i}_bwd", "backward", heavy_time, [d_gates, states[i], w],
+                    [d_state, dw], differentiates=matmul))
+        dws.append(dw)
+        grad = d_state
+    total = g.add_tensor(Tensor("dw", 64, role="param_grad", grad_of=w))
+    g.add_op(Op("dw_sum", "backward", light_time, dws, [total]))
+    g.validate()
+    return g

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from graph_builders import training_graph
+from graph_builders import gated_chain, training_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -957,6 +957,7 @@ def test_block_limits_go_loosest_first_and_skip_those_already_met(
     g = hrockmate.trace(model, sample)
     h = hierarchy_mod.prepare(g, flat_ops=0, leaf_size=8, progress=False, workers=1)
     st = hierarchy_mod._Settings(None, 1.0, 1e-2)
+    st.near_store_all_fractions = ()  # (solved after these: the next test)
     caps: list[float] = []
     real = ilp.solve_level
 
@@ -986,6 +987,52 @@ def test_block_limits_go_loosest_first_and_skip_those_already_met(
         for cap in left_out:
             assert any(o.saved_bytes <= cap for o in options)
     assert skipped > 0
+
+
+def _hierarchy_plan_time(g: Graph, budget: int, **top: Any) -> tuple[Any, float]:
+    h = hierarchy_mod.prepare(g, flat_ops=0, leaf_size=6, progress=False, workers=1)
+    steps, fl, _, _ = hierarchy_mod.solve_top(h, budget, time_limit=60, mip_rel_gap=1e-4, **top)
+    res = hrockmate.simulate(g, hrockmate.Schedule(steps, fl))
+    assert res.peak_bytes <= budget
+    return h, res.time
+
+
+def test_caps_near_store_all_give_the_top_level_small_cheap_savings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recurrent chain keeps large gates and small outputs that cost little to make again.
+    At 90% of store-all each top block gives up little, and only caps near what it keeps at
+    store-all find options that drop just the small outputs; without them the top level runs
+    gates again. Below NEAR_STORE_ALL_MIN_BUDGET the top level is not offered those options."""
+    g = gated_chain(60)
+    base = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
+    budget = int(0.9 * base.peak_bytes)
+    h, with_caps = _hierarchy_plan_time(g, budget)
+    near = [o for c in h.root.children for o in c.options if o.near_store_all]
+    assert near
+    monkeypatch.setattr(hierarchy_mod, "NEAR_STORE_ALL_FRACTIONS", ())
+    _, without = _hierarchy_plan_time(g, budget)
+    assert with_caps < without
+    # not offered: the top level plans as without them, and the children keep them
+    monkeypatch.undo()
+    offered = {id(c): list(c.options) for c in h.root.children}
+    steps, fl, _, _ = hierarchy_mod.solve_top(h, budget, time_limit=60, mip_rel_gap=1e-4,
+                                              near_store_all=False)
+    assert hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).time > with_caps
+    assert all(c.options == offered[id(c)] for c in h.root.children)
+    # solve_graph offers them at 90%, not at 50%
+    asked: dict[float, bool] = {}
+    real = policy.solve_top
+
+    def recording(hier: Any, b: int | None, **kw: Any) -> Any:
+        if b is not None:
+            asked[round(b / base.peak_bytes, 2)] = kw["near_store_all"]
+        return real(hier, b, **kw)
+
+    monkeypatch.setattr(policy, "solve_top", recording)
+    for fraction in (0.9, 0.5):
+        hrockmate.solve_graph(g, fraction, progress=False, time_limit=60, leaf_size=6,
+                              improve_time=1.0)
+    assert asked == {0.9: True, 0.5: False}
 
 
 def test_rotors_lowest_peak_is_probed_only_when_reported(data_graphs: Path,

@@ -192,7 +192,7 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
               sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
               deadline=None if time_limit is None else t0 + time_limit,
               improve_until=None if improve is None else t0 + improve,
-              baseline_time=base_time)
+              baseline_time=base_time, baseline_peak=base_peak)
     cand, lowest = _best_over_leaf_sizes(graph, method, budget_bytes, hierarchy, leaf_size, kw)
     retry = method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
     cand_time = math.inf  # simulated only for the graphs that may retry

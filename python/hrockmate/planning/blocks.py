@@ -31,6 +31,9 @@ class BlockOption:
     bwd_peak: int
     # the block's backward inputs the backward fragment reads (the parent must keep them)
     bwd_reads: frozenset[int] = frozenset()
+    # made under a cap close to what the fastest option keeps (``NEAR_STORE_ALL_FRACTIONS`` of
+    # hrockmate.planning.hierarchy): the top level offers it only at high budgets
+    near_store_all: bool = False
 
     def key(self) -> tuple[float, float, int, int, int]:
         return (self.fwd_time, self.bwd_time, self.saved_bytes, self.fwd_peak, self.bwd_peak)

@@ -3,6 +3,8 @@ blocks are solved once, blocks of one height in parallel; ``solve_top`` solves t
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -12,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import SolveError
@@ -178,6 +180,19 @@ REFINE_TIME_SHARE = 0.2
 # benchmark's 64 solves: 5 plans faster, 2 slower by 0.2-0.3 points, the same total time.
 SAVED_FRACTIONS: tuple[float, ...] = (0.0, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75)
 PEAK_FRACTIONS: tuple[float, ...] = (0.25, 0.5, 0.75)
+# Caps close to what the fastest keeps, solved besides the ones above (those are solved as
+# before, so a block's options only grow). Where a block's cheapest savings are a small share of
+# what it keeps, the 3/4 cap is too coarse: the 10k-op unrolled LSTM keeps its gates (768 of
+# the 1,792 bytes of a step) and a tanh and two products of 256 bytes that cost little to make
+# again; 18 steps to a top block, whose 3/4 option had to give up gates too, so the top level at
+# 90% took whole steps again (+2.78%, greedy eviction's +2.16% won), and with these caps it
+# plans +1.98% itself.
+NEAR_STORE_ALL_FRACTIONS: tuple[float, ...] = (0.9375, 0.875)
+# The top level offers its children's options of NEAR_STORE_ALL_FRACTIONS only at budgets of at
+# least this fraction of the store-all peak, where a child gives up little of what it keeps. At
+# 30-50% they only made the top MILP larger: the resnet_bn operator log at 30% stopped at the
+# improvement window with a gap of 4.0% instead of 1.4% (+30.41% instead of +29.61%).
+NEAR_STORE_ALL_MIN_BUDGET = 0.8
 # Seconds for one block MILP under a memory limit (the lowest peak, a peak between; the caps on
 # what the forward keeps get ``_FRACTION_TIME`` times this).
 SUB_TIME_LIMIT = 0.3
@@ -190,6 +205,8 @@ class _Settings:
     mip_rel_gap: float
     saved_fractions: tuple[float, ...] = field(default_factory=lambda: SAVED_FRACTIONS)
     peak_fractions: tuple[float, ...] = field(default_factory=lambda: PEAK_FRACTIONS)
+    near_store_all_fractions: tuple[float, ...] = field(
+        default_factory=lambda: NEAR_STORE_ALL_FRACTIONS)
     solvers: dict[str, str] = field(default_factory=dict)  # level kind -> solver
     deadline: float | None = None  # perf_counter time by which every block must be solved
     # set when the blocks would not all be solved by the deadline with full option sets
@@ -201,6 +218,7 @@ class _Settings:
         self.lean = True
         self.saved_fractions = (0.0,)
         self.peak_fractions = ()
+        self.near_store_all_fractions = ()
 
 
 # The blocks go lean when, at the pace of those solved so far, the rest would need more than
@@ -289,6 +307,18 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
             if o is not None:
                 options.append(o)
                 last = o
+        # each cap near store-all is solved unless an option lies between it and the next
+        # lower cap already
+        caps = sorted(set(st.saved_fractions) | set(st.near_store_all_fractions))
+        for frac in st.near_store_all_fractions if block.children else ():
+            cap = frac * first.saved_bytes
+            below = max((f for f in caps if f < frac), default=0.0) * first.saved_bytes
+            if any(below < o.saved_bytes <= cap for o in options):
+                continue
+            o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None, boundary_limit=cap)
+            if o is not None:
+                o.near_store_all = True
+                options.append(o)
     # the lowest peak, started from the leanest schedule: with the model's floor on the peak
     # (``ilp.build_model``) that start often proves optimal at once (MobileNet's blocks of 9
     # ops: HiGHS alone found peaks twice the lowest in the 0.3 s, and took 1-21 s to reach it)
@@ -334,8 +364,11 @@ def _renamed_options(ctx: GraphFacts, src: Block, dst: Block) -> list[BlockOptio
         return [(k, op_map[i] if k == "compute" else t_map[i]) for k, i in fragment]
 
     try:
-        return [option_from_steps(ctx, dst, steps(o.fwd), steps(o.bwd),
-                                   frozenset(t_map[x] for x in o.saved)) for o in src.options]
+        return [dataclasses.replace(
+                    option_from_steps(ctx, dst, steps(o.fwd), steps(o.bwd),
+                                      frozenset(t_map[x] for x in o.saved)),
+                    near_store_all=o.near_store_all)
+                for o in src.options]
     except KeyError:
         logger.debug("a step of cluster %d has no counterpart in cluster %d; solving the "
                      "latter itself", src.cluster.id, dst.cluster.id)
@@ -507,15 +540,43 @@ TOP_STALL_SECONDS = 5.0
 
 def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip_rel_gap: float,
               minimize_peak: bool = False, starts: Sequence[list[Step]] = (),
-              soft_deadline: float | None = None, barren_deadline: float | None = None
-              ) -> tuple[list[Step], int, bool, dict[str, Any]]:
+              soft_deadline: float | None = None, barren_deadline: float | None = None,
+              near_store_all: bool = True) -> tuple[list[Step], int, bool, dict[str, Any]]:
     """The top level at ``budget`` (None: no limit, or the least peak with ``minimize_peak``):
     (steps, forward length, proven optimal, statistics). Raises ``ilp.LevelInfeasible`` or
     ``ilp.LevelNoSolution`` when it finds nothing. ``starts``: schedules within the budget; when
     the top is the op level the MILP starts from the first that fits its stage structure (it
     then has a schedule at once, and the stall rule ends a search that finds nothing better).
     ``soft_deadline``: past it, the top MILP stops once it has a schedule; ``barren_deadline``:
-    past it, it stops if it has found none (``ilp.run_highs``)."""
+    past it, it stops if it has found none (``ilp.run_highs``). ``near_store_all``: offer the
+    children's options made under caps near what they keep at store-all (``BlockOption``)."""
+    with _offered(h.root, near_store_all):
+        return _solve_top(h, budget, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
+                          minimize_peak=minimize_peak, starts=starts,
+                          soft_deadline=soft_deadline, barren_deadline=barren_deadline)
+
+
+@contextlib.contextmanager
+def _offered(root: Block, near_store_all: bool) -> Iterator[None]:
+    """While the top level is solved and expanded (which index the children's option lists),
+    the root's children list only the options offered to it."""
+    if near_store_all:
+        yield
+        return
+    kept = [c.options for c in root.children]
+    try:
+        for c in root.children:
+            c.options = [o for o in c.options if not o.near_store_all]
+        yield
+    finally:
+        for c, options in zip(root.children, kept):
+            c.options = options
+
+
+def _solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None,
+               mip_rel_gap: float, minimize_peak: bool, starts: Sequence[list[Step]],
+               soft_deadline: float | None, barren_deadline: float | None
+               ) -> tuple[list[Step], int, bool, dict[str, Any]]:
     if h.solvers.get("top") == "rotor":
         chain = level_solvers.chain_level(h.ctx, h.root)
         if chain is not None:

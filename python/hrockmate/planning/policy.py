@@ -18,6 +18,7 @@ from hrockmate.ir.schedule import Step
 from hrockmate.planning import ilp
 from hrockmate.planning import strategies as reference
 from hrockmate.planning.hierarchy import (
+    NEAR_STORE_ALL_MIN_BUDGET,
     REFINE_TIME_SHARE,
     TOP_TIME_SHARE,
     Hierarchy,
@@ -350,7 +351,8 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 with elapsed_progress(f"{level} MILP of '{graph.name}'", left, kw["progress"]):
                     steps, fl, optimal, stats = solve_top(
                         h, b, time_limit=left, mip_rel_gap=kw["mip_rel_gap"], starts=starts,
-                        soft_deadline=soft, barren_deadline=barren)
+                        soft_deadline=soft, barren_deadline=barren,
+                        near_store_all=b >= NEAR_STORE_ALL_MIN_BUDGET * kw["baseline_peak"])
                 return reference.SolverResult(steps, fl, optimal, stats)
 
             # an op-level MILP cut short by the time limit may lose to the hierarchy
