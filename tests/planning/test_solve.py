@@ -1002,7 +1002,7 @@ def test_caps_near_store_all_give_the_top_level_small_cheap_savings(
     """A recurrent chain keeps large gates and small outputs that cost little to make again.
     At 90% of store-all each top block gives up little, and only caps near what it keeps at
     store-all find options that drop just the small outputs; without them the top level runs
-    gates again. Below NEAR_STORE_ALL_MIN_BUDGET the top level is not offered those options."""
+    gates again. Below NEAR_STORE_ALL_MIN_BUDGET they are neither solved for nor offered."""
     g = gated_chain(60)
     base = hrockmate.simulate(g, hrockmate.store_all_schedule(g))
     budget = int(0.9 * base.peak_bytes)
@@ -1019,20 +1019,24 @@ def test_caps_near_store_all_give_the_top_level_small_cheap_savings(
                                               near_store_all=False)
     assert hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).time > with_caps
     assert all(c.options == offered[id(c)] for c in h.root.children)
-    # solve_graph offers them at 90%, not at 50%
+    # solve_graph solves for them and offers them at 90%, not at 50%
     asked: dict[float, bool] = {}
+    near_options: dict[float, bool] = {}
     real = policy.solve_top
 
     def recording(hier: Any, b: int | None, **kw: Any) -> Any:
         if b is not None:
-            asked[round(b / base.peak_bytes, 2)] = kw["near_store_all"]
+            fraction = round(b / base.peak_bytes, 2)
+            asked[fraction] = kw["near_store_all"]
+            near_options[fraction] = any(o.near_store_all for c in hier.root.children
+                                         for o in c.options)
         return real(hier, b, **kw)
 
     monkeypatch.setattr(policy, "solve_top", recording)
     for fraction in (0.9, 0.5):
         hrockmate.solve_graph(g, fraction, progress=False, time_limit=60, leaf_size=6,
                               improve_time=1.0)
-    assert asked == {0.9: True, 0.5: False}
+    assert asked == near_options == {0.9: True, 0.5: False}
 
 
 def test_rotors_lowest_peak_is_probed_only_when_reported(data_graphs: Path,

@@ -188,10 +188,14 @@ PEAK_FRACTIONS: tuple[float, ...] = (0.25, 0.5, 0.75)
 # 90% took whole steps again (+2.78%, greedy eviction's +2.16% won), and with these caps it
 # plans +1.98% itself.
 NEAR_STORE_ALL_FRACTIONS: tuple[float, ...] = (0.9375, 0.875)
-# The top level offers its children's options of NEAR_STORE_ALL_FRACTIONS only at budgets of at
-# least this fraction of the store-all peak, where a child gives up little of what it keeps. At
-# 30-50% they only made the top MILP larger: the resnet_bn operator log at 30% stopped at the
-# improvement window with a gap of 4.0% instead of 1.4% (+30.41% instead of +29.61%).
+# Options of NEAR_STORE_ALL_FRACTIONS are solved for (``prepare``), and offered to the top
+# level, only at budgets of at least this fraction of the store-all peak, where a child gives
+# up little of what it keeps. Elsewhere they cost more than they bring: offered at the top at
+# 30-50%, the larger top MILP converged more slowly (the resnet_bn operator log at 30% stopped
+# at the improvement window with a gap of 4.0% instead of 1.4%, +30.41% against +29.61%), and
+# the 24-layer enc-dec at 50%, not offered them, took 2.4 s more for its blocks, whose other
+# options, built from more choices within the same time limits, came out slower (+21.06%
+# against +19.67%).
 NEAR_STORE_ALL_MIN_BUDGET = 0.8
 # Seconds for one block MILP under a memory limit (the lowest peak, a peak between; the caps on
 # what the forward keeps get ``_FRACTION_TIME`` times this).
@@ -406,13 +410,16 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
             top_size: int = 16, time_limit: float | None = None,
             sub_time_limit: float | None = None,
             mip_rel_gap: float = 1e-4, progress: bool = True,
-            workers: int | None = None, solvers: Mapping[str, str] | None = None) -> Hierarchy:
+            workers: int | None = None, solvers: Mapping[str, str] | None = None,
+            near_store_all: bool = True) -> Hierarchy:
     """Build the hierarchy and compute the options of every block below the root.
 
     Blocks of the same height are independent: ``workers`` threads solve them at once (HiGHS
     releases the GIL while it solves; model building and the rest stay serial). Default: one per
     core, at most ``MAX_WORKERS``. Ctrl-C or an error in one block stops every thread's solve
-    within about 0.1 s."""
+    within about 0.1 s. ``near_store_all``: also solve the blocks above the leaves under the
+    caps of ``NEAR_STORE_ALL_FRACTIONS`` (only budgets of ``NEAR_STORE_ALL_MIN_BUDGET`` and
+    more use them)."""
     t0 = _time.perf_counter()
     ctx = GraphFacts(graph)
     chosen = level_solvers.check_solvers(solvers)
@@ -427,6 +434,8 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
                    mip_rel_gap, solvers=chosen,
                    deadline=None if time_limit is None
                    else t0 + HIERARCHY_TIME_SHARE * time_limit)
+    if not near_store_all:
+        st.near_store_all_fractions = ()
     by_height: dict[int, list[Block]] = {}
 
     def post(b: Block) -> int:

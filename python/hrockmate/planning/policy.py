@@ -286,7 +286,8 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 graph, flat_ops=kw["flat_ops"], leaf_size=kw["leaf_size"],
                 group_size=kw["group_size"], top_size=kw["top_size"],
                 time_limit=time_left(kw), sub_time_limit=kw["sub_time_limit"],
-                mip_rel_gap=kw["mip_rel_gap"], progress=kw["progress"], solvers=kw["solvers"])
+                mip_rel_gap=kw["mip_rel_gap"], progress=kw["progress"], solvers=kw["solvers"],
+                near_store_all=budget >= NEAR_STORE_ALL_MIN_BUDGET * kw["baseline_peak"])
         except HierarchyTimeout as exc:
             if kw.get("plan_in_hand"):
                 # a later try (another leaf size) whose blocks did not fit the window: the
