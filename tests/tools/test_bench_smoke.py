@@ -159,3 +159,33 @@ def test_runtime_overhead_bench_on_the_zoo(tmp_path: Path) -> None:
     assert r["hrockmate_forward_host_median_s"] < r["hrockmate_median_s"]
     with pytest.raises(SystemExit):
         bench.main(["--zoo", "tiny", "--models", "no_such_model", "--out", str(out)])
+
+
+def test_lowest_budgets_bench(tmp_path: Path) -> None:
+    """``benches/lowest_budgets.py``: the lowest peak of the hierarchy's own plans against
+    block and selective checkpointing's and Rotor's, as fractions of store-all, in JSON."""
+    import importlib.util
+    import sys
+
+    from graph_builders import gated_chain
+
+    folder = tmp_path / "graphs"
+    folder.mkdir()
+    gated_chain(16).save(folder / "gated.json")
+    benches = Path(__file__).resolve().parents[2] / "benches"
+    sys.path.insert(0, str(benches))
+    try:
+        spec = importlib.util.spec_from_file_location("lowest_budgets",
+                                                      benches / "lowest_budgets.py")
+        assert spec is not None and spec.loader is not None
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        out = tmp_path / "lowest.json"
+        assert bench.main(["--no-test-graphs", "--graphs", str(folder), "--time-limit", "20",
+                           "--out", str(out)]) == 0
+    finally:
+        sys.path.remove(str(benches))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["graph"] == "gated" and row["store_all_peak"] > 0
+    assert 0 < row["hierarchy"] <= row["checkpoint"] < row["store_all_peak"]
+    assert row["at_or_below"] is True

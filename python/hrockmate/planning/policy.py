@@ -67,6 +67,23 @@ class Candidate:
         return not self.stats.get("fallback") or bool(self.stats.get("beats_hierarchy_plan"))
 
 
+def lowest_peak_top(h: Hierarchy, time_limit: float | None
+                    ) -> tuple[list[Step], int, bool, dict[str, Any]]:
+    """The hierarchy's plan of least peak: ``solve_top`` for the least peak. An op-level top
+    starts from block checkpointing's least-peak schedule: without it, the op-level MILP
+    stalled far above that (the U-Net-like test graph: 80.3% of the store-all peak against
+    checkpointing's 79.1%; from it, 57.1%). A block level starts from its leanest schedule."""
+    starts: list[list[Step]] = []
+    if not h.root.children:
+        points = [p for p in reference.checkpoint_points(h.graph) if p.steps is not None]
+        if points:
+            lowest = min(points, key=lambda p: (p.peak, p.time))
+            assert lowest.steps is not None
+            starts.append(lowest.steps)
+    return solve_top(h, None, time_limit=time_limit, mip_rel_gap=1e-3, minimize_peak=True,
+                     starts=starts)
+
+
 def check_method(method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -138,7 +155,7 @@ def _run_literature(graph: Graph, method: str, budget: int, time_limit: float | 
                     probe_lowest: bool = True) -> tuple[Candidate | None, int]:
     """TW-Remat or Rotor on the whole graph (hrockmate.planning.literature) within ``time_limit``
     seconds: the candidate, or (None, the lowest peak the method reaches; for Rotor without
-    ``probe_lowest`` its chain model's minimum, which ``_rotor_lowest`` refines). Raises
+    ``probe_lowest`` its chain model's minimum, which ``rotor_lowest`` refines). Raises
     TimeoutError when the time runs out, MemoryError when Rotor's tables cannot fit."""
     from hrockmate.planning import literature
 
@@ -157,13 +174,13 @@ def _run_literature(graph: Graph, method: str, budget: int, time_limit: float | 
             if not probe_lowest:
                 return None, exc.min_bytes
             left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
-            return None, _rotor_lowest(graph, exc.min_bytes, left)
+            return None, rotor_lowest(graph, exc.min_bytes, left)
         stats = {}
     steps = [(str(k), int(i)) for k, i in sched.steps]
     return Candidate(steps, int(sched.forward_len), False, {"method": method, **stats}), 0
 
 
-def _rotor_lowest(graph: Graph, model_min: int, time_limit: float | None = None) -> int:
+def rotor_lowest(graph: Graph, model_min: int, time_limit: float | None = None) -> int:
     """The smallest budget Rotor is seen to solve. Its dynamic program rounds sizes up to memory
     slots, so the chain model's minimum itself may be out of reach: probe just above it, for
     at most ``time_limit`` seconds in all (then the model's minimum is the answer)."""
@@ -410,8 +427,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 if kw.get("lowest_peak", True) and not simple_strategies()[0]:
                     with elapsed_progress(f"lowest-peak MILP of '{graph.name}'", time_left(kw),
                                           kw["progress"]):
-                        steps, fl, _, _ = solve_top(h, None, time_limit=time_left(kw),
-                                                    mip_rel_gap=1e-3, minimize_peak=True)
+                        steps, fl, _, _ = lowest_peak_top(h, time_left(kw))
                     spare("lowest-peak H-ILP", steps, fl, **stats_h)
             except (ilp.LevelInfeasible, ilp.LevelNoSolution):
                 pass
@@ -424,7 +440,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
     if "rotor" in minima and (cand is None or cand.stats["fallback"] == "recompute-all"):
         # probed only now that it is reported: up to six of Rotor's dynamic programs (2 s on a
         # 6k-op graph) that a solve with a plan does not need
-        minima["rotor"] = _rotor_lowest(graph, minima["rotor"], time_left(kw))
+        minima["rotor"] = rotor_lowest(graph, minima["rotor"], time_left(kw))
     if cand is None:
         lowest = min([lowest, *minima.values()])
     else:
@@ -466,7 +482,7 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
     graphs only) and greedy eviction (DTR-style, any graph), within ``time_limit`` seconds.
     Returns them as (candidate, peak, time), marked as fallbacks, and the lowest peak each of
     the first three reaches (for the log and the error when nothing fits; Rotor's is its chain
-    model's minimum, which ``_rotor_lowest`` refines)."""
+    model's minimum, which ``rotor_lowest`` refines)."""
     from hrockmate.planning.literature import NotAChainError
 
     out: list[tuple[Candidate, int, float]] = []
