@@ -182,11 +182,11 @@ SAVED_FRACTIONS: tuple[float, ...] = (0.0, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75
 PEAK_FRACTIONS: tuple[float, ...] = (0.25, 0.5, 0.75)
 # Caps close to what the fastest keeps, solved besides the ones above (those are solved as
 # before, so a block's options only grow). Where a block's cheapest savings are a small share of
-# what it keeps, the 3/4 cap is too coarse: the 10k-op unrolled LSTM keeps its gates (768 of
-# the 1,792 bytes of a step) and a tanh and two products of 256 bytes that cost little to make
-# again; 18 steps to a top block, whose 3/4 option had to give up gates too, so the top level at
-# 90% took whole steps again (+2.78%, greedy eviction's +2.16% won), and with these caps it
-# plans +1.98% itself.
+# what it keeps, the 3/4 cap is too coarse: the 10k-op unrolled LSTM keeps its four gates (1,024
+# of the 1,792 bytes of a step) and the cell state, its tanh and the hidden state, 256 bytes
+# each and cheap to make again from the gates; 18 steps to a top block, whose 3/4 option had to
+# give up gates too, so the top level at 90% ran whole steps again (+2.78%; greedy eviction's
+# +2.16% won), and with these caps it plans +1.98% itself.
 NEAR_STORE_ALL_FRACTIONS: tuple[float, ...] = (0.9375, 0.875)
 # Options of NEAR_STORE_ALL_FRACTIONS are solved for (``prepare``), and offered to the top
 # level, only at budgets of at least this fraction of the store-all peak, where a child gives
