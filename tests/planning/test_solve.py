@@ -44,6 +44,20 @@ def _min_peak(graph: Graph) -> int:
     return hrockmate.simulate(graph, hrockmate.Schedule(steps, fl)).peak_bytes
 
 
+def _record_solve_top(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every call of ``solve_top`` by the policy, in order: the hierarchy, the budget, when it
+    began and the keywords; the real solve runs."""
+    calls: list[dict[str, Any]] = []
+    real = policy.solve_top
+
+    def recorded(h: Any, b: int | None, **kw: Any) -> Any:
+        calls.append({"hierarchy": h, "budget": b, "at": time.perf_counter(), **kw})
+        return real(h, b, **kw)
+
+    monkeypatch.setattr(policy, "solve_top", recorded)
+    return calls
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(2, 9),
@@ -688,19 +702,13 @@ def test_each_leaf_sizes_top_milp_ends_at_its_share_of_the_window(
     g = Graph.load(data_graphs / "cnn_bn_oplog.json")
     sizes = hierarchy_mod.leaf_sizes(g, None)
     assert len(sizes) == 4
-    seen: list[tuple[float, float | None]] = []
-    solve_top = policy.solve_top
+    calls = _record_solve_top(monkeypatch)
     prepare = policy.prepare
-
-    def recorded(h, b, **kw):  # type: ignore[no-untyped-def]
-        seen.append((time.perf_counter(), kw.get("soft_deadline")))
-        return solve_top(h, b, **kw)
 
     def slow_prepare(*args, **kw):  # type: ignore[no-untyped-def]
         time.sleep(1.0)
         return prepare(*args, **kw)
 
-    monkeypatch.setattr(policy, "solve_top", recorded)
     monkeypatch.setattr(policy, "prepare", slow_prepare)
     from hrockmate.planning import api
 
@@ -708,6 +716,7 @@ def test_each_leaf_sizes_top_milp_ends_at_its_share_of_the_window(
     t0 = time.perf_counter()
     hrockmate.solve_graph(g, 0.5, progress=False, improve_time=60, exact_ops=0)
     until = t0 + 60
+    seen = [(c["at"], c.get("soft_deadline")) for c in calls]
     assert len(seen) == len(sizes)
     for k, (started, soft) in enumerate(seen):
         assert soft is not None and started <= soft <= until + 0.01
@@ -804,18 +813,11 @@ def test_a_top_milp_without_a_schedule_gives_way_to_the_leaf_sizes_after_it(
     from hrockmate.planning import api
 
     g = Graph.load(data_graphs / "cnn_bn_oplog.json")
-    calls: list[dict[str, Any]] = []
-    solve_top = policy.solve_top
-
-    def recorded(h, b, **kw):  # type: ignore[no-untyped-def]
-        calls.append({"budget": b, "at": time.perf_counter(), "leaf_size": h.leaf_size, **kw})
-        return solve_top(h, b, **kw)
-
-    monkeypatch.setattr(policy, "solve_top", recorded)
+    calls = _record_solve_top(monkeypatch)
     monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
     plan = hrockmate.solve_graph(g, 0.5, progress=False, exact_ops=0)
     _check(plan, g)
-    sizes = [c["leaf_size"] for c in calls if c["budget"] is not None]
+    sizes = [c["hierarchy"].leaf_size for c in calls if c["budget"] is not None]
     assert sizes[0] == 6 and len(sizes) > 1
     first = calls[0]
     assert first["barren_deadline"] is not None
@@ -1020,22 +1022,15 @@ def test_caps_near_store_all_give_the_top_level_small_cheap_savings(
     assert hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).time > with_caps
     assert all(c.options == offered[id(c)] for c in h.root.children)
     # solve_graph solves for them and offers them at 90%, not at 50%
-    asked: dict[float, bool] = {}
-    near_options: dict[float, bool] = {}
-    real = policy.solve_top
-
-    def recording(hier: Any, b: int | None, **kw: Any) -> Any:
-        if b is not None:
-            fraction = round(b / base.peak_bytes, 2)
-            asked[fraction] = kw["near_store_all"]
-            near_options[fraction] = any(o.near_store_all for c in hier.root.children
-                                         for o in c.options)
-        return real(hier, b, **kw)
-
-    monkeypatch.setattr(policy, "solve_top", recording)
+    calls = _record_solve_top(monkeypatch)
     for fraction in (0.9, 0.5):
         hrockmate.solve_graph(g, fraction, progress=False, time_limit=60, leaf_size=6,
                               improve_time=1.0)
+    at_budget = {round(c["budget"] / base.peak_bytes, 2): c for c in calls
+                 if c["budget"] is not None}
+    asked = {f: c["near_store_all"] for f, c in at_budget.items()}
+    near_options = {f: any(o.near_store_all for b in c["hierarchy"].root.children
+                           for o in b.options) for f, c in at_budget.items()}
     assert asked == near_options == {0.9: True, 0.5: False}
 
 

@@ -298,13 +298,15 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
         except (ilp.LevelInfeasible, ilp.LevelNoSolution):
             pass
     else:
+        # the blocks' options near store-all: solved for and offered at high budgets only
+        near_store_all = budget >= NEAR_STORE_ALL_MIN_BUDGET * kw["baseline_peak"]
         try:
             h = hierarchy if hierarchy is not None else prepare(
                 graph, flat_ops=kw["flat_ops"], leaf_size=kw["leaf_size"],
                 group_size=kw["group_size"], top_size=kw["top_size"],
                 time_limit=time_left(kw), sub_time_limit=kw["sub_time_limit"],
                 mip_rel_gap=kw["mip_rel_gap"], progress=kw["progress"], solvers=kw["solvers"],
-                near_store_all=budget >= NEAR_STORE_ALL_MIN_BUDGET * kw["baseline_peak"])
+                near_store_all=near_store_all)
         except HierarchyTimeout as exc:
             if kw.get("plan_in_hand"):
                 # a later try (another leaf size) whose blocks did not fit the window: the
@@ -370,7 +372,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     steps, fl, optimal, stats = solve_top(
                         h, b, time_limit=left, mip_rel_gap=kw["mip_rel_gap"], starts=starts,
                         soft_deadline=soft, barren_deadline=barren,
-                        near_store_all=b >= NEAR_STORE_ALL_MIN_BUDGET * kw["baseline_peak"])
+                        near_store_all=near_store_all)
                 return reference.SolverResult(steps, fl, optimal, stats)
 
             # an op-level MILP cut short by the time limit may lose to the hierarchy
