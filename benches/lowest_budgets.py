@@ -25,10 +25,7 @@ from typing import Any
 
 import hrockmate
 from hrockmate.ir.graph import Graph, write_atomic
-from hrockmate.ir.plan import InfeasibleBudget
-from hrockmate.ir.schedule import peak_lower_bound
-from hrockmate.planning import hierarchy, ilp, literature, policy
-from hrockmate.planning.literature import NotAChainError
+from hrockmate.planning import hierarchy, ilp, policy
 from hrockmate.planning.policy import lowest_peak_top
 from hrockmate.planning.strategies import checkpoint_points
 
@@ -54,19 +51,6 @@ def hierarchy_lowest(g: Graph, time_limit: float) -> tuple[int | None, dict[str,
                                "seconds": round(time.perf_counter() - t0, 2)}
         best = peak if best is None else min(best, peak)
     return best, per_size
-
-
-def rotor_lowest(g: Graph) -> int | None:
-    """Whole-graph Rotor's lowest peak (None where the graph is not chain-shaped): the least
-    budget it is seen to solve (``policy.rotor_lowest``), or its peak at the floor of every
-    schedule where it fits there."""
-    try:
-        sched, _ = literature.rotor(g, peak_lower_bound(g)[0], time_limit=60)
-    except InfeasibleBudget as exc:
-        return policy.rotor_lowest(g, exc.min_bytes, 60)
-    except NotAChainError:
-        return None
-    return hrockmate.simulate(g, sched).peak_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             lows: dict[str, int | None] = {
                 "checkpoint": min(p.peak for p in checkpoint_points(g, False)),
                 "selective": min(p.peak for p in checkpoint_points(g, True)),
-                "rotor": rotor_lowest(g),
+                "rotor": policy.rotor_least_peak(g, 60),
             }
         others = [v for v in lows.values() if v is not None]
         ok = own is not None and all(own <= v for v in others)

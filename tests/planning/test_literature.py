@@ -127,6 +127,24 @@ def test_graphs_that_are_not_chains_get_a_clear_error() -> None:
     assert all(simulate(g, p.schedule).peak_bytes == p.sim.peak_bytes for p in points)
 
 
+def test_rotors_least_peak_is_the_peak_of_a_schedule_it_makes(loaded: dict[str, Graph]) -> None:
+    from hrockmate.planning import policy
+
+    g = loaded["vgg_like_train"]
+    least = policy.rotor_least_peak(g)
+    assert least is not None
+    # the least budget Rotor is seen to solve holds a schedule of that peak, and no lower
+    # budget is solved
+    with pytest.raises(InfeasibleBudget) as info:
+        rotor(g, 1000)
+    budget = policy.rotor_lowest(g, info.value.min_bytes)
+    schedule, sim = rotor(g, budget)
+    assert least == sim.peak_bytes == simulate(g, schedule).peak_bytes <= budget
+    with pytest.raises(InfeasibleBudget):
+        rotor(g, least - 1)
+    assert policy.rotor_least_peak(_not_a_chain_graph()) is None
+
+
 def test_rotor_rejects_bad_arguments(loaded: dict[str, Graph]) -> None:
     g = loaded["vgg_like_train"]
     with pytest.raises(ValueError, match="budget_bytes"):

@@ -4,6 +4,7 @@ plan at least as fast as they are; operator logs without forward/backward pairin
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -226,18 +227,21 @@ def test_recompute_all_is_a_last_resort_and_the_log_says_why(
         data_graphs: Path, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # greedy eviction reaches almost every budget recompute-all reaches; take it out, so that
-    # here (cnn_bn log at 33%) nothing but recompute-all fits
+    # here (the U-Net-like graph at 50%: recompute-all's peak is 44.0% of store-all, the
+    # hierarchy's lowest 57.1%, checkpointing's 79.1%) nothing but recompute-all fits
     monkeypatch.setattr(strategies, "greedy_eviction_schedule", lambda *a, **k: None)
-    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
+    g = Graph.load(data_graphs / "unet_like_train.json")
     with caplog.at_level(logging.WARNING, logger="hrockmate"):
-        plan = hrockmate.solve_graph(g, 0.33, progress=False, exact_ops=0, time_limit=30)
+        plan = hrockmate.solve_graph(g, 0.5, progress=False, exact_ops=0, time_limit=30)
     assert plan.stats["fallback"] == "recompute-all"
     line = next(r.getMessage() for r in caplog.records if "recompute-all" in r.getMessage())
-    for strategy in ("checkpoint", "selective", "rotor"):
-        assert strategy in line  # each one's lowest peak is stated
+    for strategy in ("checkpoint", "selective"):
+        assert f"{strategy} " in line  # each one's lowest peak is stated
+    # Rotor's too, or why it has none (here its probe can run out of the time left)
+    assert re.search(r"rotor( \d+ bytes|: out of time)", line)
     # and indeed none of them fits there
     for method in ("checkpoint", "selective"):
-        other = hrockmate.solve_graph(g, 0.33, method=method, progress=False)
+        other = hrockmate.solve_graph(g, 0.5, method=method, progress=False)
         assert other.stats.get("fallback") == "recompute-all"
 
 

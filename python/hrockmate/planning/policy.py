@@ -184,19 +184,47 @@ def rotor_lowest(graph: Graph, model_min: int, time_limit: float | None = None) 
     """The smallest budget Rotor is seen to solve. Its dynamic program rounds sizes up to memory
     slots, so the chain model's minimum itself may be out of reach: probe just above it, for
     at most ``time_limit`` seconds in all (then the model's minimum is the answer)."""
+    return _rotor_probe(graph, model_min, time_limit)[0]
+
+
+def _rotor_probe(graph: Graph, model_min: int, time_limit: float | None
+                 ) -> tuple[int, Any]:
+    """``rotor_lowest``'s budget and Rotor's schedule there (None when no probe solved)."""
     from hrockmate.planning import literature
 
     deadline = None if time_limit is None else _time.perf_counter() + time_limit
     for factor in (1.0, 1.0001, 1.001, 1.01, 1.05, 1.2):
         left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
         try:
-            literature.rotor(graph, int(model_min * factor), time_limit=left)
-            return int(model_min * factor)
+            sched, _ = literature.rotor(graph, int(model_min * factor), time_limit=left)
+            return int(model_min * factor), sched
         except InfeasibleBudget:
             continue
         except TimeoutError:
             break
-    return model_min
+    return model_min, None
+
+
+def rotor_least_peak(graph: Graph, time_limit: float | None = None) -> int | None:
+    """Whole-graph Rotor's least peak, simulated: that of its schedule at the floor of every
+    schedule (``peak_lower_bound``), or where its chain model does not go that low, at the
+    least budget it is seen to solve (``rotor_lowest``; its chain model's minimum when no
+    probe solves within ``time_limit``). None where the graph is not chain-shaped."""
+    from hrockmate.ir.schedule import peak_lower_bound
+    from hrockmate.planning import literature
+
+    deadline = None if time_limit is None else _time.perf_counter() + time_limit
+    try:
+        sched, _ = literature.rotor(graph, peak_lower_bound(graph)[0], time_limit=time_limit)
+    except literature.NotAChainError:
+        return None
+    except InfeasibleBudget as exc:
+        left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
+        least, sched = _rotor_probe(graph, exc.min_bytes, left)
+        if sched is None:
+            return least
+    steps = [(str(k), int(i)) for k, i in sched.steps]
+    return simulate_steps(graph, steps, int(sched.forward_len))[0]
 
 
 def validate(graph: Graph, c: Candidate, budget_bytes: int) -> tuple[int, float]:
@@ -228,9 +256,9 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
     from hrockmate.ir.schedule import recompute_all_schedule
 
     spares: list[tuple[Candidate, int, float]] = []  # (candidate, peak, time)
-    simple_memo: list[tuple[list[tuple[Candidate, int, float]], dict[str, int]]] = []
+    simple_memo: list[tuple[list[tuple[Candidate, int, float]], dict[str, int | str]]] = []
 
-    def simple_strategies() -> tuple[list[tuple[Candidate, int, float]], dict[str, int]]:
+    def simple_strategies() -> tuple[list[tuple[Candidate, int, float]], dict[str, int | str]]:
         # once per call: before a block level's top MILP (whether one fits bounds how long that
         # MILP may search without finding a schedule), then as the plans it must beat
         if not simple_memo:
@@ -439,17 +467,19 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
     cand, lowest = _pick(spares, budget, method, graph)
     if cand is not None and method == "hrockmate":
         cand = _refined(graph, budget, cand, kw)
-    if "rotor" in minima and (cand is None or cand.stats["fallback"] == "recompute-all"):
+    if (isinstance(minima.get("rotor"), int)
+            and (cand is None or cand.stats["fallback"] == "recompute-all")):
         # probed only now that it is reported: up to six of Rotor's dynamic programs (2 s on a
         # 6k-op graph) that a solve with a plan does not need
-        minima["rotor"] = rotor_lowest(graph, minima["rotor"], time_left(kw))
+        minima["rotor"] = rotor_lowest(graph, int(minima["rotor"]), time_left(kw))
     if cand is None:
-        lowest = min([lowest, *minima.values()])
+        lowest = min([lowest, *(v for v in minima.values() if isinstance(v, int))])
     else:
         if cand.stats["fallback"] == "recompute-all":
             cand.notice = (f"{method} found no schedule for '{graph.name}' within {budget} bytes "
                            "and only recompute-all fits (the lowest peaks reached: "
-                           + (", ".join(f"{k} {v} bytes" for k, v in minima.items()) or "none")
+                           + (", ".join(f"{k} {v} bytes" if isinstance(v, int) else f"{k}: {v}"
+                                        for k, v in minima.items()) or "none")
                            + ")")
         else:
             cand.notice = (f"{method} found no schedule for '{graph.name}' within {budget} "
@@ -478,17 +508,17 @@ GREEDY_MIN_SECONDS = 0.25
 
 
 def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float | None = None
-                       ) -> tuple[list[tuple[Candidate, int, float]], dict[str, int]]:
+                       ) -> tuple[list[tuple[Candidate, int, float]], dict[str, int | str]]:
     """The simple strategies no plan may lose to, each at its fastest setting within the
     budget: block checkpointing, selective checkpointing, whole-graph Rotor (chain-shaped
     graphs only) and greedy eviction (DTR-style, any graph), within ``time_limit`` seconds.
     Returns them as (candidate, peak, time), marked as fallbacks, and the lowest peak each of
-    the first three reaches (for the log and the error when nothing fits; Rotor's is its chain
-    model's minimum, which ``rotor_lowest`` refines)."""
+    the first three reaches, or why it has none (for the log and the error when nothing fits;
+    Rotor's is its chain model's minimum, which ``rotor_lowest`` refines)."""
     from hrockmate.planning.literature import NotAChainError
 
     out: list[tuple[Candidate, int, float]] = []
-    lowest: dict[str, int] = {}
+    lowest: dict[str, int | str] = {}
     deadline = None if time_limit is None else _time.perf_counter() + time_limit
     # shares of the time left: checkpointing 1/4, selective 1/3 of the rest, Rotor half of
     # what remains, greedy eviction the rest
@@ -510,9 +540,12 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
             probe_lowest=False)
     except NotAChainError:
         rotor = None
+        lowest["rotor"] = "does not apply, the graph is not chain-shaped"
     except (TimeoutError, MemoryError) as exc:  # out of time, or tables too large
         logger.info("whole-graph Rotor skipped for '%s': %s", graph.name, exc)
         rotor = None
+        lowest["rotor"] = ("out of time" if isinstance(exc, TimeoutError)
+                           else "its tables do not fit in memory")
     else:
         if rotor is None:
             lowest["rotor"] = rotor_lowest
