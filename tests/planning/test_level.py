@@ -64,33 +64,3 @@ def _blocks(b):  # type: ignore[no-untyped-def]
     yield b
     for c in b.children:
         yield from _blocks(c)
-
-
-def test_a_backward_fragment_frees_the_forward_outputs_it_makes_again(
-        data_graphs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # CNN+BN log, leaves of 6: a block's forward outputs are the parent's, so the level never
-    # frees them; a backward fragment that recomputes one held it to its end. Freed after their
-    # last read there, the lowest peak goes from 37.9% to 31.7% of store-all.
-    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
-    h = hierarchy_mod.prepare(g, flat_ops=0, leaf_size=6, progress=False, time_limit=120)
-    made_again = 0
-    for b in _blocks(h.root):
-        if b.is_root:
-            continue
-        for o in b.options:
-            made = [s for s, (kind, i) in enumerate(o.bwd) if kind == "compute"
-                    and set(g.ops[i].outputs) & set(b.fwd_out)]
-            for s in made:
-                for x in set(g.ops[o.bwd[s][1]].outputs) & set(b.fwd_out) - set(b.bwd_out):
-                    made_again += 1
-                    reads = [r for r, (kind, i) in enumerate(o.bwd)
-                             if kind == "compute" and x in g.ops[i].inputs]
-                    free = o.bwd.index(("free", x))
-                    assert free > max(reads + [s])
-                    # right after the last read (or its making), before any other compute
-                    assert all(kind == "free" for kind, _ in o.bwd[max(reads + [s]) + 1:free])
-    assert made_again > 0
-    freed, _ = _lowest_top(g, 6)
-    monkeypatch.setattr(level, "recomputed_outputs_freed", lambda ctx, block, bwd: bwd)
-    held, _ = _lowest_top(g, 6)
-    assert freed < 0.9 * held

@@ -424,53 +424,11 @@ def expand_level(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan
     saved = frozenset(x for x in alive_after(g, fwd_steps) if x not in interface)
     bwd_steps = out
     if block.bwd_ops and not block.is_root:
-        bwd_steps = recomputed_outputs_freed(ctx, block, bwd_steps)
         bwd_steps = bwd_steps + leftover_frees(g, fwd_steps + bwd_steps, interface)
     return fwd_steps, bwd_steps, saved
 
 
 FREEABLE_ROLES = frozenset({"activation", "param_grad", "input_grad", "buffer_update"})
-
-
-def recomputed_outputs_freed(ctx: GraphFacts, block: Block, bwd: list[Step]) -> list[Step]:
-    """``bwd`` with each forward output of the block that it makes again freed right after its
-    last read there. The level keeps a block's forward outputs to the end (they are the
-    parent's), so a backward fragment that recomputes one held it through the rest of the
-    block's backward (Checkmate's MobileNet: its first block's output, 1.2% of the store-all
-    peak, alive at the peak of the least-peak plan). The parent never counts such a copy after
-    the fragment: where it holds that output itself, the fragment's copy is a temporary one
-    and the parent's replay keeps its own (what was alive before a fragment is protected)."""
-    g = ctx.graph
-    made_at: dict[int, int] = {}
-    read_before_made: set[int] = set()
-    last_read: dict[int, int] = {}
-    freed: set[int] = set()
-    for s, (kind, i) in enumerate(bwd):
-        if kind != "compute":
-            freed.add(i)
-            continue
-        for x in g.ops[i].inputs:
-            r = ctx.root[x]
-            if r not in made_at:
-                read_before_made.add(r)
-            last_read[r] = s
-        for x in g.ops[i].outputs:
-            made_at[x] = s
-            if ctx.root[x] != x:
-                read_before_made.add(ctx.root[x])  # (a view made here: left as it was)
-    done = set(block.bwd_out) | freed | read_before_made
-    after: dict[int, list[int]] = {}
-    for x in block.fwd_out:
-        if (x in made_at and x not in done and ctx.root[x] == x
-                and g.tensors[x].role in FREEABLE_ROLES):
-            after.setdefault(max(made_at[x], last_read.get(x, -1)), []).append(x)
-    if not after:
-        return bwd
-    out: list[Step] = []
-    for s, step in enumerate(bwd):
-        out.append(step)
-        out.extend(("free", x) for x in sorted(after.get(s, ())))
-    return out
 
 
 def leftover_frees(g: Graph, steps: list[Step], interface: set[int]) -> list[Step]:
