@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import InfeasibleBudget, SolveError
-from hrockmate.ir.schedule import Step
+from hrockmate.ir.schedule import SimulationResult, Step
 from hrockmate.planning import ilp
 from hrockmate.planning import strategies as reference
 from hrockmate.planning.hierarchy import (
@@ -188,16 +188,17 @@ def rotor_lowest(graph: Graph, model_min: int, time_limit: float | None = None) 
 
 
 def _rotor_probe(graph: Graph, model_min: int, time_limit: float | None
-                 ) -> tuple[int, Any]:
-    """``rotor_lowest``'s budget and Rotor's schedule there (None when no probe solved)."""
+                 ) -> tuple[int, SimulationResult | None]:
+    """``rotor_lowest``'s budget and the simulation of Rotor's schedule there (None when no
+    probe solved)."""
     from hrockmate.planning import literature
 
     deadline = None if time_limit is None else _time.perf_counter() + time_limit
     for factor in (1.0, 1.0001, 1.001, 1.01, 1.05, 1.2):
         left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
         try:
-            sched, _ = literature.rotor(graph, int(model_min * factor), time_limit=left)
-            return int(model_min * factor), sched
+            _, sim = literature.rotor(graph, int(model_min * factor), time_limit=left)
+            return int(model_min * factor), sim
         except InfeasibleBudget:
             continue
         except TimeoutError:
@@ -215,16 +216,16 @@ def rotor_least_peak(graph: Graph, time_limit: float | None = None) -> int | Non
 
     deadline = None if time_limit is None else _time.perf_counter() + time_limit
     try:
-        sched, _ = literature.rotor(graph, peak_lower_bound(graph)[0], time_limit=time_limit)
+        _, sim = literature.rotor(graph, peak_lower_bound(graph)[0], time_limit=time_limit)
     except literature.NotAChainError:
         return None
     except InfeasibleBudget as exc:
         left = None if deadline is None else max(0.0, deadline - _time.perf_counter())
-        least, sched = _rotor_probe(graph, exc.min_bytes, left)
-        if sched is None:
+        least, probed = _rotor_probe(graph, exc.min_bytes, left)
+        if probed is None:
             return least
-    steps = [(str(k), int(i)) for k, i in sched.steps]
-    return simulate_steps(graph, steps, int(sched.forward_len))[0]
+        sim = probed
+    return int(sim.peak_bytes)
 
 
 def validate(graph: Graph, c: Candidate, budget_bytes: int) -> tuple[int, float]:
