@@ -2,10 +2,10 @@
 
 The hierarchy's formulation holds block checkpointing and Rotor's chain schedules as points,
 so the lowest peak its own plan reaches (the top level solved for the least peak, with each
-default leaf size, the least kept) should be at or below the lowest one of per-block
-checkpointing (every block count tried), selective checkpointing and whole-graph Rotor
-(chain-shaped graphs only). Graphs as in ``benches/simple_strategies.py`` (``--graphs DIR``,
-``--demo``, ``--zoo SIZE``).
+default leaf size and both models of the blocks' options, the least kept) should be at or
+below the lowest one of per-block checkpointing (every block count tried), selective
+checkpointing and whole-graph Rotor (chain-shaped graphs only). Graphs as in
+``benches/simple_strategies.py`` (``--graphs DIR``, ``--demo``, ``--zoo SIZE``).
 
     OMP_NUM_THREADS=1 python benches/lowest_budgets.py [--demo] [--zoo small] [--graphs DIR]
 
@@ -34,22 +34,27 @@ from simple_strategies import REPO, graphs  # noqa: E402
 
 
 def hierarchy_lowest(g: Graph, time_limit: float) -> tuple[int | None, dict[str, Any]]:
-    """The least peak of the hierarchy's own plans over the default leaf sizes
-    (``policy.lowest_peak_top``, as ``solve_graph`` finds it when nothing simple fits)."""
+    """The least peak of the hierarchy's own plans over the default leaf sizes, each with the
+    blocks' default options and with their low-peak model (``policy.lowest_peak_top``, as
+    ``solve_graph`` finds it when nothing simple fits; it solves the blocks again with the
+    low-peak model below the least peak of the default options)."""
     best: int | None = None
     per_size: dict[str, Any] = {}
     for size in hierarchy.leaf_sizes(g, None):
-        t0 = time.perf_counter()
-        try:
-            h = hierarchy.prepare(g, leaf_size=size, time_limit=time_limit, progress=False)
-            steps, fl, proven, _ = lowest_peak_top(h, time_limit)
-        except (ilp.LevelInfeasible, ilp.LevelNoSolution, hierarchy.HierarchyTimeout):
-            per_size[str(size)] = None
-            continue
-        peak = hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).peak_bytes
-        per_size[str(size)] = {"peak": peak, "proven": proven,
-                               "seconds": round(time.perf_counter() - t0, 2)}
-        best = peak if best is None else min(best, peak)
+        for low_peak in (False, True):
+            key = f"{size} low-peak" if low_peak else str(size)
+            t0 = time.perf_counter()
+            try:
+                h = hierarchy.prepare(g, leaf_size=size, time_limit=time_limit, progress=False,
+                                      low_peak=low_peak)
+                steps, fl, proven, _ = lowest_peak_top(h, time_limit)
+            except (ilp.LevelInfeasible, ilp.LevelNoSolution, hierarchy.HierarchyTimeout):
+                per_size[key] = None
+                continue
+            peak = hrockmate.simulate(g, hrockmate.Schedule(steps, fl)).peak_bytes
+            per_size[key] = {"peak": peak, "proven": proven,
+                             "seconds": round(time.perf_counter() - t0, 2)}
+            best = peak if best is None else min(best, peak)
     return best, per_size
 
 

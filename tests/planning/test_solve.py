@@ -798,7 +798,7 @@ def test_a_top_milp_without_a_schedule_stops_early_when_a_simple_strategy_fits(
     # nothing simple fits: no barren deadline (the search has the solve's time limit), and the
     # lowest-peak MILP is a spare again
     calls.clear()
-    monkeypatch.setattr(policy, "_simple_strategies", lambda *a, **k: ([], {}))
+    monkeypatch.setattr(policy, "_simple_strategies", lambda *a, **k: policy.SimpleStrategies())
     hrockmate.solve_graph(g, 0.5, **opts)
     assert calls[0]["barren_deadline"] is None
     assert len(calls) == 2 and calls[1]["budget"] is None and calls[1]["minimize_peak"]

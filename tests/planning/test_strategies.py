@@ -245,6 +245,31 @@ def test_recompute_all_is_a_last_resort_and_the_log_says_why(
         assert other.stats.get("fallback") == "recompute-all"
 
 
+def test_below_the_blocks_least_peak_the_low_peak_model_plans(
+        data_graphs: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CNN+BN log, leaves of 6, at 35% of store-all: below the least peak of the blocks'
+    # default options (37.9%), and of checkpointing (56%) and Rotor; greedy eviction taken
+    # out, recompute-all alone would fit. The blocks solved again with the low-peak model
+    # (least peak 31.7%) plan it
+    from hrockmate.planning import hierarchy
+    from hrockmate.planning.policy import lowest_peak_top
+
+    monkeypatch.setattr(strategies, "greedy_eviction_schedule", lambda *a, **k: None)
+    g = Graph.load(data_graphs / "cnn_bn_oplog.json")
+    budget = int(0.35 * hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes)
+    h = hierarchy.prepare(g, flat_ops=0, leaf_size=6, progress=False, time_limit=60)
+    steps, fl, _, _ = lowest_peak_top(h, 60)
+    assert simulate_steps(g, steps, fl)[0] > budget  # the default model has nothing there
+    with caplog.at_level(logging.INFO, logger="hrockmate"):
+        plan = hrockmate.solve_graph(g, budget, progress=False, exact_ops=0, leaf_size=6,
+                                     time_limit=60)
+    assert plan.stats.get("low_peak") is True
+    assert not plan.stats.get("fallback"), plan.stats
+    assert plan.peak_bytes <= budget
+    assert any("low-peak model" in r.getMessage() for r in caplog.records)
+
+
 def test_the_time_limit_covers_the_blocks_and_the_simple_strategies(
         data_graphs: Path, caplog: pytest.LogCaptureFixture) -> None:
     import time

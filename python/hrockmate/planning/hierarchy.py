@@ -217,6 +217,9 @@ class _Settings:
     # (``prepare``): then leaves take the Rust core's options and other blocks get only their
     # fastest, keep-nothing and lowest-peak options (``go_lean``)
     lean: bool = False
+    # the low-peak model: a block's backward frees the forward outputs it makes again after
+    # their last read (``level.recomputed_outputs_freed``; ``prepare(low_peak=True)``)
+    low_peak: bool = False
 
     def go_lean(self) -> None:
         self.lean = True
@@ -287,7 +290,7 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
                                  mip_rel_gap=max(st.mip_rel_gap, 1e-2 if limited else 1e-3))
         except (ilp.LevelInfeasible, ilp.LevelNoSolution):
             return None
-        return make_option(ctx, block, lvl, sp)
+        return make_option(ctx, block, lvl, sp, free_recomputed=st.low_peak)
 
     first = attempt(easy, budget=None)
     if first is None and st.deadline is not None and _time.perf_counter() >= st.deadline:
@@ -391,6 +394,7 @@ class Hierarchy:
     solved_blocks: int  # blocks whose level was solved; the others reuse an equal block's options
     solvers: dict[str, str] = field(default_factory=dict)
     lean: bool = False  # some blocks got fewer options to finish in time (``_Settings.lean``)
+    low_peak: bool = False  # built with the low-peak model (``prepare``)
     leaf_size: int = LEAF_SIZE
 
     def solver_counts(self) -> dict[str, int]:
@@ -411,7 +415,7 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
             sub_time_limit: float | None = None,
             mip_rel_gap: float = 1e-4, progress: bool = True,
             workers: int | None = None, solvers: Mapping[str, str] | None = None,
-            near_store_all: bool = True) -> Hierarchy:
+            near_store_all: bool = True, low_peak: bool = False) -> Hierarchy:
     """Build the hierarchy and compute the options of every block below the root.
 
     Blocks of the same height are independent: ``workers`` threads solve them at once (HiGHS
@@ -419,7 +423,14 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
     core, at most ``MAX_WORKERS``. Ctrl-C or an error in one block stops every thread's solve
     within about 0.1 s. ``near_store_all``: also solve the blocks above the leaves under the
     caps of ``NEAR_STORE_ALL_FRACTIONS`` (only budgets of ``NEAR_STORE_ALL_MIN_BUDGET`` and
-    more use them)."""
+    more use them). ``low_peak``: a block's backward frees the forward outputs it makes again
+    right after their last read there instead of holding them to its end
+    (``level.recomputed_outputs_freed``). Its options' peaks are lower or equal, so this model
+    plans lower budgets (Checkmate's MobileNet: 20.3 -> 19.1% of store-all, the floor of every
+    schedule). It is not the default: on the changed coefficients the top MILPs searched worse
+    at budgets both models plan (the 10k-op LSTM at 30% found no schedule of its own in its
+    window; 7 of the 96 cases of benches/simple_strategies.py slower), so ``solve_graph`` uses
+    it only where the default model has no schedule (``policy.run_method``)."""
     t0 = _time.perf_counter()
     ctx = GraphFacts(graph)
     chosen = level_solvers.check_solvers(solvers)
@@ -434,6 +445,7 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
                    mip_rel_gap, solvers=chosen,
                    deadline=None if time_limit is None
                    else t0 + HIERARCHY_TIME_SHARE * time_limit)
+    st.low_peak = low_peak
     if not near_store_all:
         st.near_store_all_fractions = ()
     by_height: dict[int, list[Block]] = {}
@@ -516,7 +528,7 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
             pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total, solved, chosen,
-                     lean=st.lean, leaf_size=leaf_size)
+                     lean=st.lean, leaf_size=leaf_size, low_peak=low_peak)
 
 
 # Block-solving threads at most: beyond this, the serial Python parts dominate.

@@ -325,9 +325,12 @@ def op_stages(lvl: _Level, steps: list[Step]) -> list[list[tuple[int, int]]] | N
     return stages
 
 
-def expand_level(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan
-            ) -> tuple[list[Step], list[Step], frozenset[int]]:
-    """Forward steps, backward steps and saved tensors of one solution of a block's level."""
+def expand_level(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan, *,
+                 free_recomputed: bool = False
+                 ) -> tuple[list[Step], list[Step], frozenset[int]]:
+    """Forward steps, backward steps and saved tensors of one solution of a block's level.
+    ``free_recomputed``: the backward frees the forward outputs it makes again after their last
+    read (``recomputed_outputs_freed``)."""
     g = ctx.graph
     p = lvl.problem
     alive: set[int] = set()
@@ -424,11 +427,55 @@ def expand_level(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan
     saved = frozenset(x for x in alive_after(g, fwd_steps) if x not in interface)
     bwd_steps = out
     if block.bwd_ops and not block.is_root:
+        if free_recomputed:
+            bwd_steps = recomputed_outputs_freed(ctx, block, bwd_steps)
         bwd_steps = bwd_steps + leftover_frees(g, fwd_steps + bwd_steps, interface)
     return fwd_steps, bwd_steps, saved
 
 
 FREEABLE_ROLES = frozenset({"activation", "param_grad", "input_grad", "buffer_update"})
+
+
+def recomputed_outputs_freed(ctx: GraphFacts, block: Block, bwd: list[Step]) -> list[Step]:
+    """``bwd`` with each forward output of the block that it makes again freed right after its
+    last read there (the low-peak model, ``expand_level(free_recomputed=True)``). The level
+    keeps a block's forward outputs to the end (they are the parent's), so a backward fragment
+    that recomputes one holds it through the rest of the block's backward (Checkmate's
+    MobileNet: its first block's output, 1.2% of the store-all peak, alive at the peak of the
+    least-peak plan). The parent never counts such a copy after the fragment: where it holds
+    that output itself, the fragment's copy is a temporary one and the parent's replay keeps
+    its own (what was alive before a fragment is protected)."""
+    g = ctx.graph
+    made_at: dict[int, int] = {}
+    read_before_made: set[int] = set()
+    last_read: dict[int, int] = {}
+    freed: set[int] = set()
+    for s, (kind, i) in enumerate(bwd):
+        if kind != "compute":
+            freed.add(i)
+            continue
+        for x in g.ops[i].inputs:
+            r = ctx.root[x]
+            if r not in made_at:
+                read_before_made.add(r)
+            last_read[r] = s
+        for x in g.ops[i].outputs:
+            made_at[x] = s
+            if ctx.root[x] != x:
+                read_before_made.add(ctx.root[x])  # (a view made here: left as it was)
+    done = set(block.bwd_out) | freed | read_before_made
+    after: dict[int, list[int]] = {}
+    for x in block.fwd_out:
+        if (x in made_at and x not in done and ctx.root[x] == x
+                and g.tensors[x].role in FREEABLE_ROLES):
+            after.setdefault(max(made_at[x], last_read.get(x, -1)), []).append(x)
+    if not after:
+        return bwd
+    out: list[Step] = []
+    for s, step in enumerate(bwd):
+        out.append(step)
+        out.extend(("free", x) for x in sorted(after.get(s, ())))
+    return out
 
 
 def leftover_frees(g: Graph, steps: list[Step], interface: set[int]) -> list[Step]:
@@ -479,8 +526,9 @@ def _outside(ctx: GraphFacts, tensors: Iterable[int], counted: set[int]) -> Stor
     return out
 
 
-def make_option(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan) -> BlockOption:
-    fwd, bwd, saved = expand_level(ctx, block, lvl, sp)
+def make_option(ctx: GraphFacts, block: Block, lvl: _Level, sp: ilp.StagePlan, *,
+                free_recomputed: bool = False) -> BlockOption:
+    fwd, bwd, saved = expand_level(ctx, block, lvl, sp, free_recomputed=free_recomputed)
     return option_from_steps(ctx, block, fwd, bwd, saved)
 
 

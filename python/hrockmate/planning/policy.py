@@ -9,7 +9,7 @@ import logging
 import math
 import sys
 import time as _time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from hrockmate.ir.graph import Graph
@@ -257,9 +257,10 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
     from hrockmate.ir.schedule import recompute_all_schedule
 
     spares: list[tuple[Candidate, int, float]] = []  # (candidate, peak, time)
-    simple_memo: list[tuple[list[tuple[Candidate, int, float]], dict[str, int | str]]] = []
+    # (a second call for the same budget, with the low-peak model, shares the first's)
+    simple_memo: list[SimpleStrategies] = kw["simple_memo"] if "simple_memo" in kw else []
 
-    def simple_strategies() -> tuple[list[tuple[Candidate, int, float]], dict[str, int | str]]:
+    def simple_strategies() -> SimpleStrategies:
         # once per call: before a block level's top MILP (whether one fits bounds how long that
         # MILP may search without finding a schedule), then as the plans it must beat
         if not simple_memo:
@@ -335,7 +336,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                 group_size=kw["group_size"], top_size=kw["top_size"],
                 time_limit=time_left(kw), sub_time_limit=kw["sub_time_limit"],
                 mip_rel_gap=kw["mip_rel_gap"], progress=kw["progress"], solvers=kw["solvers"],
-                near_store_all=near_store_all)
+                near_store_all=near_store_all, low_peak=kw.get("low_peak", False))
         except HierarchyTimeout as exc:
             if kw.get("plan_in_hand"):
                 # a later try (another leaf size) whose blocks did not fit the window: the
@@ -352,13 +353,15 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                        "solved_blocks": h.solved_blocks, "solvers": dict(h.solvers),
                        "block_solvers": h.solver_counts(), "lean_blocks": h.lean,
                        "hierarchy_seconds": round(h.seconds, 4), "leaf_size": h.leaf_size}
+            if h.low_peak:
+                stats_h["low_peak"] = True
 
             until = kw.get("improve_until")
 
             def top(b: int) -> reference.SolverResult:
                 # (first: whether a simple strategy fits bounds a search that finds nothing)
                 fallback_fits = bool(h.root.children and until is not None
-                                     and not kw.get("plan_in_hand") and simple_strategies()[0])
+                                     and not kw.get("plan_in_hand") and simple_strategies().fits)
                 left = time_left(kw)
                 if left is not None and h.root.children:  # (a flat level is the whole solve)
                     left *= TOP_TIME_SHARE
@@ -428,8 +431,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     # was cut short (the U-Net-like graph at 50%: +38.33% against +38.44%)
                     best, best_time = cand, simulate_steps(graph, cand.steps, cand.forward_len)[1]
                     own_time = best_time
-                    simple, _ = simple_strategies()
-                    for alt, _peak, alt_time in simple:
+                    for alt, _peak, alt_time in simple_strategies().fits:
                         if alt_time < best_time:
                             # the hierarchy's figures stay (top_solver, ...): what it did, its
                             # plan's time and what beat it
@@ -442,6 +444,16 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     return best, 0
                 return cand, 0
             except ilp.LevelInfeasible:
+                if h.root.children and not h.low_peak:
+                    # below the least peak of the blocks' options: their low-peak model frees
+                    # what a block's backward makes again after its last read, and plans lower
+                    # budgets (``prepare(low_peak=True)``; Checkmate's MobileNet 20.3 -> 19.1%
+                    # of store-all), blocks solved again within the time left
+                    logger.info("'%s' has no schedule within %d bytes with these blocks' "
+                                "options; solving the blocks again with the low-peak model",
+                                graph.name, budget)
+                    return run_method(graph, method, budget, None,
+                                      {**kw, "low_peak": True, "simple_memo": simple_memo})
                 if kw.get("plan_in_hand"):
                     return None, 0
             except ilp.LevelNoSolution as exc:
@@ -455,7 +467,7 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
             try:
                 # (a spare, and the lowest peak to report when nothing fits: not needed when a
                 # simple strategy fits, which is nearly always faster than a lowest-peak plan)
-                if kw.get("lowest_peak", True) and not simple_strategies()[0]:
+                if kw.get("lowest_peak", True) and not simple_strategies().fits:
                     with elapsed_progress(f"lowest-peak MILP of '{graph.name}'", time_left(kw),
                                           kw["progress"]):
                         steps, fl, _, _ = lowest_peak_top(h, time_left(kw))
@@ -463,25 +475,25 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
             except (ilp.LevelInfeasible, ilp.LevelNoSolution):
                 pass
     add_recompute_all()
-    simple, minima = simple_strategies()
-    spares.extend(simple)
+    simple = simple_strategies()
+    spares.extend(simple.fits)
     cand, lowest = _pick(spares, budget, method, graph)
     if cand is not None and method == "hrockmate":
         cand = _refined(graph, budget, cand, kw)
-    if (isinstance(minima.get("rotor"), int)
-            and (cand is None or cand.stats["fallback"] == "recompute-all")):
+    minima = simple.lowest
+    if "rotor" in minima and (cand is None or cand.stats["fallback"] == "recompute-all"):
         # probed only now that it is reported: up to six of Rotor's dynamic programs (2 s on a
         # 6k-op graph) that a solve with a plan does not need
-        minima["rotor"] = rotor_lowest(graph, int(minima["rotor"]), time_left(kw))
+        minima["rotor"] = rotor_lowest(graph, minima["rotor"], time_left(kw))
     if cand is None:
-        lowest = min([lowest, *(v for v in minima.values() if isinstance(v, int))])
+        lowest = min([lowest, *minima.values()])
     else:
         if cand.stats["fallback"] == "recompute-all":
+            reached = [f"{k} {v} bytes" for k, v in minima.items()]
+            reached += [f"{k}: {why}" for k, why in simple.why_none.items()]
             cand.notice = (f"{method} found no schedule for '{graph.name}' within {budget} bytes "
                            "and only recompute-all fits (the lowest peaks reached: "
-                           + (", ".join(f"{k} {v} bytes" if isinstance(v, int) else f"{k}: {v}"
-                                        for k, v in minima.items()) or "none")
-                           + ")")
+                           + (", ".join(reached) or "none") + ")")
         else:
             cand.notice = (f"{method} found no schedule for '{graph.name}' within {budget} "
                            f"bytes; using {cand.stats['fallback']}")
@@ -508,18 +520,29 @@ TOP_WINDOW_MIN_SECONDS = 2.0
 GREEDY_MIN_SECONDS = 0.25
 
 
+@dataclass
+class SimpleStrategies:
+    """What the simple strategies reach at one budget (``_simple_strategies``)."""
+
+    # those within the budget, as (candidate, peak, time), marked as fallbacks
+    fits: list[tuple[Candidate, int, float]] = field(default_factory=list)
+    # the lowest peak block checkpointing, selective checkpointing and Rotor each reach (for the
+    # log and the error when nothing fits; Rotor's is its chain model's minimum, which
+    # ``rotor_lowest`` refines)
+    lowest: dict[str, int] = field(default_factory=dict)
+    # why one of them has no lowest peak ("rotor": "does not apply, ...")
+    why_none: dict[str, str] = field(default_factory=dict)
+
+
 def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float | None = None
-                       ) -> tuple[list[tuple[Candidate, int, float]], dict[str, int | str]]:
+                       ) -> SimpleStrategies:
     """The simple strategies no plan may lose to, each at its fastest setting within the
     budget: block checkpointing, selective checkpointing, whole-graph Rotor (chain-shaped
-    graphs only) and greedy eviction (DTR-style, any graph), within ``time_limit`` seconds.
-    Returns them as (candidate, peak, time), marked as fallbacks, and the lowest peak each of
-    the first three reaches, or why it has none (for the log and the error when nothing fits;
-    Rotor's is its chain model's minimum, which ``rotor_lowest`` refines)."""
+    graphs only) and greedy eviction (DTR-style, any graph), within ``time_limit`` seconds."""
     from hrockmate.planning.literature import NotAChainError
 
-    out: list[tuple[Candidate, int, float]] = []
-    lowest: dict[str, int | str] = {}
+    found_simple = SimpleStrategies()
+    out, lowest = found_simple.fits, found_simple.lowest
     deadline = None if time_limit is None else _time.perf_counter() + time_limit
     # shares of the time left: checkpointing 1/4, selective 1/3 of the rest, Rotor half of
     # what remains, greedy eviction the rest
@@ -541,12 +564,12 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
             probe_lowest=False)
     except NotAChainError:
         rotor = None
-        lowest["rotor"] = "does not apply, the graph is not chain-shaped"
+        found_simple.why_none["rotor"] = "does not apply, the graph is not chain-shaped"
     except (TimeoutError, MemoryError) as exc:  # out of time, or tables too large
         logger.info("whole-graph Rotor skipped for '%s': %s", graph.name, exc)
         rotor = None
-        lowest["rotor"] = ("out of time" if isinstance(exc, TimeoutError)
-                           else "its tables do not fit in memory")
+        found_simple.why_none["rotor"] = ("out of time" if isinstance(exc, TimeoutError)
+                                          else "its tables do not fit in memory")
     else:
         if rotor is None:
             lowest["rotor"] = rotor_lowest
@@ -562,7 +585,7 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
         if peak <= budget:
             out.append((Candidate(found[0], found[1], False,
                                    {"method": method, "fallback": "greedy"}), peak, t))
-    return out, lowest
+    return found_simple
 
 
 def _pick(spares: list[tuple[Candidate, int, float]], budget: int, method: str, graph: Graph
