@@ -268,6 +268,13 @@ def test_below_the_blocks_least_peak_the_low_peak_model_plans(
     assert not plan.stats.get("fallback"), plan.stats
     assert plan.peak_bytes <= budget
     assert any("low-peak model" in r.getMessage() for r in caplog.records)
+    # a hierarchy the caller prepared is solved again with its own leaf size (9; the default
+    # first one is 6)
+    h9 = hierarchy.prepare(g, flat_ops=0, leaf_size=9, progress=False, time_limit=60)
+    plan = hrockmate.solve_graph(g, budget, progress=False, exact_ops=0, hierarchy=h9,
+                                 time_limit=60)
+    assert plan.stats.get("low_peak") is True and plan.stats["leaf_size"] == 9
+    assert plan.peak_bytes <= budget
 
 
 def test_the_time_limit_covers_the_blocks_and_the_simple_strategies(

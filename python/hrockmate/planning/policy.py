@@ -452,8 +452,10 @@ def run_method(graph: Graph, method: str, budget: int, hierarchy: Hierarchy | No
                     logger.info("'%s' has no schedule within %d bytes with these blocks' "
                                 "options; solving the blocks again with the low-peak model",
                                 graph.name, budget)
+                    # (the leaf size of a hierarchy the caller prepared, not the default's)
                     return run_method(graph, method, budget, None,
-                                      {**kw, "low_peak": True, "simple_memo": simple_memo})
+                                      {**kw, "leaf_size": h.leaf_size, "low_peak": True,
+                                       "simple_memo": simple_memo})
                 if kw.get("plan_in_hand"):
                     return None, 0
             except ilp.LevelNoSolution as exc:
