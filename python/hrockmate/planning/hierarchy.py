@@ -444,8 +444,7 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
     st = _Settings(time_limit, SUB_TIME_LIMIT if sub_time_limit is None else sub_time_limit,
                    mip_rel_gap, solvers=chosen,
                    deadline=None if time_limit is None
-                   else t0 + HIERARCHY_TIME_SHARE * time_limit)
-    st.low_peak = low_peak
+                   else t0 + HIERARCHY_TIME_SHARE * time_limit, low_peak=low_peak)
     if not near_store_all:
         st.near_store_all_fractions = ()
     by_height: dict[int, list[Block]] = {}

@@ -544,7 +544,7 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
     from hrockmate.planning.literature import NotAChainError
 
     found_simple = SimpleStrategies()
-    out, lowest = found_simple.fits, found_simple.lowest
+    out, lowest, why_none = found_simple.fits, found_simple.lowest, found_simple.why_none
     deadline = None if time_limit is None else _time.perf_counter() + time_limit
     # shares of the time left: checkpointing 1/4, selective 1/3 of the rest, Rotor half of
     # what remains, greedy eviction the rest
@@ -566,12 +566,12 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
             probe_lowest=False)
     except NotAChainError:
         rotor = None
-        found_simple.why_none["rotor"] = "does not apply, the graph is not chain-shaped"
+        why_none["rotor"] = "does not apply, the graph is not chain-shaped"
     except (TimeoutError, MemoryError) as exc:  # out of time, or tables too large
         logger.info("whole-graph Rotor skipped for '%s': %s", graph.name, exc)
         rotor = None
-        found_simple.why_none["rotor"] = ("out of time" if isinstance(exc, TimeoutError)
-                                          else "its tables do not fit in memory")
+        why_none["rotor"] = ("out of time" if isinstance(exc, TimeoutError)
+                             else "its tables do not fit in memory")
     else:
         if rotor is None:
             lowest["rotor"] = rotor_lowest
