@@ -325,8 +325,8 @@ pub struct CheckpointPoint {
 }
 
 /// Block checkpointing at each of [`checkpoint_candidates`]' block counts, simulated. With
-/// `budget`, only the fastest point within it (the first, on ties) keeps its schedule: dozens of
-/// whole-graph schedules held at once took 1 GB on a 45k-op graph. With `time_limit` (seconds)
+/// `budget`, only the fastest point within it (the first, on ties) keeps its schedule: memory
+/// then holds one whole-graph schedule, not one per block count. With `time_limit` (seconds)
 /// the counts nearest sqrt(n) come first and the rest stop once it has passed (the first count
 /// always runs); `stop` is polled for cancellation.
 pub fn checkpoint_points(

@@ -45,8 +45,9 @@ impl Partitioner for Contiguous {
     }
 }
 
-/// Rounding with halves to the even neighbour, as the planner's earlier Python partitioner did
-/// (so that its trees, which the benchmarks validated, stay the same).
+/// Rounding with halves to the even neighbour (as Python's `round` does), for the target group
+/// size of an upper round: the trees this partitioner makes, and the tests that pin them,
+/// depend on this rounding.
 fn round_half_even(x: f64) -> usize {
     let r = x.round();
     let r = if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 { r - 1.0 } else { r };

@@ -455,10 +455,10 @@ impl Hierarchy {
 /// never a later block than a backward op it reads from. A view of gradients (an op that
 /// reads no forward value, reads backward ones and makes only views) joins the latest block it
 /// may, that of those it reads from: it needs nothing its own forward op left, and run later
-/// it would keep their storage alive across other blocks' backward parts (timm's LeViT: the
-/// transpose making a weight's gradient differentiates the forward `t(weight)`, which a cut had
-/// put in an earlier block than the matmul, so the matmul's 1.2 MB gradient waited through
-/// another block's backward and the hierarchy's lowest peak was 76% of store-all, now 43%).
+/// it would keep their storage alive across other blocks' backward parts (e.g. the transpose
+/// making a weight's gradient differentiates the forward `t(weight)`, which a cut may put in an
+/// earlier block than the matmul; placed there, the matmul's gradient would wait through
+/// another block's backward).
 /// When the blocks are intervals of a
 /// topological order of the forward ops, numbered in that order, block numbers then never
 /// increase along backward data flow, so the blocks' backward parts form a DAG. Forward ops get
