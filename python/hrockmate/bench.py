@@ -148,7 +148,7 @@ class _Harness:
         import torch
         import torch.utils._pytree as pytree
 
-        from hrockmate.capture.tracing import split_sample
+        from hrockmate.capture.joint import split_sample
 
         self.model = model
         self.sample = sample

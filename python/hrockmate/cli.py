@@ -1,4 +1,5 @@
-"""The ``hrockmate`` command line: ``demo``, ``solve``, ``simulate``, ``bench``.
+"""The ``hrockmate`` command line: ``demo``, ``solve``, ``simulate``, ``bench``,
+``truth-table``.
 
 Errors are printed as one line (``hrockmate: error: ...``) with exit status 2, not a traceback;
 set ``HROCKMATE_DEBUG=1`` to see the traceback.
@@ -46,6 +47,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         threads=args.threads,
     )
+    return 0
+
+
+def _cmd_truth_table(args: argparse.Namespace) -> int:
+    from hrockmate.truth import truth_table
+
+    truth_table(out=args.out, echo=True)
     return 0
 
 
@@ -220,6 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    truth = sub.add_parser(
+        "truth-table",
+        help="compare simulated and measured store-all peaks on the built-in models",
+        description="Trace each built-in model, simulate its store-all schedule and measure "
+        "plain autograd's peak on the CPU; print the table and write it as JSON.",
+    )
+    truth.add_argument("--out", type=Path, default=Path("bench-results/truth_table.json"),
+                       help="where the rows are written (JSON)")
+    truth.set_defaults(func=_cmd_truth_table)
     return parser
 
 

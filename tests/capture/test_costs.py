@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from hrockmate import models
 from hrockmate.capture.costs import annotate_costs, estimate_time, op_signature
-from hrockmate.capture.tracing import placeholder_values, run_joint, trace_model
+from hrockmate.capture.joint import placeholder_values, run_joint
+from hrockmate.capture.trace import trace_model
 
 SCRATCH_BYTES = 4000
 

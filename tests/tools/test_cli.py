@@ -104,6 +104,17 @@ def test_bench_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
 
 
+def test_truth_table_is_a_subcommand(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``hrockmate truth-table --out F`` writes the table of ``hrockmate.truth`` to F."""
+    import hrockmate.truth
+
+    asked: list[object] = []
+    monkeypatch.setattr(hrockmate.truth, "truth_table",
+                        lambda **kw: asked.append(kw) or [])
+    assert main(["truth-table", "--out", str(tmp_path / "t.json")]) == 0
+    assert asked == [{"out": tmp_path / "t.json", "echo": True}]
+
+
 def test_parser_is_built_without_importing_torch() -> None:
     import subprocess
     import sys
