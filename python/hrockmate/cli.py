@@ -9,30 +9,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hrockmate.argtypes import seconds
 from hrockmate.ir.budget import format_bytes
 
 BUDGET_HELP = (
     "a number in (0, 1] or a percentage (50%%) is that fraction of the store-all peak; a whole "
     "number above 1 is bytes; or a size with a unit (6GiB, 500MB)"
 )
-
-
-def seconds(text: str) -> float:
-    """A time limit typed on the command line: a finite number of seconds above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"expected a number of seconds above 0 (e.g. 60), got {text!r}")
-    return value
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
