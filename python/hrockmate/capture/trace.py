@@ -95,6 +95,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hrockmate.capture import regions
 from hrockmate.capture.build import build_ir, refuse_sparse_tensors
+from hrockmate.capture.costs import annotate_costs
 from hrockmate.capture.decisions import order_after_tests
 from hrockmate.capture.failures import (
     eager_run,
@@ -178,18 +179,16 @@ def trace_model(
     if cost not in COST_MODES:
         raise TraceError(f"cost must be one of {COST_MODES}, got {cost!r}")
     t0 = time.perf_counter()
-    tracer = _StepTracer(model, sample, loss_fn)
+    tracer = _StepTracer(model, sample, loss_fn, name or type(model).__name__)
     joint = tracer.first_joint()
     if tracer.out_box["count"] == 0:
         raise TraceError("the model's output contains no tensor; return a tensor or a loss")
     draws = tracer.python_draws_of_kept_try(joint)
     _tell_about_host_draws_and_checkpoints(tracer)
-    traced = tracer.build(joint, name or type(model).__name__)
+    traced = tracer.build(joint)
     tracer.find_skippable_regions(traced, decisions_cache)
     tracer.describe_call(traced, draws)
     if cost != "none":
-        from hrockmate.capture.costs import annotate_costs
-
         t1 = time.perf_counter()
         annotate_costs(traced, model, sample, mode=cost)
         traced.cost_seconds = time.perf_counter() - t1
@@ -258,8 +257,9 @@ class _StepTracer:
     the previous failure's handler so that its own failure does not carry the first as its
     context."""
 
-    def __init__(self, model: nn.Module, sample: Any, loss_fn: LossFn | None) -> None:
-        self.model, self.loss_fn = model, loss_fn
+    def __init__(self, model: nn.Module, sample: Any, loss_fn: LossFn | None, name: str
+                 ) -> None:
+        self.model, self.loss_fn, self.name = model, loss_fn, name
         args, kwargs = split_sample(sample)
         self.leaves, self.input_spec = pytree.tree_flatten((args, kwargs))
         params = dict(model.named_parameters())
@@ -468,13 +468,13 @@ class _StepTracer:
         return draws
 
     # ---- the graph ------------------------------------------------------------------------------
-    def build(self, joint: fx.GraphModule, name: str) -> Traced:
+    def build(self, joint: fx.GraphModule) -> Traced:
+        """The IR of a joint graph of this step, after the rewrites every trace gets."""
         refuse_sparse_tensors(joint)
         match_random_layouts(joint)
         compact_random_masks(joint)
-        self.name = name
-        return build_ir(joint, self.flat_kinds, self.flat_real, self.out_box["count"], name,
-                        self.device)
+        return build_ir(joint, self.flat_kinds, self.flat_real, self.out_box["count"],
+                        self.name, self.device)
 
     def find_skippable_regions(self, traced: Traced, decisions_cache: Any) -> None:
         """``traced.skippable``: what each random decision of the step leaves out."""
@@ -499,7 +499,7 @@ class _StepTracer:
                     f"outcome failed: {type(exc).__name__}: {first_line(exc)}. Turn that "
                     "randomness off (transformers: set the config's layerdrop, "
                     "encoder_layerdrop and decoder_layerdrop to 0.0)") from exc
-            return self.build(other, self.name)
+            return self.build(other)
 
         traced.skippable = regions.skippable_regions(
             traced, decided, first_test, trace_not_taken, decisions_cache)
