@@ -81,7 +81,7 @@ def solve_case(graph: Any, budget: float, method: str, time_limit: float) -> dic
 def run(layers: list[int], budget: float, time_limit: float, graphs: Path | None,
         checkmate_max_ops: int, out: Path, synthetic: list[int] = ()) -> dict[str, Any]:
     from hrockmate.bench import machine_info
-    from hrockmate.capture.tracing import trace_model
+    from hrockmate.capture.trace import trace_model
     from hrockmate.ir.graph import Graph
 
     report: dict[str, Any] = {"machine": machine_info("cpu"), "budget": budget,

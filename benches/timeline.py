@@ -21,7 +21,7 @@ from typing import Any
 
 def load_graph(model: str | None, size: str, graph: Path | None) -> Any:
     """The graph to plan: a graph file, or a zoo model traced (estimated op times)."""
-    from hrockmate.capture.tracing import trace_model
+    from hrockmate.capture.trace import trace_model
     from hrockmate.ir.graph import Graph
 
     if graph is not None:

@@ -46,6 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from hrockmate.argtypes import seconds
+from hrockmate.modelspec import ModelSpec, ModelUnavailable
+
 __all__ = [
     "METHODS",
     "DEFAULT_BUDGETS",
@@ -67,21 +70,6 @@ METHODS = ("plain", "hrockmate", "checkpoint", "selective", "compile", "checkmat
 DEFAULT_BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3)
 # Relative gradient error below which a difference is float reassociation, not a changed result.
 CLOSE_REL = 1e-4
-
-
-class ModelUnavailable(RuntimeError):
-    """A zoo entry cannot be built here (e.g. an optional package is missing); skipped."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A benchmark model: ``build(size) -> (model, sample)`` and ``blocks(model)`` -> the
-    submodules a user would wrap in ``torch.utils.checkpoint``."""
-
-    name: str
-    description: str
-    build: Callable[[str], tuple[Any, Any]]
-    blocks: Callable[[Any], list[Any]]
 
 
 @dataclass
@@ -148,7 +136,7 @@ class _Harness:
         import torch
         import torch.utils._pytree as pytree
 
-        from hrockmate.capture.tracing import split_sample
+        from hrockmate.capture.joint import split_sample
 
         self.model = model
         self.sample = sample
@@ -837,8 +825,6 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (one definition for both entry points)."""
-    from hrockmate.cli import seconds
-
     parser.add_argument("--models", type=_name_list, default=None,
                         help="comma-separated zoo names (default: all; 'list' prints them)")
     parser.add_argument("--budgets", default=None,

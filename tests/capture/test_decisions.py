@@ -11,7 +11,8 @@ import torch.nn as nn
 
 import hrockmate
 from hrockmate.capture.memory import measure_peak_memory
-from hrockmate.capture.tracing import TraceError, trace_model
+from hrockmate.capture.joint import TraceError
+from hrockmate.capture.trace import trace_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -210,7 +211,7 @@ def test_a_draw_read_as_a_number_is_named() -> None:
 def test_what_decisions_leave_out_is_cached(tmp_path: Any) -> None:
     """A later start with the plan cache finds the regions without the extra traces; an
     entry that does not fit the graph is ignored with a warning, and traced afresh."""
-    from hrockmate.capture import tracing
+    from hrockmate.capture import regions
     from hrockmate.planning.cache import PlanCache, PlanCacheWarning
 
     model, x = _LayerDropNet(layers=2), torch.randn(8, 32)
@@ -218,7 +219,7 @@ def test_what_decisions_leave_out_is_cached(tmp_path: Any) -> None:
     first = trace_model(model, x, cost="none", decisions_cache=cache)
     (entry,) = (tmp_path / "decisions").iterdir()
     calls: list[set[int]] = []
-    real = tracing._skippable_regions
+    real = regions.skippable_regions
 
     def counted(traced: Any, decided: Any, first_test: int, trace_not_taken: Any,
                 cache: Any = None) -> Any:
@@ -227,7 +228,7 @@ def test_what_decisions_leave_out_is_cached(tmp_path: Any) -> None:
             return trace_not_taken(indices)
         return real(traced, decided, first_test, spy, cache)
 
-    tracing._skippable_regions = counted  # type: ignore[assignment]
+    regions.skippable_regions = counted  # type: ignore[assignment]
     try:
         again = trace_model(model, x, cost="none", decisions_cache=cache)
         assert calls == []
@@ -239,7 +240,7 @@ def test_what_decisions_leave_out_is_cached(tmp_path: Any) -> None:
         assert len(calls) == 3 and [r.ops for r in fresh.skippable] == [
             r.ops for r in first.skippable]
     finally:
-        tracing._skippable_regions = real  # type: ignore[assignment]
+        regions.skippable_regions = real  # type: ignore[assignment]
 
 
 def test_a_backward_op_placed_in_no_module_matches_any() -> None:
@@ -267,10 +268,10 @@ def test_a_backward_op_placed_in_no_module_matches_any() -> None:
 
 def _count_traces(monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
     """The sets of decisions each extra trace takes the other way, as they are traced."""
-    from hrockmate.capture import tracing
+    from hrockmate.capture import regions
 
     calls: list[set[int]] = []
-    real = tracing._skippable_regions
+    real = regions.skippable_regions
 
     def counted(traced: Any, decided: Any, first_test: int, trace_not_taken: Any,
                 cache: Any = None) -> Any:
@@ -279,7 +280,7 @@ def _count_traces(monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
             return trace_not_taken(indices)
         return real(traced, decided, first_test, spy, cache)
 
-    monkeypatch.setattr(tracing, "_skippable_regions", counted)
+    monkeypatch.setattr(regions, "skippable_regions", counted)
     return calls
 
 
@@ -293,7 +294,7 @@ def test_regions_of_alike_layers_are_derived_and_checked(
     alone; the others' regions are the second's moved by whole layers, checked by one trace
     with every other decision taken the other way: the same regions as tracing each, in 6
     extra traces instead of 9, and steps bitwise equal to plain PyTorch."""
-    from hrockmate.capture import tracing
+    from hrockmate.capture import regions
 
     torch.manual_seed(0)
     model, x = _LayerDropNet(layers=8, probability=0.5, context=True), torch.randn(64, 32)
@@ -303,7 +304,7 @@ def test_regions_of_alike_layers_are_derived_and_checked(
     assert calls == [{0}, {1}, {6}, {7}, {0, 2, 4, 6}, set(range(8))]
     derived = _regions(hm.traced)
     calls.clear()
-    monkeypatch.setattr(tracing, "MIN_DERIVED_RUN", 100)  # (each traced alone)
+    monkeypatch.setattr(regions, "MIN_DERIVED_RUN", 100)  # (each traced alone)
     each = trace_model(copy.deepcopy(model), (x,), cost="none")
     assert len(calls) == 9 and _regions(each) == derived
     missing = _steps_equal(hm, ref, x, range(8))
@@ -315,7 +316,7 @@ def test_layers_that_are_not_alike_or_regions_that_do_not_hold_are_traced_each(
     """A stack whose layers differ (one with more ops) is traced decision by decision; so
     is one whose derived regions the check trace contradicts. (A region missing an op is no
     error: the op runs, and what it makes is not read.)"""
-    from hrockmate.capture import decisions, tracing
+    from hrockmate.capture import decisions, regions
 
     torch.manual_seed(0)
     model, x = _LayerDropNet(layers=6), torch.randn(16, 32)
@@ -336,7 +337,7 @@ def test_layers_that_are_not_alike_or_regions_that_do_not_hold_are_traced_each(
             r.stands_for = {}
         return got
 
-    monkeypatch.setattr(tracing, "derive_between", wrong)
+    monkeypatch.setattr(regions, "derive_between", wrong)
     calls.clear()
     assert _regions(trace_model(model, (x,), cost="none")) == want
     assert calls == [{0}, {1}, {4}, {5}, {0, 2, 4}, {2}, {3}, set(range(6))]

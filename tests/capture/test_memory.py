@@ -9,7 +9,7 @@ import torch.nn as nn
 import hrockmate
 from hrockmate import models
 from hrockmate.capture.memory import eager_training_step, measure_eager_peak
-from hrockmate.capture.tracing import trace_model
+from hrockmate.capture.trace import trace_model
 
 
 def test_peak_is_the_running_maximum_of_allocations_during_the_step() -> None:

@@ -17,15 +17,15 @@ import torch.utils._pytree as pytree
 
 import hrockmate
 from hrockmate import models
-from hrockmate.capture.tracing import (
+from hrockmate.capture.joint import (
     TensorLeaf,
     Traced,
     TraceError,
     placeholder_values,
     run_joint,
     split_sample,
-    trace_model,
 )
+from hrockmate.capture.trace import trace_model
 from hrockmate.ir.graph import PREEXISTING_ROLES
 
 _CACHE: dict[str, tuple[nn.Module, Any, Traced]] = {}

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from hrockmate import models
-from hrockmate.capture.memory import format_truth_table, truth_row, truth_table
+from hrockmate.truth import format_truth_table, truth_row, truth_table
 
 TOLERANCE = 0.05
 ROWS: list[dict[str, Any]] = []

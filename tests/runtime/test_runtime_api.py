@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from hrockmate import models
-from hrockmate.capture.tracing import trace_model
+from hrockmate.capture.trace import trace_model
 from hrockmate.runtime import HRockmate
 
 

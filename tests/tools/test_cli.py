@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +103,17 @@ def test_bench_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
 
 
+def test_truth_table_is_a_subcommand(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``hrockmate truth-table --out F`` writes the table of ``hrockmate.truth`` to F."""
+    import hrockmate.truth
+
+    asked: list[object] = []
+    monkeypatch.setattr(hrockmate.truth, "truth_table",
+                        lambda **kw: asked.append(kw) or [])
+    assert main(["truth-table", "--out", str(tmp_path / "t.json")]) == 0
+    assert asked == [{"out": tmp_path / "t.json", "echo": True}]
+
+
 def test_parser_is_built_without_importing_torch() -> None:
     import subprocess
     import sys
@@ -156,12 +166,22 @@ def test_bench_budgets_use_the_same_grammar(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_too_small_byte_budget_fails_at_once_naming_the_minimum(
-        data_graphs: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    start = time.perf_counter()
+        data_graphs: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import highspy
+
+    models: list[object] = []
+    real = highspy.Highs
+
+    def counted() -> object:
+        models.append(real())
+        return models[-1]
+
+    monkeypatch.setattr(highspy, "Highs", counted)
     line = _one_line_error(capsys, ["solve", str(data_graphs / "resnet_like_train.json"),
                                     "--budget", "2"])
     # no solver ran: the graph's cheap lower bound refused the budget
-    assert time.perf_counter() - start < 5
+    assert models == []
     from hrockmate.ir.schedule import peak_lower_bound
 
     graph = Graph.load(data_graphs / "resnet_like_train.json")
@@ -307,13 +327,12 @@ def test_ctrl_c_stops_a_solve_with_exit_130(data_graphs: Path, tmp_path: Path) -
         # a test run started in the background inherits SIGINT ignored; a terminal's is not
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(1.5)  # imports and parsing take about 1 s, the solve several more
-    sent = time.perf_counter()
     proc.send_signal(signal.SIGINT)
+    # (exit status 130 is the interrupt's: a solve that ran to its end exits 0, one that
+    # failed 2; the timeout only keeps a hung solve from hanging the tests)
     _out, err = proc.communicate(timeout=60)
-    stopped = time.perf_counter() - sent
     assert proc.returncode == 130, err
     assert "hrockmate: interrupted" in err and "Traceback" not in err
-    assert stopped < 5  # about 1 s asked; generous for loaded machines
     assert not (tmp_path / "plan.json").exists()
 
 

@@ -51,14 +51,9 @@ import torch.utils._pytree as pytree
 
 from hrockmate.capture.ctc import SIZED_FOR_LONGEST
 from hrockmate.capture.kernels import op_kernel, relayout_outputs, run_node, want_relayout
-from hrockmate.capture.tracing import (
-    Traced,
-    allocated_bytes,
-    one_trace_at_a_time,
-    placeholder_values,
-    preserved_rng,
-    run_joint,
-)
+from hrockmate.capture.build import allocated_bytes
+from hrockmate.capture.joint import Traced, one_trace_at_a_time, placeholder_values, run_joint
+from hrockmate.capture.randomness import preserved_rng
 
 __all__ = [
     "DEVICE_SPEEDS",

@@ -32,8 +32,8 @@ import torch.utils._pytree as pytree
 
 __all__ = ["AS_RESHAPE", "RELAYOUT", "AutocastState", "autocast_off", "autocast_state",
            "describe_autocast", "draws_random_numbers", "in_place_kernel", "kernel",
-           "node_kernel", "op_kernel", "relayout_outputs", "run_node", "view_as_reshape",
-           "want_relayout"]
+           "node_kernel", "op_kernel", "relayout_outputs", "run_node", "target_name",
+           "view_as_reshape", "want_relayout"]
 
 #: The device types whose autocast state is followed (those this torch build knows).
 _AUTOCAST_DEVICES = tuple(
@@ -357,3 +357,10 @@ def _written_arguments(op: Any) -> tuple[int, ...]:
     """Positions of the arguments ``op`` writes into (``Tensor(a!)`` in its schema)."""
     return tuple(i for i, a in enumerate(op._schema.arguments)
                  if a.alias_info is not None and a.alias_info.is_write)
+
+
+def target_name(target: Any) -> str:
+    """The op's name as the IR writes it (``aten.mm.default``), or the callable's name."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))

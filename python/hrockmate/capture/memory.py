@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -49,9 +46,6 @@ __all__ = [
     "measure_peak_memory",
     "eager_training_step",
     "measure_eager_peak",
-    "format_truth_table",
-    "truth_row",
-    "truth_table",
 ]
 
 
@@ -167,7 +161,7 @@ def _backward_roots(out: Any, loss_fn: Any) -> tuple[Any, list[torch.Tensor]]:
     """(the step's result, the tensors backward starts from) for a model output and a
     ``loss_fn`` as in ``hrockmate.trace``: a function's result, or the named loss member."""
     if isinstance(loss_fn, (str, int)):
-        from hrockmate.capture.tracing import select_loss
+        from hrockmate.capture.joint import select_loss
 
         return out, [select_loss(out, loss_fn)]
     if loss_fn is not None:
@@ -188,7 +182,7 @@ def eager_training_step(
     the loss when ``loss_fn`` names it) with ``tangents`` (one per such output, in pytree
     order; create them beforehand, default ones made on first use). Returns the outputs, so
     they stay alive until the step ends."""
-    from hrockmate.capture.tracing import split_sample
+    from hrockmate.capture.joint import split_sample
 
     args, kwargs = split_sample(sample)
 
@@ -227,7 +221,7 @@ def measure_eager_peak(
             tangents.append(torch.ones(t.shape or [], dtype=getattr(torch, t.dtype or "float32"),
                                        device=traced.device))
     else:
-        from hrockmate.capture.tracing import split_sample
+        from hrockmate.capture.joint import split_sample
 
         args, kwargs = split_sample(sample)
         with torch.enable_grad():
@@ -236,65 +230,3 @@ def measure_eager_peak(
         del out, roots
     step = eager_training_step(model, sample, loss_fn=loss_fn, tangents=tangents)
     return measure_peak_memory(step, params=params)
-
-
-def truth_row(
-    name: str,
-    model: nn.Module,
-    sample: Any,
-    *,
-    loss_fn: Any = None,
-) -> dict[str, Any]:
-    """Trace ``model`` (estimated times, measured workspaces), simulate the store-all schedule
-    and measure plain autograd's peak on the same iteration: one row of the truth table."""
-    import hrockmate
-    from hrockmate.capture.tracing import trace_model
-
-    t0 = time.perf_counter()
-    traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate", name=name)
-    trace_s = time.perf_counter() - t0
-    sim = hrockmate.simulate(traced.graph, hrockmate.store_all_schedule(traced.graph))
-    measured = measure_eager_peak(model, sample, loss_fn=loss_fn, traced=traced).peak_bytes
-    simulated = int(sim.peak_bytes)
-    return {
-        "model": name,
-        "ops": traced.graph.num_ops,
-        "trace_s": round(trace_s, 3),
-        "simulated_peak": simulated,
-        "measured_peak": int(measured),
-        "error": (simulated - measured) / measured if measured else float("nan"),
-    }
-
-
-def format_truth_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'model':<24}{'ops':>6}{'trace s':>9}{'simulated':>12}{'measured':>12}{'error':>9}"]
-    for r in rows:
-        lines.append(
-            f"{r['model']:<24}{r['ops']:>6}{r['trace_s']:>9.2f}{r['simulated_peak']:>12}"
-            f"{r['measured_peak']:>12}{100 * r['error']:>8.2f}%"
-        )
-    return "\n".join(lines)
-
-
-def truth_table(
-    names: Iterable[str] | None = None,
-    *,
-    out: str | Path | None = "bench-results/truth_table.json",
-    echo: bool = True,
-) -> list[dict[str, Any]]:
-    """Simulated store-all peak of each built-in model's traced graph (default configuration)
-    against the peak of plain autograd measured on CPU. Writes the rows as JSON to ``out``."""
-    from hrockmate import models
-
-    rows = []
-    for name in names or models.MODELS:
-        model, sample = models.build(name)
-        rows.append(truth_row(name, model, sample))
-    if echo:
-        print(format_truth_table(rows))
-    if out is not None:
-        from hrockmate.ir.graph import write_atomic
-
-        write_atomic(Path(out), json.dumps({"device": "cpu", "torch": torch.__version__,
-                                            "rows": rows}, indent=2))
-    return rows

@@ -341,7 +341,7 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
     ``cache``: the plan cache (``hrockmate.planning.cache``): ``None`` the default location, a
     directory, or ``False`` to measure op times and solve afresh without reading or writing it.
     """
-    from hrockmate.capture.tracing import trace_model
+    from hrockmate.capture.trace import trace_model
     from hrockmate.ir.schedule import simulate, store_all_schedule
     from hrockmate.planning.cache import device_kind, measured_times, open_cache
 
@@ -432,7 +432,7 @@ def pareto(
     once and reused; only the top level is solved per budget). ``graph_or_model`` is a Graph, a
     graph file, or a torch model together with ``sample``."""
     if sample is not None:
-        from hrockmate.capture.tracing import trace
+        from hrockmate.capture.trace import trace
 
         graph = trace(graph_or_model, sample) if loss_fn is None else trace(
             graph_or_model, sample, loss_fn=loss_fn)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from hrockmate.capture.tracing import Traced
+    from hrockmate.capture.joint import Traced
     from hrockmate.ir.graph import Graph
     from hrockmate.ir.plan import Plan
 

@@ -48,7 +48,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from hrockmate.capture.kernels import autocast_off, autocast_state, describe_autocast
-from hrockmate.capture.tracing import TensorLeaf, rebuild_output, replay_python_draws
+from hrockmate.capture.joint import TensorLeaf, rebuild_output
+from hrockmate.capture.randomness import replay_python_draws
 from hrockmate.capture.values import FiniteAssumptionError
 from hrockmate.runtime.compiler import (
     Program,
@@ -285,7 +286,7 @@ class _PlanRequest:
     plan: Any
     cache: Any
     solve_options: dict[str, Any]
-    loss_fn: Any = None  # see hrockmate.capture.tracing.trace_model
+    loss_fn: Any = None  # see hrockmate.capture.trace.trace_model
 
 
 #: Left out when pickling (rebuilt by tracing again at the first training call).
@@ -586,7 +587,8 @@ class HRockmate(nn.Module):
         given, else what the constructor's arguments ask for."""
         model: nn.Module = self.__dict__["_hr_model"]
         request: _PlanRequest = self._hr_request
-        from hrockmate.capture.tracing import split_sample, trace_model
+        from hrockmate.capture.joint import split_sample
+        from hrockmate.capture.trace import trace_model
 
         before = _ModelSnapshot.of(model)
         args, kwargs = split_sample(sample)
@@ -1007,7 +1009,7 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def _output_structure(traced: Any) -> tuple[list[Any], Any]:
-    """(leaf template, spec): see ``output_spec`` in ``hrockmate.capture.tracing``."""
+    """(leaf template, spec): see ``output_spec`` in ``hrockmate.capture.trace``."""
     spec, leaves = traced.output_spec
     return list(leaves), spec
 

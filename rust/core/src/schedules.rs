@@ -286,13 +286,21 @@ mod tests {
 
     #[test]
     fn recompute_all_refuses_a_200k_op_chain_before_allocating() {
+        // The whole schedule would take about 5e9 steps. The counting pass must stop within
+        // one backward op's steps past the bound, and the refusal must come from that pass
+        // (the schedule vector is only made once the count fits), with its numbers.
         let g = chain(100_000, 1);
-        let start = std::time::Instant::now();
-        let err = recompute_all(&g).unwrap_err();
-        // Counting stops at the bound: far from the ~5e9 steps of the whole schedule.
-        assert!(start.elapsed().as_secs_f64() < 20.0);
-        let msg = err.to_string();
+        let n_bwd = g.ops.iter().filter(|o| o.phase == Phase::Backward).count();
+        let mut count = StepCount(0);
+        let done = recompute_all_steps(&g, &mut count, MAX_SCHEDULE_STEPS).unwrap_err();
+        // (one backward op recomputes at most every op and frees at most every tensor)
+        let one_op_at_most = 2 * (g.ops.len() + g.tensors.len());
+        assert!(count.0 > MAX_SCHEDULE_STEPS, "{}", count.0);
+        assert!(count.0 <= MAX_SCHEDULE_STEPS + one_op_at_most, "{}", count.0);
+        assert!(done > 0 && done < n_bwd / 10, "{done} of {n_bwd} backward ops");
+        let msg = recompute_all(&g).unwrap_err().to_string();
         assert!(msg.contains(&format!("this graph ({} ops, 100001 of them backward)", g.ops.len())), "{msg}");
         assert!(msg.contains(&format!("more than {MAX_SCHEDULE_STEPS} steps")), "{msg}");
+        assert!(msg.contains(&format!("its first {done} backward ops alone need {} steps", count.0)), "{msg}");
     }
 }
