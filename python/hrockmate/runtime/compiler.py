@@ -634,7 +634,7 @@ class _Compiler:
 
     def _compact_masks(self) -> tuple[dict[int, int], dict[int, int]]:
         """The compact random masks of the trace (``bernoulli -> ne -> _to_copy``, see
-        ``capture.tracing._compact_random_masks``): op id of each restoring ``_to_copy`` and
+        ``capture.randomness.compact_random_masks``): op id of each restoring ``_to_copy`` and
         of each packing ``ne`` -> tensor id of the float mask."""
         unpack: dict[int, int] = {}
         pack: dict[int, int] = {}

@@ -2,7 +2,7 @@
 it count them exactly.
 
 ``torch.cuda.memory_allocated`` (and the budget's measure) counts the allocator's blocks, not
-the bytes asked for. Every block is a multiple of 512 bytes (``capture.tracing.allocated_bytes``
+the bytes asked for. Every block is a multiple of 512 bytes (``capture.build.allocated_bytes``
 sizes the graph's tensors so). A request over 1 MiB comes from the large pool, which splits a
 cached block only when more than 1 MiB would remain: the request may get a block up to 1 MiB
 larger, and every tensor alive at the peak may hold such a remainder. Which ones do depends on
