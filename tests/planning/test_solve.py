@@ -606,9 +606,9 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     tries: list[tuple[int, int]] = []
     run_method = api.run_method
 
-    def counted(graph, method, budget, h, kw):  # type: ignore[no-untyped-def]
-        tries.append((kw["flat_ops"], kw["leaf_size"]))
-        return run_method(graph, method, budget, h, kw)
+    def counted(graph, method, budget, h, ctx):  # type: ignore[no-untyped-def]
+        tries.append((ctx.flat_ops, ctx.leaf_size))
+        return run_method(graph, method, budget, h, ctx)
 
     monkeypatch.setattr(api, "run_method", counted)
     plan = hrockmate.solve_graph(g, budget, progress=False, improve_time=None)
@@ -840,9 +840,9 @@ def test_no_later_leaf_size_runs_once_the_plan_meets_the_lower_bound(
     run_method = api.run_method
     first_time: list[float] = []
 
-    def counted(graph, method, budget, h, kw):  # type: ignore[no-untyped-def]
-        tries.append(kw["leaf_size"])
-        cand, low = run_method(graph, method, budget, h, kw)
+    def counted(graph, method, budget, h, ctx):  # type: ignore[no-untyped-def]
+        tries.append(ctx.leaf_size)
+        cand, low = run_method(graph, method, budget, h, ctx)
         if cand is not None and not first_time:
             first_time.append(policy.simulate_steps(graph, cand.steps, cand.forward_len)[1])
         return cand, low
@@ -877,9 +877,9 @@ def test_a_small_graphs_op_level_milp_only_improves_its_start_within_the_window(
     tries: list[int] = []
     run_method = policy.run_method
 
-    def counted(graph, method, budget, h, kw):  # type: ignore[no-untyped-def]
-        tries.append(kw["flat_ops"])
-        return run_method(graph, method, budget, h, kw)
+    def counted(graph, method, budget, h, ctx):  # type: ignore[no-untyped-def]
+        tries.append(ctx.flat_ops)
+        return run_method(graph, method, budget, h, ctx)
 
     monkeypatch.setattr(policy, "run_method", counted)
     monkeypatch.setattr(api, "run_method", counted)

@@ -125,7 +125,7 @@ class Plan:
             own = self.stats.get("time_limit")  # the MILP's own share of the solve's limit
             if own is not None and (time_limit is None or own < 0.99 * time_limit):
                 # a share: later leaf sizes get what is left of the first seconds of the solve
-                # (``api.IMPROVE_SECONDS``), the top level part of what the blocks left
+                # (``context.improve_window``), the top level part of what the blocks left
                 of = f" of the solve's {time_limit:g} s" if time_limit is not None else ""
                 what.append(f"the MILP stopped at the end of its share ({own:.3g} s{of}) "
                             "before proving its plan optimal")

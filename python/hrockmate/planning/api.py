@@ -17,32 +17,32 @@ from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import InfeasibleBudget, Plan
 from hrockmate.ir.schedule import peak_lower_bound
 from hrockmate.planning.bounds import TimeBound, time_lower_bound
-from hrockmate.planning.hierarchy import (
+from hrockmate.planning.context import (
+    BOUND_SECONDS,
     GROUP_SIZE,
+    MIN_GAIN_TO_RETRY,
+    OP_LEVEL_RETRY_RECOMPUTE,
+    OP_LEVEL_RETRY_SECONDS,
+    SolveContext,
+    improve_seconds,
+    improve_window,
+)
+from hrockmate.planning.hierarchy import (
     Hierarchy,
     HierarchyTimeout,
     leaf_sizes,
     prepare,
 )
 from hrockmate.planning.policy import (
-    MIN_GAIN_TO_RETRY,
     Candidate,
     baseline_schedule,
     check_method,
-    improve_seconds,
-    improve_window,
-    limited,
     run_method,
     simulate_steps,
-    time_left,
     validate,
 )
 
 logger = logging.getLogger("hrockmate")
-
-# Seconds the lower bound may take before later leaf sizes (its first MILP takes 0.02-0.3 s on
-# graphs of up to 650 ops; past the limit its dual bound is still valid).
-BOUND_SECONDS = 1.0
 
 def _as_graph(graph_or_path: Graph | str | os.PathLike[str]) -> Graph:
     if isinstance(graph_or_path, Graph):
@@ -186,20 +186,21 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
     if budget_bytes < floor:
         raise InfeasibleBudget(budget_bytes, floor, graph.name, why=why)
 
-    kw = dict(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
-              leaf_size=leaf_sizes(graph, leaf_size, flat_ops)[0], group_size=group_size,
-              top_size=top_size,
-              sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
-              deadline=None if time_limit is None else t0 + time_limit,
-              improve_until=None if improve is None else t0 + improve,
-              baseline_time=base_time, baseline_peak=base_peak)
-    cand, lowest = _best_over_leaf_sizes(graph, method, budget_bytes, hierarchy, leaf_size, kw)
+    ctx = SolveContext(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
+                       leaf_size=leaf_sizes(graph, leaf_size, flat_ops)[0],
+                       group_size=group_size, top_size=top_size,
+                       sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
+                       deadline=None if time_limit is None else t0 + time_limit,
+                       improve_until=None if improve is None else t0 + improve,
+                       baseline_time=base_time, baseline_peak=base_peak)
+    cand, lowest = _best_over_leaf_sizes(graph, method, budget_bytes, hierarchy, leaf_size, ctx)
     retry = method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
     cand_time = math.inf  # simulated only for the graphs that may retry
     if retry and cand is not None:
         cand_time = simulate_steps(graph, cand.steps, cand.forward_len)[1]
         retry = (cand_time > (1 + MIN_GAIN_TO_RETRY) * base_time
-                 and (cand.stats.get("fallback") or cand_time > 1.1 * base_time))
+                 and (cand.stats.get("fallback")
+                      or cand_time > (1 + OP_LEVEL_RETRY_RECOMPUTE) * base_time))
     if retry:
         # the hierarchy's own plan lost to a fallback, there is none, or it recomputes much:
         # on a graph this small the op-level MILP often does better, within a short limit
@@ -208,18 +209,19 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
         # (``improve_seconds``; the U-Net-like test graph at 55% with ``flat_ops=0``: greedy's
         # +34.5%, the op-level MILP's +17.3% after 10-15 s, past the default window)
         own = cand is not None and cand.hierarchy_planned
-        left = time_left(kw)
-        cap = (improve_seconds(kw["improve_until"], left) if cand is not None
-               else improve_seconds(None, 60.0 if left is None else min(60.0, left)))
+        left = ctx.time_left()
+        cap = (improve_seconds(ctx.improve_until, left) if cand is not None
+               else improve_seconds(None, OP_LEVEL_RETRY_SECONDS if left is None
+                                    else min(OP_LEVEL_RETRY_SECONDS, left)))
         if cap is not None:
             logger.info("the hierarchy of '%s' fell back or recomputes over 10%%; trying the "
                         "op-level MILP for up to %.0f s", graph.name, cap)
             # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
             # fallbacks are already known)
-            flat_kw = limited(kw, cap, flat_ops=graph.num_ops, log_level=logging.INFO,
-                              lowest_peak=False, hierarchy_retry=False,
-                              starts=[cand.steps] if own else [])
-            alt, alt_lowest = run_method(graph, method, budget_bytes, None, flat_kw)
+            flat_ctx = ctx.limited(cap, flat_ops=graph.num_ops, log_level=logging.INFO,
+                                   lowest_peak=False, hierarchy_retry=False,
+                                   starts=(cand.steps,) if own else ())
+            alt, alt_lowest = run_method(graph, method, budget_bytes, None, flat_ctx)
             if alt is not None and not alt.stats.get("fallback"):
                 # (as between leaf sizes, the planner's own plan replaces a fallback's that is
                 # no faster: the CNN+BN log at 70%, where the op-level MILP stalled within
@@ -262,42 +264,42 @@ def _improving_tries(tries: Sequence[Any], improve_until: float | None,
 
 def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
                           hierarchy: Hierarchy | Sequence[Hierarchy] | None,
-                          leaf_size: int | None, kw: dict[str, Any]
+                          leaf_size: int | None, ctx: SolveContext
                           ) -> tuple[Candidate | None, int]:
     """``run_method`` with each hierarchy given, else with each leaf size ``leaf_sizes``
     picks (method ``"hrockmate"``): the fastest plan, and the lowest budget seen when none.
-    A later try gets ``improve_seconds`` (until ``kw["improve_until"]``), and none runs once a
-    plan is within ``MIN_GAIN_TO_RETRY`` (of store-all's time) of ``kw["baseline_time"]`` or of
+    A later try gets ``improve_seconds`` (until ``ctx.improve_until``), and none runs once a
+    plan is within ``MIN_GAIN_TO_RETRY`` (of store-all's time) of ``ctx.baseline_time`` or of
     the lower bound (``bounds.time_lower_bound``, computed once before the first later try, in
     ``BOUND_SECONDS`` at most; ``stats["lower_bound_time"]``)."""
     if isinstance(hierarchy, Hierarchy):
-        return run_method(graph, method, budget, hierarchy, kw)
+        return run_method(graph, method, budget, hierarchy, ctx)
     if method != "hrockmate":
-        return run_method(graph, method, budget, None, kw)
+        return run_method(graph, method, budget, None, ctx)
     tries: list[tuple[int, Hierarchy | None]] = (
         [(h.leaf_size, h) for h in hierarchy] if hierarchy
-        else [(size, None) for size in leaf_sizes(graph, leaf_size, kw["flat_ops"])])
+        else [(size, None) for size in leaf_sizes(graph, leaf_size, ctx.flat_ops)])
     best: Candidate | None = None
     best_time = math.inf
     lows: list[int] = []
     bound: TimeBound | None = None
-    until = kw["improve_until"]
-    tried = _improving_tries(tries, until, lambda: time_left(kw))
+    until = ctx.improve_until
+    tried = _improving_tries(tries, until, ctx.time_left)
     for k, ((size, h), limit) in enumerate(tried):
-        kw_k = {**kw, "leaf_size": size}
+        ctx_k = ctx.replace(leaf_size=size)
         if until is not None and k + 1 < len(tries):
             # the sizes after this one get their turns: its top MILP ends, once it has a
             # schedule, at its share of what is left of the window when it starts (not when
             # the try starts: building the demo GPT-2's blocks took 5 of the 9 s, and its top
             # MILP, optimal in 0.3 s, was stopped at once for +10.9% instead of +10.7%)
-            kw_k["top_shares"] = len(tries) - k
+            ctx_k = ctx_k.replace(top_shares=len(tries) - k)
         if limit is not None and best is not None and not best.stats.get("fallback"):
             # a later try, the hierarchy's own plan in hand (a fallback's in hand, the later
             # sizes get their turns in the window: the hierarchy may tie or beat it, as leaves
             # of 4 did on the resnet-like test graph at 50%, +4.85% against greedy's +5.01%,
             # where greedy's plan was within 1% of the bound after leaves of 6)
-            gain = MIN_GAIN_TO_RETRY * kw["baseline_time"]
-            if best_time <= kw["baseline_time"] + gain:
+            gain = MIN_GAIN_TO_RETRY * ctx.baseline_time
+            if best_time <= ctx.baseline_time + gain:
                 break  # nothing worth another try is left to gain
             if bound is None:  # what no schedule beats: is there anything left to gain?
                 bound = time_lower_bound(graph, budget, time_limit=min(BOUND_SECONDS, limit))
@@ -306,13 +308,13 @@ def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
                             "lower bound; no other leaf size tried", graph.name,
                             100 * MIN_GAIN_TO_RETRY)
                 break
-            limit = improve_seconds(until, time_left(kw))  # (the bound took some)
+            limit = ctx.improve_seconds()  # (the bound took some)
             if limit is None:
                 break
         if limit is not None:
             # (with a plan in hand, a try that finds nothing returns nothing: no fallbacks)
-            kw_k = limited(kw_k, limit, log_level=logging.INFO, plan_in_hand=best is not None)
-        cand, low = run_method(graph, method, budget, h, kw_k)
+            ctx_k = ctx_k.limited(limit, log_level=logging.INFO, plan_in_hand=best is not None)
+        cand, low = run_method(graph, method, budget, h, ctx_k)
         if cand is None:
             lows.append(low)
             continue

@@ -36,6 +36,16 @@ from typing import Any
 
 import numpy as np
 
+from hrockmate.planning.context import (
+    CLOSE_GAP,
+    CLOSE_GAP_STALL_SECONDS,
+    INTERRUPT_GRACE_SECONDS,
+    STALL_FACTOR,
+    STALL_IMPROVEMENT,
+    START_STALL_FACTOR,
+    WINDOW_MAX_GAP,
+)
+
 logger = logging.getLogger("hrockmate")
 
 
@@ -704,28 +714,6 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
         _cancel.event = None
 
 
-# A schedule better than the best one by less than this (relative) is no improvement for
-# ``run_highs``'s stall rule.
-STALL_IMPROVEMENT = 1e-3
-STALL_FACTOR = 0.5
-START_STALL_FACTOR = 2.0
-# Once HiGHS's relative gap is at most CLOSE_GAP, what is left to gain is that much at most:
-# a best schedule that has not improved for CLOSE_GAP_STALL_SECONDS then ends the search (the
-# top MILP of MobileNet at 30% found its schedule at 4.2 s with a 0.3% gap and used to wait 5 s
-# more for nothing).
-CLOSE_GAP = 5e-3
-CLOSE_GAP_STALL_SECONDS = 1.0
-# The improvement window (``soft_deadline``) ends a block level's top search only once HiGHS's
-# relative gap is at most this: a schedule that may be this much slower than the optimum of
-# the level is worth the stall rule's time (op-level MILPs, whose LP bounds are weak, stop at
-# the window whatever their gap). transformers' XLNet (742 ops) at 50%: its top MILP stopped
-# at the window with a 64% gap (+54.7%); on its stall rule +26.9%, 15 s later.
-WINDOW_MAX_GAP = 0.2
-# HiGHS polls the interrupt callbacks in its simplex, IPM and MIP loops but not inside its
-# sub-MIP heuristics (RINS, RENS, root reduced cost): on the U-Net-like graph's op-level MILP a
-# stop came 5.5 s late. On Ctrl-C or cancellation ``run_highs`` waits this long, then returns
-# and leaves HiGHS to stop on its daemon thread at its next poll.
-INTERRUPT_GRACE_SECONDS = 0.5
 
 
 def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
