@@ -33,10 +33,10 @@ from hrockmate.planning.hierarchy import (
     leaf_sizes,
     prepare,
 )
+from hrockmate.planning.methods import check_method
 from hrockmate.planning.policy import (
     Candidate,
     baseline_schedule,
-    check_method,
     run_method,
     simulate_steps,
     validate,

@@ -43,15 +43,6 @@ from hrockmate.progress import elapsed_progress
 
 logger = logging.getLogger("hrockmate")
 
-METHODS = ("hrockmate", "checkmate", "checkpoint", "selective", "greedy", "twremat", "rotor",
-           "recompute-all", "store-all")
-
-
-def check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-
-
 def simulate_steps(graph: Graph, steps: list[Step], forward_len: int) -> tuple[int, float]:
     from hrockmate.ir.schedule import Schedule, simulate
 
