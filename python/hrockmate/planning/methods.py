@@ -19,7 +19,7 @@ from typing import Callable, Union
 from hrockmate.ir.graph import Graph
 from hrockmate.planning import policy
 from hrockmate.planning.context import SolveContext
-from hrockmate.planning.policy import Candidate
+from hrockmate.planning.policy import Candidate, run_method
 
 __all__ = ["Candidate", "Infeasible", "Method", "METHODS", "check_method", "register", "solve"]
 
@@ -82,8 +82,7 @@ def simulated(graph: Graph, cand: Candidate) -> Candidate:
 def _by_policy(name: str) -> Method:
     def solve_one(graph: Graph, budget: int, ctx: SolveContext) -> Outcome:
         hierarchy = ctx.hierarchy if name == "hrockmate" else None
-        return outcome(graph, name, budget,
-                       policy.run_method(graph, name, budget, hierarchy, ctx))
+        return outcome(graph, name, budget, run_method(graph, name, budget, hierarchy, ctx))
 
     solve_one.__name__ = solve_one.__qualname__ = f"solve_{name.replace('-', '_')}"
     solve_one.__doc__ = f"The method {name!r} (``policy.run_method``)."
