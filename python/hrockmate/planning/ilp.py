@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from hrockmate.ir.errors import InfeasibleBudget
 from hrockmate.planning.context import (
     CLOSE_GAP,
     CLOSE_GAP_STALL_SECONDS,
@@ -191,9 +192,13 @@ class StagePlan:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-class LevelInfeasible(Exception):
+class LevelInfeasible(InfeasibleBudget):
     """The level has no schedule within the given budget (proven by the solver, or its
-    schedule simulated over the budget: ``policy._within_budget``)."""
+    schedule simulated over the budget: ``policy._within_budget``). An ``InfeasibleBudget``
+    whose ``min_bytes`` is 0 (the level's least peak is not known)."""
+
+    def __init__(self, message: str) -> None:
+        self._as_solver_signal(message, None)
 
 
 class LevelNoSolution(Exception):
