@@ -19,7 +19,7 @@ import hrockmate
 from hrockmate.ir.graph import Graph, Op, Tensor
 from hrockmate.ir.plan import InfeasibleBudget, Plan
 from hrockmate.ir.schedule import peak_lower_bound
-from hrockmate.planning import clusters, ilp, policy, strategies
+from hrockmate.planning import clusters, context, ilp, policy, search, strategies
 from hrockmate.planning.blocks import Block
 
 solve_mod = importlib.import_module("hrockmate.planning.api")
@@ -582,18 +582,18 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
 
     # later tries get what is left of the window, within the time limit, and none under 1 s
     now = time.perf_counter()
-    assert policy.improve_seconds(now + 7.0, None) == pytest.approx(7.0, abs=0.1)
-    assert policy.improve_seconds(now + 7.0, 3.0) == 3.0
-    assert policy.improve_seconds(now + 0.5, None) is None
-    assert policy.improve_seconds(now + 7.0, 0.5) is None
-    assert policy.improve_seconds(None, None) == math.inf
-    assert policy.improve_seconds(None, 4.0) == 4.0
+    assert context.improve_seconds(now + 7.0, None) == pytest.approx(7.0, abs=0.1)
+    assert context.improve_seconds(now + 7.0, 3.0) == 3.0
+    assert context.improve_seconds(now + 0.5, None) is None
+    assert context.improve_seconds(now + 7.0, 0.5) is None
+    assert context.improve_seconds(None, None) == math.inf
+    assert context.improve_seconds(None, 4.0) == 4.0
     # "auto": 9 s up to 1,000 ops, then 9 s per 1,000 ops, at most 20 s; others as given
-    assert policy.improve_window("auto", 300) == policy.IMPROVE_SECONDS == 9.0
-    assert policy.improve_window("auto", 1666) == pytest.approx(9.0 * 1.666)
-    assert policy.improve_window("auto", 10_000) == policy.IMPROVE_MAX_SECONDS == 20.0
-    assert policy.improve_window(3.0, 10_000) == 3.0
-    assert policy.improve_window(None, 10_000) is None
+    assert context.improve_window("auto", 300) == context.IMPROVE_SECONDS == 9.0
+    assert context.improve_window("auto", 1666) == pytest.approx(9.0 * 1.666)
+    assert context.improve_window("auto", 10_000) == context.IMPROVE_MAX_SECONDS == 20.0
+    assert context.improve_window(3.0, 10_000) == 3.0
+    assert context.improve_window(None, 10_000) is None
     # the CNN+BN operator log at 50%: the hierarchy's own plan recomputes over 10%, so the
     # op-level MILP is tried too, from that plan, and later leaf sizes follow the first, all
     # while the window lasts (greedy eviction kept out: refined, it beats the hierarchy there)
@@ -619,7 +619,7 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     # nor do later tries run when the first plan is within 1% of store-all's time
     tries.clear()
     near = hrockmate.solve_graph(g, 0.9, progress=False, improve_time=None)
-    assert near.time <= (1 + policy.MIN_GAIN_TO_RETRY) * near.baseline_time
+    assert near.time <= (1 + search.MIN_GAIN_TO_RETRY) * near.baseline_time
     assert tries == [(60, sizes[0])]
     # once the window is over only the first try runs
     tries.clear()

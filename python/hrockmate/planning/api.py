@@ -88,9 +88,8 @@ def solve_graph(
             plan in hand stops (later leaf sizes, the op-level second try, an op-level or top
             MILP that has a schedule). ``"auto"``: 9 s on graphs of up to 1,000 ops, so that
             they plan in about 10 s, and 9 s per 1,000 ops on larger ones, at most 20 s
-            (``policy.improve_window``). None: up to ``time_limit`` (better plans, sometimes,
-            for longer solves: the U-Net-like test graph at 55% with ``flat_ops=0``: +34.5% in
-            9 s, +17.3% in 25 s).
+            (``context.improve_window``). None: up to ``time_limit`` (better plans, sometimes,
+            for longer solves).
         solvers: (method ``"hrockmate"``) the solver of each kind of level:
             ``{"leaves": "ilp" | "rust" | "ilp+rust" | "twremat" | "ilp+twremat",
             "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``

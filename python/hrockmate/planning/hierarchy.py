@@ -101,10 +101,11 @@ def leaf_sizes(graph: Graph, leaf_size: int | None, flat_ops: int = 60) -> tuple
     return LEAF_SIZES
 
 
-def build_hierarchy(graph: Graph, leaf_size: int = LEAF_SIZE, group_size: int = GROUP_SIZE,
-                    top_size: int = 16, partitioner: str = "contiguous",
-                    leaf_options: bool = False) -> Block:
-    """Partition a graph into a tree of blocks; the root holds the whole graph.
+def block_tree(graph: Graph, leaf_size: int = LEAF_SIZE, group_size: int = GROUP_SIZE,
+               top_size: int = 16, partitioner: str = "contiguous",
+               leaf_options: bool = False) -> Block:
+    """The planner's tree of blocks over the core's partition (``clusters.build_hierarchy``,
+    the one partition entry); the root holds the whole graph.
 
     The tree is the Rust core's hierarchy (``clusters.build_hierarchy``): by default contiguous
     stretches of the forward order, ``leaf_size`` ops per leaf and ``group_size`` children per
@@ -147,22 +148,16 @@ class HierarchyTimeout(ilp.LevelNoSolution):
 # A block's options (``_block_options``): the fastest schedule, then the fastest under caps on
 # what its forward keeps for its backward (fractions of what the fastest keeps), the lowest
 # peak, and the fastest under peaks between the lowest and the fastest's (fractions of the way).
-# The 1/8 cap took the demo GPT-2 at 50% from +22.9% to +21.5% and at 30% from +48.3% to +43.7%,
-# and the 24-layer enc-dec at 30% from +35.1% to +33.2%, for ~15% more block-solving time. The
-# 1/16 and 3/8 caps and the 1/4 and 3/4 peaks, with block MILPs of 0.3 s instead of 1 s, took it
-# (one trace, leaves of 8) from +5.7 / +12.4 / +23.6% to +4.7 / +10.7 / +20.4% at 70/50/30% in
-# about the same time (the blocks' MILPs: a third of the time limit finds as good options; the
-# lowest-peak ones were cut at 1 s before and are at 0.3 s now). Over the never-costlier
-# benchmark's 64 solves: 5 plans faster, 2 slower by 0.2-0.3 points, the same total time.
+# More, finer options give the parent more trade-offs to choose from; each costs a short block
+# MILP (``SUB_TIME_LIMIT``), and these are the ones whose plans repay their solving time
+# (benches/simple_strategies.py and benches/solver_quality.py measure them).
 SAVED_FRACTIONS: tuple[float, ...] = (0.0, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75)
 PEAK_FRACTIONS: tuple[float, ...] = (0.25, 0.5, 0.75)
-# Caps close to what the fastest keeps, solved besides the ones above (those are solved as
-# before, so a block's options only grow). Where a block's cheapest savings are a small share of
-# what it keeps, the 3/4 cap is too coarse: the 10k-op unrolled LSTM keeps its four gates (1,024
-# of the 1,792 bytes of a step) and the cell state, its tanh and the hidden state, 256 bytes
-# each and cheap to make again from the gates; 18 steps to a top block, whose 3/4 option had to
-# give up gates too, so the top level at 90% ran whole steps again (+2.78%; greedy eviction's
-# +2.16% won), and with these caps it plans +1.98% itself.
+# Caps close to what the fastest keeps, solved besides the ones above (so a block's options
+# only grow). Where a block's cheapest savings are a small share of what it keeps (an unrolled
+# recurrent cell: large gates, small states cheap to make again from them), the 3/4 cap is too
+# coarse: it makes the block give up expensive values too, and the parent then runs whole
+# blocks again near store-all.
 NEAR_STORE_ALL_FRACTIONS: tuple[float, ...] = (0.9375, 0.875)
 
 
@@ -280,8 +275,8 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
                 o.near_store_all = True
                 options.append(o)
     # the lowest peak, started from the leanest schedule: with the model's floor on the peak
-    # (``ilp.build_model``) that start often proves optimal at once (MobileNet's blocks of 9
-    # ops: HiGHS alone found peaks twice the lowest in the 0.3 s, and took 1-21 s to reach it)
+    # (``ilp.build_model``) that start often proves optimal at once, where HiGHS alone can
+    # spend many sub-time-limits reaching it
     low = attempt(budget=None, minimize_peak=True, boundary_limit=boundary0,
                   start=ilp.lean_start(lvl.problem))
     if low is not None:
@@ -379,11 +374,9 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
     more use them). ``low_peak``: a block's backward frees the forward outputs it makes again
     right after their last read there instead of holding them to its end
     (``level.recomputed_outputs_freed``). Its options' peaks are lower or equal, so this model
-    plans lower budgets (Checkmate's MobileNet: 20.3 -> 19.1% of store-all, the floor of every
-    schedule). It is not the default: on the changed coefficients the top MILPs searched worse
-    at budgets both models plan (the 10k-op LSTM at 30% found no schedule of its own in its
-    window; 7 of the 96 cases of benches/simple_strategies.py slower), so ``solve_graph`` uses
-    it only where the default model has no schedule (``policy.run_method``)."""
+    plans lower budgets. It is not the default: on its changed coefficients the top MILPs search
+    worse at budgets both models plan, so ``solve_graph`` uses it only where the default model
+    has no schedule (``policy.run_method``)."""
     t0 = _time.perf_counter()
     ctx = GraphFacts(graph)
     chosen = level_solvers.check_solvers(solvers)
@@ -391,9 +384,9 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
         root = flat_root(graph)
     else:
         # the core's leaf options: asked for, or a fallback for leaves if time runs short
-        root = build_hierarchy(graph, leaf_size, group_size, top_size,
-                               leaf_options=chosen["leaves"] in ("rust", "ilp+rust")
-                               or time_limit is not None)
+        root = block_tree(graph, leaf_size, group_size, top_size,
+                          leaf_options=chosen["leaves"] in ("rust", "ilp+rust")
+                          or time_limit is not None)
     st = _Settings(time_limit, SUB_TIME_LIMIT if sub_time_limit is None else sub_time_limit,
                    mip_rel_gap, solvers=chosen,
                    deadline=None if time_limit is None

@@ -37,6 +37,11 @@ from typing import Any
 import numpy as np
 
 from hrockmate.ir.errors import InfeasibleBudget
+from hrockmate.ir.graph import (  # noqa: F401  (the planner's names for these graph facts)
+    PREEXISTING_ROLES,
+    prioritized_topological_order,
+    topological_ops,
+)
 from hrockmate.planning.context import (
     CLOSE_GAP,
     CLOSE_GAP_STALL_SECONDS,
@@ -672,9 +677,9 @@ _THREADS_SET = False
 
 
 # Models with more nonzeros than this are solved without HiGHS's presolve and symmetry
-# detection, which do not poll interrupts: on the op-level MILP of a 617-op GPT-2 (3.4M
-# nonzeros) presolve ran 38 s past a 20 s limit, and minutes past a 60 s one. Without them
-# HiGHS still spends ~3-5 us per nonzero setting up before its first interruptible step, so a
+# detection, which do not poll interrupts: on op-level MILPs of a few hundred ops (millions of
+# nonzeros) presolve runs far past the time limit. Without them HiGHS still spends ~3-5 us per
+# nonzero setting up before its first interruptible step, so a
 # large model is refused up front when that set-up alone would outlast the time left. Level
 # problems of the hierarchy are far smaller (thousands of nonzeros).
 PRESOLVE_MAX_NONZEROS = 1_000_000
@@ -1142,58 +1147,6 @@ class OpLevel:
     node_op: list[int]  # level node -> op id
 
 
-def prioritized_topological_order(
-    deps: Sequence[set[int]], priority: Sequence[Any]
-) -> list[int] | None:
-    """Kahn's algorithm over nodes ``0..n-1`` (``deps[k]``: the nodes ``k`` needs first); among
-    the ready nodes the smallest ``(priority[k], k)`` goes next. None when there is a cycle."""
-    import heapq
-
-    n = len(deps)
-    users: list[list[int]] = [[] for _ in range(n)]
-    indeg = [len(d) for d in deps]
-    for k, d in enumerate(deps):
-        for p in d:
-            users[p].append(k)
-    heap = [(priority[k], k) for k in range(n) if indeg[k] == 0]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        _, k = heapq.heappop(heap)
-        order.append(k)
-        for v in users[k]:
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                heapq.heappush(heap, (priority[v], v))
-    return order if len(order) == n else None
-
-
-def topological_ops(graph: Any) -> list[int]:
-    """Op ids in a topological order, forward ops first, else keeping the graph's order."""
-    n = graph.num_ops
-    prod = graph.producers()
-    deps: list[set[int]] = [set() for _ in range(n)]
-    for j, op in enumerate(graph.ops):
-        for x in op.inputs:
-            pj = prod[x]
-            if pj is not None and pj != j:
-                deps[j].add(pj)
-    order = prioritized_topological_order(
-        deps, [0 if op.phase == "forward" else 1 for op in graph.ops]
-    )
-    if order is None:
-        raise ValueError(f"graph '{graph.name}' has a cycle among its ops")
-    seen_backward = False
-    for j in order:
-        if graph.ops[j].phase == "backward":
-            seen_backward = True
-        elif seen_backward:
-            raise ValueError(
-                f"graph '{graph.name}': forward op '{graph.ops[j].name}' depends on a backward op"
-            )
-    return order
-
-
 def op_level(graph: Any, ops: list[int] | None = None) -> OpLevel:
     """Checkmate's problem for a graph: every op a node with one option (time, workspace)."""
     order = topological_ops(graph) if ops is None else ops
@@ -1206,7 +1159,7 @@ def op_level(graph: Any, ops: list[int] | None = None) -> OpLevel:
             LevelValue(
                 name=t.name,
                 bytes=int(t.bytes) if t.alias_of is None else 0,
-                producer=None if p is None or t.role in PREEXISTING else pos[p],
+                producer=None if p is None or t.role in PREEXISTING_ROLES else pos[p],
                 keep=t.role == "output",
                 root=t.alias_of,
             )
@@ -1227,7 +1180,6 @@ def op_level(graph: Any, ops: list[int] | None = None) -> OpLevel:
     return OpLevel(LevelProblem(values, nodes, n_forward, name=graph.name), list(order))
 
 
-PREEXISTING = frozenset({"input", "parameter", "buffer", "tangent"})
 
 
 def op_steps(level: OpLevel, plan: StagePlan) -> tuple[list[tuple[str, int]], int]:

@@ -18,10 +18,6 @@ from hrockmate.planning import ilp
 from hrockmate.planning import strategies as reference
 from hrockmate.planning.context import (
     GREEDY_MIN_SECONDS,
-    IMPROVE_MAX_SECONDS,
-    IMPROVE_OPS,
-    IMPROVE_SECONDS,
-    MIN_GAIN_TO_RETRY,
     NEAR_STORE_ALL_MIN_BUDGET,
     REFINE_MARGIN_SECONDS,
     REFINE_TIME_SHARE,
@@ -31,7 +27,6 @@ from hrockmate.planning.context import (
     TOP_WINDOW_MIN_SECONDS,
     SolveContext,
     improve_seconds,
-    improve_window,
 )
 from hrockmate.planning.hierarchy import (
     Hierarchy,
@@ -84,9 +79,8 @@ class Candidate:
 def lowest_peak_top(h: Hierarchy, time_limit: float | None
                     ) -> tuple[list[Step], int, bool, dict[str, Any]]:
     """The hierarchy's plan of least peak: ``solve_top`` for the least peak. An op-level top
-    starts from block checkpointing's least-peak schedule: without it, the op-level MILP
-    stalled far above that (the U-Net-like test graph: 80.3% of the store-all peak against
-    checkpointing's 79.1%; from it, 57.1%). A block level starts from its leanest schedule."""
+    starts from block checkpointing's least-peak schedule: without a start, the op-level
+    MILP can stall above that peak. A block level starts from its leanest schedule."""
     starts: list[list[Step]] = []
     if not h.root.children:
         points = [p for p in reference.checkpoint_points(h.graph) if p.steps is not None]

@@ -120,8 +120,8 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     producers of its inputs that are not alive (the names: ``_native.EVICTION_SCORES``). None
     wins everywhere (milliseconds each on a few hundred ops; on the 10k-op LSTM 0.3 s for all
     four), so all run and the fastest schedule after ``refine`` is returned (evictions leave
-    slack, and which refines better is not which was faster before: the bench's U-Net at 50%,
-    +60.3% -> +26.2% by staleness, +59.6% -> +42.5% by next use). ``time_limit`` covers it all."""
+    slack, and which refines better is not which was faster before). ``time_limit`` covers it
+    all."""
     from hrockmate import _native
     from hrockmate.planning.refine import refine
 
