@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "Plan": "hrockmate.ir.plan",
     "load_plan": "hrockmate.ir.plan",
     "PlanError": "hrockmate.ir.plan",
-    "InfeasibleBudget": "hrockmate.ir.plan",
+    "InfeasibleBudget": "hrockmate.ir.errors",
     "SolveError": "hrockmate.ir.plan",
     "parse_budget": "hrockmate.ir.budget",
     "HRockmate": "hrockmate.runtime",

@@ -367,3 +367,23 @@ def test_arrays_are_converted_once_inside_arrays_cached(monkeypatch: pytest.Monk
     assert calls == [g, other, other]
     g.ops[0].time = 1.0  # outside the block the graph may change, and is converted again
     assert g.to_arrays()["op_time"][0] == 1.0 and calls[-1] is g
+
+
+def test_the_array_form_decodes_back_to_the_graph(data_graphs: Path) -> None:
+    from hrockmate.ir.graph import ops_from_arrays, tensors_from_arrays
+
+    for path in sorted(data_graphs.glob("*.json")):
+        g = Graph.load(path)
+        arrays = g.to_arrays()
+        tensors = tensors_from_arrays(arrays, [t.name for t in g.tensors])
+        ops = ops_from_arrays(arrays, [o.name for o in g.ops])
+        for t, back in zip(g.tensors, tensors):
+            assert (back.name, back.bytes, back.role, back.alias_of, back.grad_of,
+                    back.updates) == (t.name, t.bytes, t.role, t.alias_of, t.grad_of, t.updates)
+        for o, back in zip(g.ops, ops):
+            assert (back.name, back.phase, back.time, back.inputs, back.outputs, back.workspace,
+                    back.differentiates, back.random, back.mutates_buffer) == (
+                o.name, o.phase, o.time, o.inputs, o.outputs, o.workspace, o.differentiates,
+                o.random, o.mutates_buffer)
+        assert len(tensors) == len(g.tensors) and len(ops) == len(g.ops)
+        assert tensors_from_arrays(arrays)[0].name == "t0"

@@ -15,7 +15,7 @@ from conftest import corpus_files
 from hrockmate import _native
 from hrockmate.ir.graph import ROLE_CODE, Graph, Op, Tensor
 from hrockmate.planning.blocks import Block
-from hrockmate.planning.clusters import Hierarchy, HierarchyError, build_hierarchy, simplify
+from hrockmate.planning.clusters import ClusterTree, HierarchyError, build_hierarchy, simplify
 
 
 def chain_model(n: int, *, repeat: bool = False, free_views: bool = False) -> Graph:
@@ -57,7 +57,7 @@ def chain_model(n: int, *, repeat: bool = False, free_views: bool = False) -> Gr
     return g
 
 
-def check_structure(g: Graph, h: Hierarchy, max_size: int, top_max_size: int) -> None:
+def check_structure(g: Graph, h: ClusterTree, max_size: int, top_max_size: int) -> None:
     seen = np.zeros(len(g.ops), dtype=int)
     for c in h.leaves():
         assert 1 <= len(c.children) <= max_size
@@ -74,7 +74,7 @@ def check_structure(g: Graph, h: Hierarchy, max_size: int, top_max_size: int) ->
             assert h.clusters[k].level < c.level
 
 
-def check_options(g: Graph, h: Hierarchy) -> None:
+def check_options(g: Graph, h: ClusterTree) -> None:
     for c in h.leaves():
         opts = h.options[c.id]
         assert opts, f"leaf {c.id} has no option"
@@ -112,7 +112,7 @@ def test_the_planner_plans_on_the_rust_hierarchy(data_graphs: Path) -> None:
     g = Graph.load(data_graphs / "gpt2_tiny_oplog.json")
     h = build_hierarchy(g, partitioner="contiguous", leaf_size=6, group_size=planner.GROUP_SIZE,
                         max_size=20, top_max_size=16, options=False)
-    root = planner.build_hierarchy(g, leaf_size=6, group_size=planner.GROUP_SIZE, top_size=16)
+    root = planner.block_tree(g, leaf_size=6, group_size=planner.GROUP_SIZE, top_size=16)
 
     def same(block: Block, cluster_id: int) -> None:
         c = h.clusters[cluster_id]
@@ -282,3 +282,36 @@ def test_ctrl_c_interrupts_a_long_call() -> None:
         timer.join()
         signal.signal(signal.SIGINT, before)
     assert time.perf_counter() - start < full + 5.0
+
+
+def test_the_stub_and_the_partition_defaults_are_the_cores() -> None:
+    # the bindings' pyo3 signatures are the one place defaults are written: the shipped stub
+    # and clusters.build_hierarchy must say the same
+    import ast
+    import inspect
+
+    from hrockmate.planning import clusters
+
+    stub = ast.parse((Path(_native.__file__).parent / "_native.pyi").read_text())
+    checked = 0
+    for fn in (n for n in stub.body if isinstance(n, ast.FunctionDef)):
+        native = getattr(_native, fn.name, None)
+        if native is None or getattr(native, "__text_signature__", None) is None:
+            continue
+        # (a default pyo3 cannot write as a literal shows as "...": not checked)
+        real = {p.name: p.default for p in inspect.signature(native).parameters.values()
+                if p.default is not inspect.Parameter.empty and p.default is not ...}
+        args = fn.args.args + fn.args.kwonlyargs
+        defaults = [None] * (len(fn.args.args) - len(fn.args.defaults)) + fn.args.defaults
+        defaults += fn.args.kw_defaults
+        written = {a.arg: ast.literal_eval(d) for a, d in zip(args, defaults)
+                   if d is not None and a.arg in real}
+        assert written == real, f"_native.pyi's {fn.name} defaults differ from the core's"
+        checked += 1
+    assert checked >= 1
+    ours = {name: p.default for name, p in inspect.signature(clusters.build_hierarchy)
+            .parameters.items() if p.default is not inspect.Parameter.empty}
+    assert ours == clusters.HIERARCHY_DEFAULTS
+    assert ours == {p.name: p.default
+                    for p in inspect.signature(_native.build_hierarchy).parameters.values()
+                    if p.default is not inspect.Parameter.empty}

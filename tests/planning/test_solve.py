@@ -19,7 +19,7 @@ import hrockmate
 from hrockmate.ir.graph import Graph, Op, Tensor
 from hrockmate.ir.plan import InfeasibleBudget, Plan
 from hrockmate.ir.schedule import peak_lower_bound
-from hrockmate.planning import clusters, ilp, policy, strategies
+from hrockmate.planning import clusters, context, ilp, policy, search, strategies
 from hrockmate.planning.blocks import Block
 
 solve_mod = importlib.import_module("hrockmate.planning.api")
@@ -578,22 +578,22 @@ def test_default_leaf_sizes_keep_the_fastest_plan(monkeypatch: pytest.MonkeyPatc
 
 def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
         monkeypatch: pytest.MonkeyPatch, data_graphs: Path) -> None:
-    from hrockmate.planning import api
+    from hrockmate.planning import api, methods, search
 
     # later tries get what is left of the window, within the time limit, and none under 1 s
     now = time.perf_counter()
-    assert policy.improve_seconds(now + 7.0, None) == pytest.approx(7.0, abs=0.1)
-    assert policy.improve_seconds(now + 7.0, 3.0) == 3.0
-    assert policy.improve_seconds(now + 0.5, None) is None
-    assert policy.improve_seconds(now + 7.0, 0.5) is None
-    assert policy.improve_seconds(None, None) == math.inf
-    assert policy.improve_seconds(None, 4.0) == 4.0
+    assert context.improve_seconds(now + 7.0, None) == pytest.approx(7.0, abs=0.1)
+    assert context.improve_seconds(now + 7.0, 3.0) == 3.0
+    assert context.improve_seconds(now + 0.5, None) is None
+    assert context.improve_seconds(now + 7.0, 0.5) is None
+    assert context.improve_seconds(None, None) == math.inf
+    assert context.improve_seconds(None, 4.0) == 4.0
     # "auto": 9 s up to 1,000 ops, then 9 s per 1,000 ops, at most 20 s; others as given
-    assert policy.improve_window("auto", 300) == policy.IMPROVE_SECONDS == 9.0
-    assert policy.improve_window("auto", 1666) == pytest.approx(9.0 * 1.666)
-    assert policy.improve_window("auto", 10_000) == policy.IMPROVE_MAX_SECONDS == 20.0
-    assert policy.improve_window(3.0, 10_000) == 3.0
-    assert policy.improve_window(None, 10_000) is None
+    assert context.improve_window("auto", 300) == context.IMPROVE_SECONDS == 9.0
+    assert context.improve_window("auto", 1666) == pytest.approx(9.0 * 1.666)
+    assert context.improve_window("auto", 10_000) == context.IMPROVE_MAX_SECONDS == 20.0
+    assert context.improve_window(3.0, 10_000) == 3.0
+    assert context.improve_window(None, 10_000) is None
     # the CNN+BN operator log at 50%: the hierarchy's own plan recomputes over 10%, so the
     # op-level MILP is tried too, from that plan, and later leaf sizes follow the first, all
     # while the window lasts (greedy eviction kept out: refined, it beats the hierarchy there)
@@ -604,13 +604,13 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     assert 60 < g.num_ops <= 100
     budget = int(0.5 * hrockmate.simulate(g, hrockmate.store_all_schedule(g)).peak_bytes)
     tries: list[tuple[int, int]] = []
-    run_method = api.run_method
+    run_method = methods.run_method
 
-    def counted(graph, method, budget, h, kw):  # type: ignore[no-untyped-def]
-        tries.append((kw["flat_ops"], kw["leaf_size"]))
-        return run_method(graph, method, budget, h, kw)
+    def counted(graph, method, budget, h, ctx):  # type: ignore[no-untyped-def]
+        tries.append((ctx.flat_ops, ctx.leaf_size))
+        return run_method(graph, method, budget, h, ctx)
 
-    monkeypatch.setattr(api, "run_method", counted)
+    monkeypatch.setattr(methods, "run_method", counted)
     plan = hrockmate.solve_graph(g, budget, progress=False, improve_time=None)
     _check(plan, g)
     assert plan.time > 1.1 * plan.baseline_time and not plan.stats.get("fallback")
@@ -619,7 +619,7 @@ def test_tries_that_only_improve_a_plan_stop_at_the_improve_window(
     # nor do later tries run when the first plan is within 1% of store-all's time
     tries.clear()
     near = hrockmate.solve_graph(g, 0.9, progress=False, improve_time=None)
-    assert near.time <= (1 + policy.MIN_GAIN_TO_RETRY) * near.baseline_time
+    assert near.time <= (1 + search.MIN_GAIN_TO_RETRY) * near.baseline_time
     assert tries == [(60, sizes[0])]
     # once the window is over only the first try runs
     tries.clear()
@@ -636,9 +636,9 @@ def test_later_leaf_sizes_may_replace_a_fallbacks_plan(data_graphs: Path,
     # the later leaf sizes, one of which plans as fast as greedy's or faster (since the
     # refinement's exchanges drop moves that only fed a kept output, greedy's refined plan ties
     # the best of them: the tie goes to the hierarchy)
-    from hrockmate.planning import api, refine
+    from hrockmate.planning import api, refine, search
 
-    monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", 0.05)
+    monkeypatch.setattr(search, "MIN_GAIN_TO_RETRY", 0.05)
     # (without the refinement's single-gap pick, nor its exchanges that keep an input alive
     # instead of making it again: with either the first leaf size ties or beats greedy)
     monkeypatch.setattr(refine, "_one_gap_for_all", lambda *a, **k: None)
@@ -649,7 +649,7 @@ def test_later_leaf_sizes_may_replace_a_fallbacks_plan(data_graphs: Path,
                                   **opts)
     assert first.stats.get("fallback") == "greedy" and first.stats["beats_hierarchy_plan"]
     bound = hrockmate.time_lower_bound(g, first.budget_bytes)
-    assert first.time <= bound.time + api.MIN_GAIN_TO_RETRY * first.baseline_time
+    assert first.time <= bound.time + search.MIN_GAIN_TO_RETRY * first.baseline_time
     plan = hrockmate.solve_graph(g, 0.5, **opts)
     _check(plan, g)
     assert not plan.stats.get("fallback") and plan.time <= first.time
@@ -710,9 +710,9 @@ def test_each_leaf_sizes_top_milp_ends_at_its_share_of_the_window(
         return prepare(*args, **kw)
 
     monkeypatch.setattr(policy, "prepare", slow_prepare)
-    from hrockmate.planning import api
+    from hrockmate.planning import api, methods, search
 
-    monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
+    monkeypatch.setattr(search, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
     t0 = time.perf_counter()
     hrockmate.solve_graph(g, 0.5, progress=False, improve_time=60, exact_ops=0)
     until = t0 + 60
@@ -733,7 +733,7 @@ def test_a_later_leaf_size_that_runs_out_of_window_keeps_the_plan_in_hand(
     # the CNN+BN log at 50%: the later leaf sizes' blocks do not finish within the window;
     # the first size's plan stands, without "using <fallback>" messages for the later ones
     # and without their weighing the fallbacks the first try weighed already
-    from hrockmate.planning import api
+    from hrockmate.planning import api, methods, search
     from hrockmate.planning.hierarchy import HierarchyTimeout
 
     g = Graph.load(data_graphs / "cnn_bn_oplog.json")
@@ -754,7 +754,7 @@ def test_a_later_leaf_size_that_runs_out_of_window_keeps_the_plan_in_hand(
 
     monkeypatch.setattr(policy, "prepare", out_of_time)
     monkeypatch.setattr(policy, "_simple_strategies", counted_simple)
-    monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
+    monkeypatch.setattr(search, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
     with caplog.at_level(logging.INFO, logger="hrockmate"):
         plan = hrockmate.solve_graph(g, 0.5, progress=False, improve_time=None, exact_ops=0)
     _check(plan, g)
@@ -810,11 +810,11 @@ def test_a_top_milp_without_a_schedule_gives_way_to_the_leaf_sizes_after_it(
     # so the first size's top MILP stops at the end of its share of the window if it has no
     # schedule of its own by then, not TOP_BARREN_SECONDS after it began (the mlp-mixer log at
     # 30%: leaves of 6 found none for 8 s of the 9 s window; 9 and 12 plan it faster)
-    from hrockmate.planning import api
+    from hrockmate.planning import api, methods, search
 
     g = Graph.load(data_graphs / "cnn_bn_oplog.json")
     calls = _record_solve_top(monkeypatch)
-    monkeypatch.setattr(api, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
+    monkeypatch.setattr(search, "MIN_GAIN_TO_RETRY", -1.0)  # every size runs
     plan = hrockmate.solve_graph(g, 0.5, progress=False, exact_ops=0)
     _check(plan, g)
     sizes = [c["hierarchy"].leaf_size for c in calls if c["budget"] is not None]
@@ -831,18 +831,18 @@ def test_no_later_leaf_size_runs_once_the_plan_meets_the_lower_bound(
     # with a lower bound at the first plan's time there is nothing left to gain (greedy
     # eviction kept out: with leaves of 6 its plan beats the hierarchy's, and a fallback's plan
     # in hand lets the later sizes run whatever the bound)
-    from hrockmate.planning import api
+    from hrockmate.planning import api, methods, search
     from hrockmate.planning.bounds import TimeBound
 
     monkeypatch.setattr(strategies, "greedy_eviction_schedule", lambda *a, **k: None)
     g = Graph.load(data_graphs / "cnn_bn_oplog.json")
     tries: list[int] = []
-    run_method = api.run_method
+    run_method = methods.run_method
     first_time: list[float] = []
 
-    def counted(graph, method, budget, h, kw):  # type: ignore[no-untyped-def]
-        tries.append(kw["leaf_size"])
-        cand, low = run_method(graph, method, budget, h, kw)
+    def counted(graph, method, budget, h, ctx):  # type: ignore[no-untyped-def]
+        tries.append(ctx.leaf_size)
+        cand, low = run_method(graph, method, budget, h, ctx)
         if cand is not None and not first_time:
             first_time.append(policy.simulate_steps(graph, cand.steps, cand.forward_len)[1])
         return cand, low
@@ -850,15 +850,15 @@ def test_no_later_leaf_size_runs_once_the_plan_meets_the_lower_bound(
     def met(graph, budget, time_limit=None):  # type: ignore[no-untyped-def]
         return TimeBound(int(budget), first_time[0], 1.0, True, 0.0)
 
-    monkeypatch.setattr(api, "run_method", counted)
-    monkeypatch.setattr(api, "time_lower_bound", met)
+    monkeypatch.setattr(methods, "run_method", counted)
+    monkeypatch.setattr(search, "time_lower_bound", met)
     plan = hrockmate.solve_graph(g, 0.5, progress=False, improve_time=None, exact_ops=0)
     _check(plan, g)
     assert len(tries) == 1 and plan.stats["lower_bound_time"] == first_time[0]
     # a bound far below: every leaf size is tried
     tries.clear()
     first_time.clear()
-    monkeypatch.setattr(api, "time_lower_bound",
+    monkeypatch.setattr(search, "time_lower_bound",
                         lambda graph, budget, time_limit=None: TimeBound(int(budget), 0.0, 1.0,
                                                                          True, 0.0))
     hrockmate.solve_graph(g, 0.5, progress=False, improve_time=None, exact_ops=0)
@@ -870,19 +870,19 @@ def test_a_small_graphs_op_level_milp_only_improves_its_start_within_the_window(
     # The U-Net-like graph (53 ops) is planned at the op level from greedy eviction's plan: at
     # 50% HiGHS found nothing better in 13 s, and the hierarchy's retry came after. Once the
     # window is spent, the MILP gets a second to improve its start and no retry runs.
-    from hrockmate.planning import api
+    from hrockmate.planning import api, methods, search
 
     g = Graph.load(data_graphs / "unet_like_train.json")
     assert g.num_ops <= 60
     tries: list[int] = []
     run_method = policy.run_method
 
-    def counted(graph, method, budget, h, kw):  # type: ignore[no-untyped-def]
-        tries.append(kw["flat_ops"])
-        return run_method(graph, method, budget, h, kw)
+    def counted(graph, method, budget, h, ctx):  # type: ignore[no-untyped-def]
+        tries.append(ctx.flat_ops)
+        return run_method(graph, method, budget, h, ctx)
 
     monkeypatch.setattr(policy, "run_method", counted)
-    monkeypatch.setattr(api, "run_method", counted)
+    monkeypatch.setattr(methods, "run_method", counted)
     plan = hrockmate.solve_graph(g, 0.5, progress=False, time_limit=60, improve_time=0)
     _check(plan, g)
     assert plan.stats["started_from_schedule"] and plan.stats["time_limit"] <= 1.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import heapq
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -405,6 +406,51 @@ def _exact_arrays(graph: Graph) -> dict[str, np.ndarray] | None:
     return arrays  # type: ignore[return-value]
 
 
+def _optional_id(a: Any, i: int) -> int | None:
+    return None if a is None or a[i] < 0 else int(a[i])
+
+
+def tensors_from_arrays(arrays: Mapping[str, Any], names: Sequence[str] | None = None
+                        ) -> list[Tensor]:
+    """The tensors of the flat array form (``to_arrays``'s inverse; names are not in the
+    arrays: ``names[i]``, else ``t{i}``). ``tensor_grad_of``/``tensor_updates`` may be absent."""
+    d = arrays
+    out = []
+    for i in range(len(d["tensor_bytes"])):
+        out.append(Tensor(
+            name=names[i] if names is not None else f"t{i}",
+            bytes=int(d["tensor_bytes"][i]),
+            role=ROLES[int(d["tensor_role"][i])],
+            alias_of=_optional_id(d["tensor_alias"], i),
+            grad_of=_optional_id(d.get("tensor_grad_of"), i),
+            updates=_optional_id(d.get("tensor_updates"), i),
+        ))
+    return out
+
+
+def ops_from_arrays(arrays: Mapping[str, Any], names: Sequence[str] | None = None) -> list[Op]:
+    """The ops of the flat array form (``to_arrays``'s inverse; names, targets and modules are
+    not in the arrays: ``names[i]`` else ``op{i}``, and empty)."""
+    d = arrays
+    in_ptr, in_idx = d["op_in_ptr"], d["op_in_idx"]
+    out_ptr, out_idx = d["op_out_ptr"], d["op_out_idx"]
+    out = []
+    for i in range(len(d["op_time"])):
+        flags = int(d["op_flags"][i])
+        out.append(Op(
+            name=names[i] if names is not None else f"op{i}",
+            phase=PHASES[int(d["op_phase"][i])],
+            time=float(d["op_time"][i]),
+            inputs=[int(x) for x in in_idx[in_ptr[i]:in_ptr[i + 1]]],
+            outputs=[int(x) for x in out_idx[out_ptr[i]:out_ptr[i + 1]]],
+            workspace=int(d["op_workspace"][i]),
+            differentiates=_optional_id(d["op_differentiates"], i),
+            random=bool(flags & 1),
+            mutates_buffer=bool(flags & 2),
+        ))
+    return out
+
+
 def _csr_ptr(lists: list[list[Any]]) -> np.ndarray:
     ptr = np.zeros(len(lists) + 1, dtype=np.int64)
     ptr[1:] = np.cumsum([len(x) for x in lists], dtype=np.int64)
@@ -528,3 +574,55 @@ def _remove_if_abandoned(tmp: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def prioritized_topological_order(
+    deps: Sequence[set[int]], priority: Sequence[Any]
+) -> list[int] | None:
+    """Kahn's algorithm over nodes ``0..n-1`` (``deps[k]``: the nodes ``k`` needs first); among
+    the ready nodes the smallest ``(priority[k], k)`` goes next. None when there is a cycle."""
+    n = len(deps)
+    users: list[list[int]] = [[] for _ in range(n)]
+    indeg = [len(d) for d in deps]
+    for k, d in enumerate(deps):
+        for p in d:
+            users[p].append(k)
+    heap = [(priority[k], k) for k in range(n) if indeg[k] == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        _, k = heapq.heappop(heap)
+        order.append(k)
+        for v in users[k]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (priority[v], v))
+    return order if len(order) == n else None
+
+
+def topological_ops(graph: Graph) -> list[int]:
+    """Op ids in a topological order, forward ops first, else keeping the graph's order: the
+    order every level of the planner numbers its nodes in. Raises ValueError for a cycle or a
+    forward op that depends on a backward one."""
+    n = graph.num_ops
+    prod = graph.producers()
+    deps: list[set[int]] = [set() for _ in range(n)]
+    for j, op in enumerate(graph.ops):
+        for x in op.inputs:
+            pj = prod[x]
+            if pj is not None and pj != j:
+                deps[j].add(pj)
+    order = prioritized_topological_order(
+        deps, [0 if op.phase == "forward" else 1 for op in graph.ops]
+    )
+    if order is None:
+        raise ValueError(f"graph '{graph.name}' has a cycle among its ops")
+    seen_backward = False
+    for j in order:
+        if graph.ops[j].phase == "backward":
+            seen_backward = True
+        elif seen_backward:
+            raise ValueError(
+                f"graph '{graph.name}': forward op '{graph.ops[j].name}' depends on a backward op"
+            )
+    return order

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hrockmate.ir.budget import format_bytes
+from hrockmate.ir.errors import InfeasibleBudget
 from hrockmate.ir.graph import read_text_file, write_atomic
 from hrockmate.ir.schedule import SCHEDULE_FORMAT, SCHEDULE_VERSION
 
@@ -34,29 +35,6 @@ class PlanError(ValueError):
 
 class SolveError(RuntimeError):
     """The solver produced a schedule the simulator rejects (a bug); the message says which."""
-
-
-class InfeasibleBudget(ValueError):
-    """No schedule fits the budget. ``min_bytes`` is the smallest peak the solver reached, or,
-    when ``why`` is set, a lower bound on every schedule's peak that ``why`` explains (found
-    before solving; the smallest reachable peak may be higher)."""
-
-    def __init__(self, budget_bytes: int, min_bytes: int, graph_name: str = "",
-                 why: str = "") -> None:
-        self.budget_bytes = int(budget_bytes)
-        self.min_bytes = int(min_bytes)
-        self.graph_name = graph_name
-        self.why = why
-        where = f" for graph '{graph_name}'" if graph_name else ""
-        minimum = f"{self.min_bytes} bytes ({format_bytes(self.min_bytes)})"
-        budget = f"{self.budget_bytes} bytes ({format_bytes(self.budget_bytes)})"
-        if why:  # a proven lower bound
-            text = (f"budget of {budget} is below the smallest feasible peak{where}, which is at "
-                    f"least {minimum}: {why}")
-        else:  # the lowest peak the methods reached, not proven the least possible
-            text = (f"no schedule was found within the budget of {budget}{where}: the lowest "
-                    f"peak reached is {minimum}")
-        super().__init__(f"{text}; give a budget of at least {self.min_bytes} bytes")
 
 
 @dataclass
@@ -125,7 +103,7 @@ class Plan:
             own = self.stats.get("time_limit")  # the MILP's own share of the solve's limit
             if own is not None and (time_limit is None or own < 0.99 * time_limit):
                 # a share: later leaf sizes get what is left of the first seconds of the solve
-                # (``api.IMPROVE_SECONDS``), the top level part of what the blocks left
+                # (``context.improve_window``), the top level part of what the blocks left
                 of = f" of the solve's {time_limit:g} s" if time_limit is not None else ""
                 what.append(f"the MILP stopped at the end of its share ({own:.3g} s{of}) "
                             "before proving its plan optimal")

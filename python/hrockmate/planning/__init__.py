@@ -15,9 +15,14 @@ The hierarchical solver (method ``"hrockmate"``) follows H-Rockmate:
 4. the schedule is refined (``refine``): recomputations that the memory left under the budget
    allows to skip are dropped.
 
-``policy`` decides what replaces a method that finds nothing or loses to a simple strategy
-(``strategies``: block and selective checkpointing, greedy eviction, Checkmate's MILP;
-``literature``: Rotor and TW-Remat from the Rust core). Every plan is checked by the simulator
-before it is returned. ``api`` holds the entry points (``solve``, ``solve_graph``, ``pareto``)
-and ``cache`` the on-disk plan cache. docs/solver.md describes the models and options.
+The pipeline of one solve: ``api`` (the entry points ``solve``, ``solve_graph``, ``pareto``:
+arguments, the budgets that need no search) -> ``search`` (the leaf-size sweep and the op-level
+retry) -> ``methods`` (every method by name, ``solve(graph, budget, ctx) -> Candidate |
+Infeasible``) -> ``policy`` (one try of a method, and what replaces it when it finds nothing or
+loses to a simple strategy: ``strategies``, block and selective checkpointing, greedy eviction,
+Checkmate's MILP; ``literature``, Rotor and TW-Remat from the Rust core). ``context`` holds the
+frozen ``SolveContext`` every try gets and the time and search constants. ``entry`` is the
+runtime's planning entry (a plan that fits with the runtime's own bytes), ``cache`` the on-disk
+plan cache. Every plan is checked by the simulator before it is returned. docs/solver.md
+describes the models and options.
 """

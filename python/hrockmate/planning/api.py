@@ -1,5 +1,6 @@
 """The planning entry points: ``solve`` (a model), ``solve_graph`` (a graph or graph file) and
-``pareto`` (many budgets from one hierarchy)."""
+``pareto`` (many budgets from one hierarchy). They check the arguments, handle the budgets that
+need no search (store-all, below a proven floor), and hand the rest to ``search.search``."""
 
 from __future__ import annotations
 
@@ -10,39 +11,19 @@ import os
 import time as _time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from hrockmate.ir.budget import BudgetLike, parse_budget
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.plan import InfeasibleBudget, Plan
 from hrockmate.ir.schedule import peak_lower_bound
-from hrockmate.planning.bounds import TimeBound, time_lower_bound
-from hrockmate.planning.hierarchy import (
-    GROUP_SIZE,
-    Hierarchy,
-    HierarchyTimeout,
-    leaf_sizes,
-    prepare,
-)
-from hrockmate.planning.policy import (
-    MIN_GAIN_TO_RETRY,
-    Candidate,
-    baseline_schedule,
-    check_method,
-    improve_seconds,
-    improve_window,
-    limited,
-    run_method,
-    simulate_steps,
-    time_left,
-    validate,
-)
+from hrockmate.planning.context import GROUP_SIZE, SolveContext, improve_window
+from hrockmate.planning.hierarchy import Hierarchy, HierarchyTimeout, leaf_sizes, prepare
+from hrockmate.planning.methods import Candidate, Infeasible, check_method
+from hrockmate.planning.policy import baseline_schedule, validate
+from hrockmate.planning.search import improving_tries, search
 
 logger = logging.getLogger("hrockmate")
-
-# Seconds the lower bound may take before later leaf sizes (its first MILP takes 0.02-0.3 s on
-# graphs of up to 650 ops; past the limit its dual bound is still valid).
-BOUND_SECONDS = 1.0
 
 def _as_graph(graph_or_path: Graph | str | os.PathLike[str]) -> Graph:
     if isinstance(graph_or_path, Graph):
@@ -91,7 +72,7 @@ def solve_graph(
             When it runs out the best plan found is returned with a warning and
             ``plan.stats["optimal"] = False``.
         leaf_size: forward ops per leaf block. None: 8, then 9 (graphs of at most 400
-            ops: 6, 4, 8, then 9), keeping the fastest plan (``hierarchy.leaf_sizes``;
+            ops: 6, 8, 9, then 4), keeping the fastest plan (``hierarchy.leaf_sizes``;
             ``plan.stats["leaf_size"]`` says which); the later sizes only within the
             improvement window (``improve_time``).
         sub_time_limit: seconds for each memory-limited MILP that makes a block's options
@@ -107,9 +88,8 @@ def solve_graph(
             plan in hand stops (later leaf sizes, the op-level second try, an op-level or top
             MILP that has a schedule). ``"auto"``: 9 s on graphs of up to 1,000 ops, so that
             they plan in about 10 s, and 9 s per 1,000 ops on larger ones, at most 20 s
-            (``policy.improve_window``). None: up to ``time_limit`` (better plans, sometimes,
-            for longer solves: the U-Net-like test graph at 55% with ``flat_ops=0``: +34.5% in
-            9 s, +17.3% in 25 s).
+            (``context.improve_window``). None: up to ``time_limit`` (better plans, sometimes,
+            for longer solves).
         solvers: (method ``"hrockmate"``) the solver of each kind of level:
             ``{"leaves": "ilp" | "rust" | "ilp+rust" | "twremat" | "ilp+twremat",
             "chains": "ilp" | "rotor", "top": "ilp" | "rotor"}``
@@ -186,51 +166,18 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
     if budget_bytes < floor:
         raise InfeasibleBudget(budget_bytes, floor, graph.name, why=why)
 
-    kw = dict(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
-              leaf_size=leaf_sizes(graph, leaf_size, flat_ops)[0], group_size=group_size,
-              top_size=top_size,
-              sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
-              deadline=None if time_limit is None else t0 + time_limit,
-              improve_until=None if improve is None else t0 + improve,
-              baseline_time=base_time, baseline_peak=base_peak)
-    cand, lowest = _best_over_leaf_sizes(graph, method, budget_bytes, hierarchy, leaf_size, kw)
-    retry = method == "hrockmate" and hierarchy is None and flat_ops < graph.num_ops <= exact_ops
-    cand_time = math.inf  # simulated only for the graphs that may retry
-    if retry and cand is not None:
-        cand_time = simulate_steps(graph, cand.steps, cand.forward_len)[1]
-        retry = (cand_time > (1 + MIN_GAIN_TO_RETRY) * base_time
-                 and (cand.stats.get("fallback") or cand_time > 1.1 * base_time))
-    if retry:
-        # the hierarchy's own plan lost to a fallback, there is none, or it recomputes much:
-        # on a graph this small the op-level MILP often does better, within a short limit
-        # (long skips, as in U-Nets, are where the hierarchy's blocks hold the most): 60 s when
-        # there is no plan at all, else it only improves one, within the improvement window
-        # (``improve_seconds``; the U-Net-like test graph at 55% with ``flat_ops=0``: greedy's
-        # +34.5%, the op-level MILP's +17.3% after 10-15 s, past the default window)
-        own = cand is not None and cand.hierarchy_planned
-        left = time_left(kw)
-        cap = (improve_seconds(kw["improve_until"], left) if cand is not None
-               else improve_seconds(None, 60.0 if left is None else min(60.0, left)))
-        if cap is not None:
-            logger.info("the hierarchy of '%s' fell back or recomputes over 10%%; trying the "
-                        "op-level MILP for up to %.0f s", graph.name, cap)
-            # (its own lowest-peak MILP is skipped: slow at the op level, and the hierarchy's
-            # fallbacks are already known)
-            flat_kw = limited(kw, cap, flat_ops=graph.num_ops, log_level=logging.INFO,
-                              lowest_peak=False, hierarchy_retry=False,
-                              starts=[cand.steps] if own else [])
-            alt, alt_lowest = run_method(graph, method, budget_bytes, None, flat_kw)
-            if alt is not None and not alt.stats.get("fallback"):
-                # (as between leaf sizes, the planner's own plan replaces a fallback's that is
-                # no faster: the CNN+BN log at 70%, where the op-level MILP stalled within
-                # 0.1% of its optimum at greedy eviction's time)
-                alt_time = simulate_steps(graph, alt.steps, alt.forward_len)[1]
-                if alt_time < cand_time or (cand is not None and cand.stats.get("fallback")
-                                            and alt_time <= cand_time):
-                    cand = alt
-            lowest = min(lowest, alt_lowest) if cand is None else 0
-    if cand is None:
-        raise InfeasibleBudget(budget_bytes, lowest, graph.name)
+    ctx = SolveContext(time_limit=time_limit, mip_rel_gap=mip_rel_gap, flat_ops=flat_ops,
+                       leaf_size=leaf_sizes(graph, leaf_size, flat_ops)[0],
+                       group_size=group_size, top_size=top_size,
+                       sub_time_limit=sub_time_limit, progress=progress, solvers=chosen,
+                       deadline=None if time_limit is None else t0 + time_limit,
+                       improve_until=None if improve is None else t0 + improve,
+                       baseline_time=base_time, baseline_peak=base_peak)
+    found = search(graph, method, budget_bytes, ctx, hierarchy=hierarchy, leaf_size=leaf_size,
+                   exact_ops=exact_ops)
+    if isinstance(found, Infeasible):
+        raise InfeasibleBudget(budget_bytes, found.min_bytes, graph.name)
+    cand = found
     peak, t = validate(graph, cand, budget_bytes)
     if cand.notice:
         logger.warning("%s", cand.notice)
@@ -242,93 +189,6 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
         warnings.warn(shortfall, stacklevel=2)
     logger.info("%s", plan.summary())
     return plan
-
-
-def _improving_tries(tries: Sequence[Any], improve_until: float | None,
-                     time_left: Callable[[], float | None]) -> Iterator[tuple[Any, float | None]]:
-    """Each try (a leaf size, ...) with the seconds it may take: None for the first (the
-    solve's own limit), what ``improve_seconds`` leaves for each later one (until
-    ``improve_until``); it stops where that is under a second. The caller stops earlier by not
-    asking for more."""
-    for k, item in enumerate(tries):
-        if k == 0:
-            yield item, None
-            continue
-        limit = improve_seconds(improve_until, time_left())
-        if limit is None:
-            return
-        yield item, limit
-
-
-def _best_over_leaf_sizes(graph: Graph, method: str, budget: int,
-                          hierarchy: Hierarchy | Sequence[Hierarchy] | None,
-                          leaf_size: int | None, kw: dict[str, Any]
-                          ) -> tuple[Candidate | None, int]:
-    """``run_method`` with each hierarchy given, else with each leaf size ``leaf_sizes``
-    picks (method ``"hrockmate"``): the fastest plan, and the lowest budget seen when none.
-    A later try gets ``improve_seconds`` (until ``kw["improve_until"]``), and none runs once a
-    plan is within ``MIN_GAIN_TO_RETRY`` (of store-all's time) of ``kw["baseline_time"]`` or of
-    the lower bound (``bounds.time_lower_bound``, computed once before the first later try, in
-    ``BOUND_SECONDS`` at most; ``stats["lower_bound_time"]``)."""
-    if isinstance(hierarchy, Hierarchy):
-        return run_method(graph, method, budget, hierarchy, kw)
-    if method != "hrockmate":
-        return run_method(graph, method, budget, None, kw)
-    tries: list[tuple[int, Hierarchy | None]] = (
-        [(h.leaf_size, h) for h in hierarchy] if hierarchy
-        else [(size, None) for size in leaf_sizes(graph, leaf_size, kw["flat_ops"])])
-    best: Candidate | None = None
-    best_time = math.inf
-    lows: list[int] = []
-    bound: TimeBound | None = None
-    until = kw["improve_until"]
-    tried = _improving_tries(tries, until, lambda: time_left(kw))
-    for k, ((size, h), limit) in enumerate(tried):
-        kw_k = {**kw, "leaf_size": size}
-        if until is not None and k + 1 < len(tries):
-            # the sizes after this one get their turns: its top MILP ends, once it has a
-            # schedule, at its share of what is left of the window when it starts (not when
-            # the try starts: building the demo GPT-2's blocks took 5 of the 9 s, and its top
-            # MILP, optimal in 0.3 s, was stopped at once for +10.9% instead of +10.7%)
-            kw_k["top_shares"] = len(tries) - k
-        if limit is not None and best is not None and not best.stats.get("fallback"):
-            # a later try, the hierarchy's own plan in hand (a fallback's in hand, the later
-            # sizes get their turns in the window: the hierarchy may tie or beat it, as leaves
-            # of 4 did on the resnet-like test graph at 50%, +4.85% against greedy's +5.01%,
-            # where greedy's plan was within 1% of the bound after leaves of 6)
-            gain = MIN_GAIN_TO_RETRY * kw["baseline_time"]
-            if best_time <= kw["baseline_time"] + gain:
-                break  # nothing worth another try is left to gain
-            if bound is None:  # what no schedule beats: is there anything left to gain?
-                bound = time_lower_bound(graph, budget, time_limit=min(BOUND_SECONDS, limit))
-            if best_time <= bound.time + gain:
-                logger.info("the plan of '%s' is within %.1f%% of store-all's time of the "
-                            "lower bound; no other leaf size tried", graph.name,
-                            100 * MIN_GAIN_TO_RETRY)
-                break
-            limit = improve_seconds(until, time_left(kw))  # (the bound took some)
-            if limit is None:
-                break
-        if limit is not None:
-            # (with a plan in hand, a try that finds nothing returns nothing: no fallbacks)
-            kw_k = limited(kw_k, limit, log_level=logging.INFO, plan_in_hand=best is not None)
-        cand, low = run_method(graph, method, budget, h, kw_k)
-        if cand is None:
-            lows.append(low)
-            continue
-        t = simulate_steps(graph, cand.steps, cand.forward_len)[1]
-        # (the hierarchy's own plan also replaces a fallback's that is no faster: greedy
-        # eviction refined can tie it, and a plan made by a fallback asks for more search)
-        if t < best_time or (best is not None and best.stats.get("fallback")
-                             and not cand.stats.get("fallback") and t <= best_time):
-            if best is not None:
-                logger.info("leaves of %d ops planned '%s' faster than leaves of %d", size,
-                            graph.name, best.stats.get("leaf_size"))
-            best, best_time = cand, t
-            best.stats.setdefault("leaf_size", size)
-    if best is not None and bound is not None:  # (whichever leaf size made the plan)
-        best.stats["lower_bound_time"] = bound.time
-    return best, (0 if best is not None or not lows else min(lows))
 
 
 def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
@@ -408,7 +268,7 @@ def with_hierarchy(graph: Graph, options: Mapping[str, Any], *,
         improve = improve_window(options.get("improve_time", defaults["improve_time"].default),
                                  graph.num_ops)
         until = None if improve is None else t0 + improve
-        for size, limit in _improving_tries(sizes, until, left):
+        for size, limit in improving_tries(sizes, until, left):
             if limit is not None:  # a later leaf size
                 kw["time_limit"] = limit if math.isfinite(limit) else None
             try:

@@ -40,10 +40,8 @@ BACKWARD_STEPS = 4
 # The second MILP runs only when the time the first took, times this, fits what is left.
 SECOND_MILP_FACTOR = 3 * (BACKWARD_STEPS + 1)
 # Models with more columns than this are solved without HiGHS's presolve: it polls neither the
-# time limit nor the interrupt in all of its passes, and on the 10k-op LSTM at 90% (26k
-# columns) it ran 19 s of a 9.6 s limit; without it the same bound was proven in 1.9 s. (On
-# smaller models presolve is kept: the bounds of the zoo logs were the same either way, the
-# time sometimes shorter, sometimes longer.)
+# time limit nor the interrupt in all of its passes, and on large models it can run far past
+# the limit. On smaller models presolve is kept: it does not change the bound.
 PRESOLVE_MAX_COLUMNS = 20_000
 
 
@@ -97,16 +95,15 @@ def time_lower_bound(graph: Graph, budget: BudgetLike, *,
         return bound(math.inf, True)  # some op's inputs and outputs alone do not fit
     # The moment after the forward alone first (a fraction of a second; its optimum is a bound
     # already), then with the backward's moments within what is left of the limit: that MILP
-    # is tighter (+8.4% against +7.7% on the demo GPT-2 at 50%) but can take seconds, and its
-    # dual bound is valid wherever the search stops.
+    # is tighter but can take seconds, and its dual bound is valid wherever the search stops.
     scale = base_time if base_time > 0 else 1.0
     best, proven = 0.0, False
     for steps in (0, BACKWARD_STEPS):
         spent = _time.perf_counter() - t0
         left = None if time_limit is None else time_limit - spent
         if left is not None and (left <= 0 or (steps and spent * SECOND_MILP_FACTOR > left)):
-            # the second model is about (BACKWARD_STEPS + 1) times the first: on the 10k-op
-            # LSTM (2.4 s for the first) building and presolving it alone took 30 s
+            # the second model is about (BACKWARD_STEPS + 1) times the first, and building
+            # and presolving it grows faster than its size
             break
         b = ilp.ModelBuilder()
         _Model(graph, b, budget_bytes, scale).build(backward_steps=steps)

@@ -20,13 +20,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from hrockmate.ir.graph import ROLES, Graph, Op, Tensor
+from hrockmate.ir.graph import Graph, ops_from_arrays, tensors_from_arrays
 from hrockmate.ir.schedule import call_native
 
 __all__ = [
     "Cluster",
     "ClusterOption",
-    "Hierarchy",
+    "ClusterTree",
     "HierarchyError",
     "PARTITIONERS",
     "SimplifiedGraph",
@@ -77,7 +77,7 @@ class ClusterOption:
         return _steps(self.bwd_kind, self.bwd_id)
 
     def renamed(self, cluster: int, ops: dict[int, int], tensors: dict[int, int]) -> "ClusterOption":
-        """The same option with ids mapped (see ``Hierarchy.correspondence``)."""
+        """The same option with ids mapped (see ``ClusterTree.correspondence``)."""
 
         def ids(kind: np.ndarray, vals: np.ndarray) -> np.ndarray:
             return np.array(
@@ -124,7 +124,7 @@ class Cluster:
 
 
 @dataclass
-class Hierarchy:
+class ClusterTree:
     clusters: list[Cluster]
     root: int
     op_cluster: np.ndarray
@@ -205,20 +205,35 @@ def _split(ptr: np.ndarray, idx: np.ndarray) -> list[tuple[int, ...]]:
     return [tuple(int(x) for x in idx[ptr[i] : ptr[i + 1]]) for i in range(len(ptr) - 1)]
 
 
+def _native_defaults(name: str) -> dict[str, Any]:
+    """The keyword defaults of the core's function ``name`` as the bindings declare them: the
+    one place the partition defaults are written (``rust/bindings``' pyo3 signature)."""
+    import inspect
+
+    from hrockmate import _native
+
+    params = inspect.signature(getattr(_native, name)).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+#: ``build_hierarchy``'s defaults, read from the core.
+HIERARCHY_DEFAULTS: dict[str, Any] = _native_defaults("build_hierarchy")
+
+
 def build_hierarchy(
     graph: Graph,
     *,
-    partitioner: str = "contiguous",
-    max_size: int = 20,
-    top_max_size: int = 30,
-    alpha: float = 0.5,
-    leaf_size: int = 6,
-    group_size: int = 4,
-    options: bool = True,
-    max_options: int = 12,
-    exact_limit: int = 20,
-    max_evaluations: int = 1_000_000,
-) -> Hierarchy:
+    partitioner: str = HIERARCHY_DEFAULTS["partitioner"],
+    max_size: int = HIERARCHY_DEFAULTS["max_size"],
+    top_max_size: int = HIERARCHY_DEFAULTS["top_max_size"],
+    alpha: float = HIERARCHY_DEFAULTS["alpha"],
+    leaf_size: int = HIERARCHY_DEFAULTS["leaf_size"],
+    group_size: int = HIERARCHY_DEFAULTS["group_size"],
+    options: bool = HIERARCHY_DEFAULTS["options"],
+    max_options: int = HIERARCHY_DEFAULTS["max_options"],
+    exact_limit: int = HIERARCHY_DEFAULTS["exact_limit"],
+    max_evaluations: int = HIERARCHY_DEFAULTS["max_evaluations"],
+) -> ClusterTree:
     """Partition ``graph`` into a hierarchy of clusters and enumerate each leaf's options.
 
     ``partitioner``: ``"contiguous"`` (the planner's: stretches of the forward order of about
@@ -265,7 +280,7 @@ def build_hierarchy(
         )
         for i in range(n)
     ]
-    h = Hierarchy(clusters=clusters, root=int(d["root"]), op_cluster=d["op_cluster"], partitioner=d["partitioner"])
+    h = ClusterTree(clusters=clusters, root=int(d["root"]), op_cluster=d["op_cluster"], partitioner=d["partitioner"])
     h.options = [[] for _ in range(n)]
     h.exact = [True] * n
     if options:
@@ -330,44 +345,13 @@ def simplify(graph: Graph, *, fold_views: bool = True, merge_chains: bool = True
     d = _native_call("simplify", graph, fold_views=fold_views, merge_chains=merge_chains)
     origin = _split(d["op_origin_ptr"], d["op_origin_idx"])
     t_origin = d["tensor_origin"]
-    tensors = []
-    for i, t in enumerate(t_origin):
-        src = graph.tensors[int(t)]
-        alias = int(d["tensor_alias"][i])
-        tensors.append(
-            Tensor(
-                name=src.name,
-                bytes=int(d["tensor_bytes"][i]),
-                role=ROLES[int(d["tensor_role"][i])],
-                alias_of=None if alias < 0 else alias,
-                grad_of=None if "tensor_grad_of" not in d or d["tensor_grad_of"][i] < 0 else int(d["tensor_grad_of"][i]),
-                updates=None if "tensor_updates" not in d or d["tensor_updates"][i] < 0 else int(d["tensor_updates"][i]),
-                shape=src.shape,
-                dtype=src.dtype,
-            )
-        )
-    in_ptr, in_idx = d["op_in_ptr"], d["op_in_idx"]
-    out_ptr, out_idx = d["op_out_ptr"], d["op_out_idx"]
-    ops = []
-    for i, members in enumerate(origin):
-        first = graph.ops[members[0]]
-        diff = int(d["op_differentiates"][i])
-        flags = int(d["op_flags"][i])
-        ops.append(
-            Op(
-                name="+".join(graph.ops[m].name for m in members),
-                phase="forward" if d["op_phase"][i] == 0 else "backward",
-                time=float(d["op_time"][i]),
-                inputs=[int(x) for x in in_idx[in_ptr[i] : in_ptr[i + 1]]],
-                outputs=[int(x) for x in out_idx[out_ptr[i] : out_ptr[i + 1]]],
-                target="+".join(graph.ops[m].target for m in members),
-                workspace=int(d["op_workspace"][i]),
-                differentiates=None if diff < 0 else diff,
-                random=bool(flags & 1),
-                mutates_buffer=bool(flags & 2),
-                module=first.module,
-            )
-        )
+    tensors = tensors_from_arrays(d, [graph.tensors[int(t)].name for t in t_origin])
+    for t, src in zip(tensors, (graph.tensors[int(t)] for t in t_origin)):
+        t.shape, t.dtype = src.shape, src.dtype
+    ops = ops_from_arrays(d, ["+".join(graph.ops[m].name for m in members) for members in origin])
+    for op, members in zip(ops, origin):
+        op.target = "+".join(graph.ops[m].target for m in members)
+        op.module = graph.ops[members[0]].module
     new = Graph(name=graph.name, tensors=tensors, ops=ops, time_unit=graph.time_unit, meta=dict(graph.meta))
     return SimplifiedGraph(
         graph=new,

@@ -21,6 +21,23 @@ from hrockmate.ir.plan import SolveError
 from hrockmate.ir.schedule import Step
 from hrockmate.planning import clusters, ilp, level_solvers
 from hrockmate.planning.blocks import Block, BlockOption, GraphFacts
+from hrockmate.planning.context import (
+    FRACTION_TIME,
+    GROUP_SIZE,
+    HIERARCHY_TIME_SHARE,
+    LEAF_PORTFOLIO_MAX_OPS,
+    LEAF_SIZE,
+    LEAF_SIZES,
+    LEAN_MARGIN,
+    LEAN_SAMPLE,
+    NEAR_STORE_ALL_MIN_BUDGET,
+    REFINE_TIME_SHARE,
+    SMALL_GRAPH_LEAF_SIZES,
+    SUB_TIME_LIMIT,
+    TOP_STALL_SECONDS,
+    TOP_TIME_SHARE,
+    WINDOW_MAX_GAP,
+)
 from hrockmate.planning.level import (
     block_level,
     expand_level,
@@ -68,37 +85,6 @@ def _interfaces(ctx: GraphFacts, block: Block) -> None:
     block.bwd_in = sorted(bwd_in) if block.bwd_ops else []
 
 
-# Children per block above the leaves. 4 rather than 8: with 8, the demo GPT-2 (230 forward ops,
-# 38 leaves) had 4 blocks at the top, each spanning about 1.3 layers, and without dropout it ran
-# +22.8% at 50% (+36.5% at 40%, where block checkpointing did +29%); with 4 it has 9 and runs
-# +14.3% (+23.5% at 40%).
-GROUP_SIZE = 4
-
-# Forward ops per leaf block. The plan depends much on it and no single size is best: on the
-# demo GPT-2 leaves of 8 gave +2.5/+9.0/+21.3% at 70/50/30% against +7.5/+16.9/+31.2% with 6,
-# and T5 (843 ops) +3.1/+9.4/+43.0% against +4.1/+16.8/+61.5%. On graphs of at most 400 ops
-# (solved in seconds) smaller leaves often do better: leaves of 4 planned the U-Net operator log
-# at 50% at +20.9% where 6 and 8 found nothing (greedy eviction's +60.2%), the CNN+BN operator
-# log at 50% at +19.0% (6: +24.0%, 8: +22.8%) and MobileNet/ResNet-50 (Checkmate) as well as 6
-# and 8 in half the time; 6 stayed ahead on the FCN-8 at 70% (+1.6 vs +2.9%) and the resnet-like
-# graph at 30% (+26.6 vs +38.8%), 8 on the DenseNet operator log at 50% (+3.9 vs +6.1%)
-# (benches/leaf_sizes.py, hierarchy only). On larger graphs 9 can beat 8: the demo GPT-2 at 50%
-# planned at +10.3% or +9.0% with 8 depending on the op times a trace measured, +8.6% with 9
-# both times (7: +17.1%). So graphs are planned with each size of ``LEAF_SIZES`` (graphs of up
-# to ``LEAF_PORTFOLIO_MAX_OPS`` ops: ``SMALL_GRAPH_LEAF_SIZES``) in turn, the later ones only
-# within the time ``policy.improve_seconds`` gives them (the improvement window: 9 s on graphs
-# of up to 1,000 ops, up to 20 s on larger ones; where the first size takes longer only it is
-# tried; each size's top MILP stops at its share of the window once it has a schedule), and the
-# fastest plan is kept. 6 goes first on small graphs: 4 took 6-13 s on the DenseNet log at 50%,
-# the resnet-like graph and MobileNet at 30%, 6 at most 9 s. 4 goes last, after 8 and 9: before
-# it, the window was often spent before 8 and 9 had a turn (the zoo's DenseNet exported as an
-# operator log at 50%: 6 / 4 / 8 / 9 plan +3.57 / +3.43 / +3.43 / +2.42%, and greedy eviction's
-# +2.56% won; over the 76 cases of the never-costlier benchmark on graphs of at most 400 ops
-# that was the one plan to change, the others the same).
-LEAF_SIZE = 8
-LEAF_SIZES = (LEAF_SIZE, 9)
-SMALL_GRAPH_LEAF_SIZES = (6, 8, 9, 4)
-LEAF_PORTFOLIO_MAX_OPS = 400
 
 
 def leaf_sizes(graph: Graph, leaf_size: int | None, flat_ops: int = 60) -> tuple[int, ...]:
@@ -115,10 +101,11 @@ def leaf_sizes(graph: Graph, leaf_size: int | None, flat_ops: int = 60) -> tuple
     return LEAF_SIZES
 
 
-def build_hierarchy(graph: Graph, leaf_size: int = LEAF_SIZE, group_size: int = GROUP_SIZE,
-                    top_size: int = 16, partitioner: str = "contiguous",
-                    leaf_options: bool = False) -> Block:
-    """Partition a graph into a tree of blocks; the root holds the whole graph.
+def block_tree(graph: Graph, leaf_size: int = LEAF_SIZE, group_size: int = GROUP_SIZE,
+               top_size: int = 16, partitioner: str = "contiguous",
+               leaf_options: bool = False) -> Block:
+    """The planner's tree of blocks over the core's partition (``clusters.build_hierarchy``,
+    the one partition entry); the root holds the whole graph.
 
     The tree is the Rust core's hierarchy (``clusters.build_hierarchy``): by default contiguous
     stretches of the forward order, ``leaf_size`` ops per leaf and ``group_size`` children per
@@ -156,50 +143,22 @@ class HierarchyTimeout(ilp.LevelNoSolution):
     ran out (the caller then uses the simple strategies)."""
 
 
-# Share of a solve's time limit the blocks' options may use: the top level and the simple
-# strategies need the rest.
-HIERARCHY_TIME_SHARE = 0.75
-# Share of the time left after the blocks that the top level may use: the simple strategies and
-# the refinement need the rest. On the 10k-op unrolled LSTM at time_limit=60 the top level took
-# all of it (33 s, stopped with an 8.9% gap at +28.2%), and block checkpointing, then given no
-# time, tried one block count where its best fits at +22.9%.
-TOP_TIME_SHARE = 0.7
-# Share of the time left that one refinement (hrockmate.planning.refine) may use.
-REFINE_TIME_SHARE = 0.2
 
 
 # A block's options (``_block_options``): the fastest schedule, then the fastest under caps on
 # what its forward keeps for its backward (fractions of what the fastest keeps), the lowest
 # peak, and the fastest under peaks between the lowest and the fastest's (fractions of the way).
-# The 1/8 cap took the demo GPT-2 at 50% from +22.9% to +21.5% and at 30% from +48.3% to +43.7%,
-# and the 24-layer enc-dec at 30% from +35.1% to +33.2%, for ~15% more block-solving time. The
-# 1/16 and 3/8 caps and the 1/4 and 3/4 peaks, with block MILPs of 0.3 s instead of 1 s, took it
-# (one trace, leaves of 8) from +5.7 / +12.4 / +23.6% to +4.7 / +10.7 / +20.4% at 70/50/30% in
-# about the same time (the blocks' MILPs: a third of the time limit finds as good options; the
-# lowest-peak ones were cut at 1 s before and are at 0.3 s now). Over the never-costlier
-# benchmark's 64 solves: 5 plans faster, 2 slower by 0.2-0.3 points, the same total time.
+# More, finer options give the parent more trade-offs to choose from; each costs a short block
+# MILP (``SUB_TIME_LIMIT``), and these are the ones whose plans repay their solving time
+# (benches/simple_strategies.py and benches/solver_quality.py measure them).
 SAVED_FRACTIONS: tuple[float, ...] = (0.0, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75)
 PEAK_FRACTIONS: tuple[float, ...] = (0.25, 0.5, 0.75)
-# Caps close to what the fastest keeps, solved besides the ones above (those are solved as
-# before, so a block's options only grow). Where a block's cheapest savings are a small share of
-# what it keeps, the 3/4 cap is too coarse: the 10k-op unrolled LSTM keeps its four gates (1,024
-# of the 1,792 bytes of a step) and the cell state, its tanh and the hidden state, 256 bytes
-# each and cheap to make again from the gates; 18 steps to a top block, whose 3/4 option had to
-# give up gates too, so the top level at 90% ran whole steps again (+2.78%; greedy eviction's
-# +2.16% won), and with these caps it plans +1.98% itself.
+# Caps close to what the fastest keeps, solved besides the ones above (so a block's options
+# only grow). Where a block's cheapest savings are a small share of what it keeps (an unrolled
+# recurrent cell: large gates, small states cheap to make again from them), the 3/4 cap is too
+# coarse: it makes the block give up expensive values too, and the parent then runs whole
+# blocks again near store-all.
 NEAR_STORE_ALL_FRACTIONS: tuple[float, ...] = (0.9375, 0.875)
-# Options of NEAR_STORE_ALL_FRACTIONS are solved for (``prepare``), and offered to the top
-# level, only at budgets of at least this fraction of the store-all peak, where a child gives
-# up little of what it keeps. Elsewhere they cost more than they bring: offered at the top at
-# 30-50%, the larger top MILP converged more slowly (the resnet_bn operator log at 30% stopped
-# at the improvement window with a gap of 4.0% instead of 1.4%, +30.41% against +29.61%), and
-# the 24-layer enc-dec at 50%, not offered them, took 2.4 s more for its blocks, whose other
-# options, built from more choices within the same time limits, came out slower (+21.06%
-# against +19.67%).
-NEAR_STORE_ALL_MIN_BUDGET = 0.8
-# Seconds for one block MILP under a memory limit (the lowest peak, a peak between; the caps on
-# what the forward keeps get ``_FRACTION_TIME`` times this).
-SUB_TIME_LIMIT = 0.3
 
 
 @dataclass
@@ -228,19 +187,8 @@ class _Settings:
         self.near_store_all_fractions = ()
 
 
-# The blocks go lean when, at the pace of those solved so far, the rest would need more than
-# this fraction of the time left (blocks higher up are larger and slower than the leaves that
-# set the pace). The 100k-op synthetic graph of benches/solver_quality.py (18,750 leaves, 1,460
-# blocks above, nothing repeated) ran out of its share of a 540 s limit with full option sets.
-LEAN_MARGIN = 2.0
-# Blocks solved before the pace is trusted.
-LEAN_SAMPLE = 20
 
 
-# Time for a block's solves under a cap on what its forward keeps, in sub_time_limits: they are
-# options offered to the parent, and on blocks of thousands of ops (groups of unrolled steps)
-# proving them took 10-20 s each where the best schedule found in a few seconds is as good.
-_FRACTION_TIME = 3.0
 
 
 def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOption]:
@@ -310,7 +258,7 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
             cap = frac * first.saved_bytes
             if last.saved_bytes <= cap:
                 continue
-            o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None, boundary_limit=cap)
+            o = attempt(FRACTION_TIME * st.sub_time_limit, budget=None, boundary_limit=cap)
             if o is not None:
                 options.append(o)
                 last = o
@@ -322,13 +270,13 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
             below = max((f for f in caps if f < frac), default=0.0) * first.saved_bytes
             if any(below < o.saved_bytes <= cap for o in options):
                 continue
-            o = attempt(_FRACTION_TIME * st.sub_time_limit, budget=None, boundary_limit=cap)
+            o = attempt(FRACTION_TIME * st.sub_time_limit, budget=None, boundary_limit=cap)
             if o is not None:
                 o.near_store_all = True
                 options.append(o)
     # the lowest peak, started from the leanest schedule: with the model's floor on the peak
-    # (``ilp.build_model``) that start often proves optimal at once (MobileNet's blocks of 9
-    # ops: HiGHS alone found peaks twice the lowest in the 0.3 s, and took 1-21 s to reach it)
+    # (``ilp.build_model``) that start often proves optimal at once, where HiGHS alone can
+    # spend many sub-time-limits reaching it
     low = attempt(budget=None, minimize_peak=True, boundary_limit=boundary0,
                   start=ilp.lean_start(lvl.problem))
     if low is not None:
@@ -426,11 +374,9 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
     more use them). ``low_peak``: a block's backward frees the forward outputs it makes again
     right after their last read there instead of holding them to its end
     (``level.recomputed_outputs_freed``). Its options' peaks are lower or equal, so this model
-    plans lower budgets (Checkmate's MobileNet: 20.3 -> 19.1% of store-all, the floor of every
-    schedule). It is not the default: on the changed coefficients the top MILPs searched worse
-    at budgets both models plan (the 10k-op LSTM at 30% found no schedule of its own in its
-    window; 7 of the 96 cases of benches/simple_strategies.py slower), so ``solve_graph`` uses
-    it only where the default model has no schedule (``policy.run_method``)."""
+    plans lower budgets. It is not the default: on its changed coefficients the top MILPs search
+    worse at budgets both models plan, so ``solve_graph`` uses it only where the default model
+    has no schedule (``policy.run_method``)."""
     t0 = _time.perf_counter()
     ctx = GraphFacts(graph)
     chosen = level_solvers.check_solvers(solvers)
@@ -438,9 +384,9 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
         root = flat_root(graph)
     else:
         # the core's leaf options: asked for, or a fallback for leaves if time runs short
-        root = build_hierarchy(graph, leaf_size, group_size, top_size,
-                               leaf_options=chosen["leaves"] in ("rust", "ilp+rust")
-                               or time_limit is not None)
+        root = block_tree(graph, leaf_size, group_size, top_size,
+                          leaf_options=chosen["leaves"] in ("rust", "ilp+rust")
+                          or time_limit is not None)
     st = _Settings(time_limit, SUB_TIME_LIMIT if sub_time_limit is None else sub_time_limit,
                    mip_rel_gap, solvers=chosen,
                    deadline=None if time_limit is None
@@ -550,12 +496,6 @@ def default_workers() -> int:
     return max(1, min(MAX_WORKERS, cores))
 
 
-# The top MILP stops once its best schedule has not improved for this long (nor for half the
-# time it took to find it: ``ilp.run_highs``). On the T5 of the third-party tests (815 ops, 15
-# top blocks) at 40% HiGHS found its last better schedule 9.6 s into the top solve and then
-# spent the rest of a 60 s limit (or 210 s of the default 300 s) failing to prove it optimal:
-# the solve took 43.5 s, and 16.8 s with this rule, for the same plan (+25.6%).
-TOP_STALL_SECONDS = 5.0
 
 
 def solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None, mip_rel_gap: float,
@@ -626,7 +566,7 @@ def _solve_top(h: Hierarchy, budget: int | None, *, time_limit: float | None,
                          minimize_peak=minimize_peak, stall=TOP_STALL_SECONDS, start=stages,
                          soft_deadline=soft_deadline, last_resort_start=last_resort,
                          barren_deadline=barren_deadline,
-                         window_gap=ilp.WINDOW_MAX_GAP if h.root.children else math.inf)
+                         window_gap=WINDOW_MAX_GAP if h.root.children else math.inf)
     if sp.stats.get("stopped") == "window":
         logger.info("the top MILP of '%s' stopped after %.1f s at the end of the solve's "
                     "improvement window", h.graph.name, sp.stats["solve_seconds"])

@@ -36,6 +36,22 @@ from typing import Any
 
 import numpy as np
 
+from hrockmate.ir.errors import InfeasibleBudget
+from hrockmate.ir.graph import (  # noqa: F401  (the planner's names for these graph facts)
+    PREEXISTING_ROLES,
+    prioritized_topological_order,
+    topological_ops,
+)
+from hrockmate.planning.context import (
+    CLOSE_GAP,
+    CLOSE_GAP_STALL_SECONDS,
+    INTERRUPT_GRACE_SECONDS,
+    STALL_FACTOR,
+    STALL_IMPROVEMENT,
+    START_STALL_FACTOR,
+    WINDOW_MAX_GAP,
+)
+
 logger = logging.getLogger("hrockmate")
 
 
@@ -181,9 +197,13 @@ class StagePlan:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-class LevelInfeasible(Exception):
+class LevelInfeasible(InfeasibleBudget):
     """The level has no schedule within the given budget (proven by the solver, or its
-    schedule simulated over the budget: ``policy._within_budget``)."""
+    schedule simulated over the budget: ``policy._within_budget``). An ``InfeasibleBudget``
+    whose ``min_bytes`` is 0 (the level's least peak is not known)."""
+
+    def __init__(self, message: str) -> None:
+        self._as_solver_signal(message, None)
 
 
 class LevelNoSolution(Exception):
@@ -657,9 +677,9 @@ _THREADS_SET = False
 
 
 # Models with more nonzeros than this are solved without HiGHS's presolve and symmetry
-# detection, which do not poll interrupts: on the op-level MILP of a 617-op GPT-2 (3.4M
-# nonzeros) presolve ran 38 s past a 20 s limit, and minutes past a 60 s one. Without them
-# HiGHS still spends ~3-5 us per nonzero setting up before its first interruptible step, so a
+# detection, which do not poll interrupts: on op-level MILPs of a few hundred ops (millions of
+# nonzeros) presolve runs far past the time limit. Without them HiGHS still spends ~3-5 us per
+# nonzero setting up before its first interruptible step, so a
 # large model is refused up front when that set-up alone would outlast the time left. Level
 # problems of the hierarchy are far smaller (thousands of nonzeros).
 PRESOLVE_MAX_NONZEROS = 1_000_000
@@ -704,28 +724,6 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
         _cancel.event = None
 
 
-# A schedule better than the best one by less than this (relative) is no improvement for
-# ``run_highs``'s stall rule.
-STALL_IMPROVEMENT = 1e-3
-STALL_FACTOR = 0.5
-START_STALL_FACTOR = 2.0
-# Once HiGHS's relative gap is at most CLOSE_GAP, what is left to gain is that much at most:
-# a best schedule that has not improved for CLOSE_GAP_STALL_SECONDS then ends the search (the
-# top MILP of MobileNet at 30% found its schedule at 4.2 s with a 0.3% gap and used to wait 5 s
-# more for nothing).
-CLOSE_GAP = 5e-3
-CLOSE_GAP_STALL_SECONDS = 1.0
-# The improvement window (``soft_deadline``) ends a block level's top search only once HiGHS's
-# relative gap is at most this: a schedule that may be this much slower than the optimum of
-# the level is worth the stall rule's time (op-level MILPs, whose LP bounds are weak, stop at
-# the window whatever their gap). transformers' XLNet (742 ops) at 50%: its top MILP stopped
-# at the window with a 64% gap (+54.7%); on its stall rule +26.9%, 15 s later.
-WINDOW_MAX_GAP = 0.2
-# HiGHS polls the interrupt callbacks in its simplex, IPM and MIP loops but not inside its
-# sub-MIP heuristics (RINS, RENS, root reduced cost): on the U-Net-like graph's op-level MILP a
-# stop came 5.5 s late. On Ctrl-C or cancellation ``run_highs`` waits this long, then returns
-# and leaves HiGHS to stop on its daemon thread at its next poll.
-INTERRUPT_GRACE_SECONDS = 0.5
 
 
 def run_highs(h: Any, deadline: float | None = None, stall: float | None = None,
@@ -1149,58 +1147,6 @@ class OpLevel:
     node_op: list[int]  # level node -> op id
 
 
-def prioritized_topological_order(
-    deps: Sequence[set[int]], priority: Sequence[Any]
-) -> list[int] | None:
-    """Kahn's algorithm over nodes ``0..n-1`` (``deps[k]``: the nodes ``k`` needs first); among
-    the ready nodes the smallest ``(priority[k], k)`` goes next. None when there is a cycle."""
-    import heapq
-
-    n = len(deps)
-    users: list[list[int]] = [[] for _ in range(n)]
-    indeg = [len(d) for d in deps]
-    for k, d in enumerate(deps):
-        for p in d:
-            users[p].append(k)
-    heap = [(priority[k], k) for k in range(n) if indeg[k] == 0]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        _, k = heapq.heappop(heap)
-        order.append(k)
-        for v in users[k]:
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                heapq.heappush(heap, (priority[v], v))
-    return order if len(order) == n else None
-
-
-def topological_ops(graph: Any) -> list[int]:
-    """Op ids in a topological order, forward ops first, else keeping the graph's order."""
-    n = graph.num_ops
-    prod = graph.producers()
-    deps: list[set[int]] = [set() for _ in range(n)]
-    for j, op in enumerate(graph.ops):
-        for x in op.inputs:
-            pj = prod[x]
-            if pj is not None and pj != j:
-                deps[j].add(pj)
-    order = prioritized_topological_order(
-        deps, [0 if op.phase == "forward" else 1 for op in graph.ops]
-    )
-    if order is None:
-        raise ValueError(f"graph '{graph.name}' has a cycle among its ops")
-    seen_backward = False
-    for j in order:
-        if graph.ops[j].phase == "backward":
-            seen_backward = True
-        elif seen_backward:
-            raise ValueError(
-                f"graph '{graph.name}': forward op '{graph.ops[j].name}' depends on a backward op"
-            )
-    return order
-
-
 def op_level(graph: Any, ops: list[int] | None = None) -> OpLevel:
     """Checkmate's problem for a graph: every op a node with one option (time, workspace)."""
     order = topological_ops(graph) if ops is None else ops
@@ -1213,7 +1159,7 @@ def op_level(graph: Any, ops: list[int] | None = None) -> OpLevel:
             LevelValue(
                 name=t.name,
                 bytes=int(t.bytes) if t.alias_of is None else 0,
-                producer=None if p is None or t.role in PREEXISTING else pos[p],
+                producer=None if p is None or t.role in PREEXISTING_ROLES else pos[p],
                 keep=t.role == "output",
                 root=t.alias_of,
             )
@@ -1234,7 +1180,6 @@ def op_level(graph: Any, ops: list[int] | None = None) -> OpLevel:
     return OpLevel(LevelProblem(values, nodes, n_forward, name=graph.name), list(order))
 
 
-PREEXISTING = frozenset({"input", "parameter", "buffer", "tangent"})
 
 
 def op_steps(level: OpLevel, plan: StagePlan) -> tuple[list[tuple[str, int]], int]:

@@ -24,7 +24,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hrockmate.ir.graph import Graph
-from hrockmate.ir.plan import InfeasibleBudget
+from hrockmate.ir.errors import (  # noqa: F401  (InfeasibleBudget: the error it raises)
+    InfeasibleBudget,
+    NotAChainError,
+    infeasible_from_native,
+    native_error_rules,
+)
 from hrockmate.ir.schedule import ErrorRule, Schedule, SimulationResult, call_native
 
 __all__ = [
@@ -40,10 +45,6 @@ __all__ = [
     "ChainPlan",
     "rotor_chain",
 ]
-
-
-class NotAChainError(ValueError):
-    """The graph has no chain structure that Rotor can use; the message names the op at fault."""
 
 
 class LiteratureSolverError(RuntimeError):
@@ -81,9 +82,7 @@ def _native_call(fn: Callable[..., Any], graph: Graph, requested_bytes: int = 0,
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be a hrockmate.Graph, got {type(graph).__name__}")
     errors: list[ErrorRule] = [
-        (_native.NotAChainError, lambda e: NotAChainError(str(e))),
-        (_native.InfeasibleError,
-         lambda e: InfeasibleBudget(requested_bytes, e.min_bytes, graph.name)),
+        *native_error_rules(requested_bytes, graph.name),
         (_native.InvalidArgumentError, lambda e: ValueError(str(e))),
         (_native.InternalError, lambda e: LiteratureSolverError(str(e))),
     ]
@@ -321,7 +320,7 @@ def rotor_chain(
             limit, slots, time_limit=seconds, max_table_bytes=table_limit,
         )
     except _native.InfeasibleError as exc:
-        raise InfeasibleBudget(limit, exc.min_bytes) from None
+        raise infeasible_from_native(exc, limit) from None
     except _native.InvalidArgumentError as exc:
         raise ValueError(str(exc)) from None
     except _native.InternalError as exc:

@@ -27,6 +27,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
+from hrockmate.ir.errors import InfeasibleBudget
 from hrockmate.ir.graph import Graph
 from hrockmate.ir.schedule import Schedule, Step, call_native, simulate
 from hrockmate.planning import ilp
@@ -40,14 +41,13 @@ class SolverResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-class SolverInfeasible(Exception):
-    """The solver found no schedule within the budget (``proven`` when it is certain;
-    ``min_bytes``: the lowest peak it reached, when known)."""
+class SolverInfeasible(InfeasibleBudget):
+    """A reference solver found no schedule within the budget (``proven`` when it is certain;
+    ``min_bytes``: the lowest peak it reached, 0 when unknown). An ``InfeasibleBudget``."""
 
     def __init__(self, message: str, proven: bool, min_bytes: int | None = None) -> None:
-        super().__init__(message)
+        self._as_solver_signal(message, min_bytes)
         self.proven = proven
-        self.min_bytes = min_bytes
 
 
 # Ops whose outputs selective checkpointing keeps (matmuls, convolutions, attention), by ATen
@@ -120,8 +120,8 @@ def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None
     producers of its inputs that are not alive (the names: ``_native.EVICTION_SCORES``). None
     wins everywhere (milliseconds each on a few hundred ops; on the 10k-op LSTM 0.3 s for all
     four), so all run and the fastest schedule after ``refine`` is returned (evictions leave
-    slack, and which refines better is not which was faster before: the bench's U-Net at 50%,
-    +60.3% -> +26.2% by staleness, +59.6% -> +42.5% by next use). ``time_limit`` covers it all."""
+    slack, and which refines better is not which was faster before). ``time_limit`` covers it
+    all."""
     from hrockmate import _native
     from hrockmate.planning.refine import refine
 

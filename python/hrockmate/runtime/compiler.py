@@ -21,6 +21,7 @@ import torch.fx
 
 from hrockmate.capture.decisions import SkipRules
 from hrockmate.capture.kernels import RELAYOUT, in_place_kernel, op_kernel
+from hrockmate.ir.graph import PREEXISTING_ROLES as _PREEXISTING
 from hrockmate.runtime.cuda_memory import allocator_slack_bytes
 
 __all__ = ["Program", "RuntimeScheduleError", "compile_schedule"]
@@ -32,7 +33,6 @@ class RuntimeScheduleError(ValueError):
 
 
 _LITERAL_TYPES = (bool, int, str, type(None))
-_PREEXISTING = frozenset({"input", "parameter", "buffer", "tangent"})
 
 
 @dataclass

@@ -51,6 +51,13 @@ from hrockmate.capture.kernels import autocast_off, autocast_state, describe_aut
 from hrockmate.capture.joint import TensorLeaf, rebuild_output
 from hrockmate.capture.randomness import replay_python_draws
 from hrockmate.capture.values import FiniteAssumptionError
+from hrockmate.planning.entry import (  # noqa: F401  (the runtime's names for them)
+    MAX_ROUNDS,
+    POSSIBLE_RESERVE_SHARE,
+    POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW,
+    plan_for_runtime,
+    solve_within_budget,
+)
 from hrockmate.runtime.compiler import (
     Program,
     RuntimeScheduleError,
@@ -1043,214 +1050,11 @@ def _choose_schedule(
     cache: Any = None,
     prepared: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Any, Any, int, Program]:
-    """(schedule, plan, simulated peak, compiled program) for the given arguments. Without a
-    solver plan (store-all, or a hand-given schedule) a ``Plan`` describing the schedule is made,
-    with ``stats["method"]`` "store-all" or "given". A solver plan comes from the plan cache
-    (``hrockmate.planning.cache``) when it holds one for this graph, budget and options; otherwise
-    the op times are measured (or taken from the cache) unless the graph has measured ones, the
-    graph solved and the plan cached. ``prepared``: solve options with their hierarchies
-    (``with_hierarchy``) by the options they were built for, kept by the caller across calls."""
-    from hrockmate.ir.schedule import peak_lower_bound, simulate, store_all_schedule
-
-    graph = traced.graph
-    if plan is not None:
-        if hasattr(plan, "check_graph"):  # a Plan
-            plan.check_graph(graph)
-            schedule = plan.schedule
-            peak = int(simulate(graph, schedule).peak_bytes)  # validates it on this graph
-            return schedule, plan, peak, compile_fn(schedule)
-        if hasattr(plan, "steps") and hasattr(plan, "forward_len"):  # a Schedule
-            sim = simulate(graph, plan)
-            base = simulate(graph, store_all_schedule(graph))
-            made = _describe(graph, plan, sim, base, int(sim.peak_bytes), "given")
-            return plan, made, int(sim.peak_bytes), compile_fn(plan)
-        raise TypeError(
-            f"plan= must be a hrockmate Plan or Schedule, got {type(plan).__name__}"
-        )
-    store_all = store_all_schedule(graph)
-    base = simulate(graph, store_all)
-    baseline = int(base.peak_bytes)
-    program = compile_fn(store_all)
-    budget_bytes = baseline + program.extra_bytes
-    if budget is not None:
-        from hrockmate.ir.budget import parse_budget
-
-        # a fraction is of plain autograd's peak by the same measure: with the gradient seed
-        budget_bytes = parse_budget(budget, baseline + gradient_seed_bytes(graph))
-    if budget_bytes >= baseline + program.extra_bytes:
-        made = _describe(graph, store_all, base, base, budget_bytes, "store-all")
-        return store_all, made, baseline, program
-    floor, why = peak_lower_bound(graph)
-    if floor + program.extra_bytes > budget_bytes:  # (before op times and block options)
-        raise _below_floor(graph, budget_bytes, floor, why, program.extra_bytes)
-    from hrockmate.planning.api import with_hierarchy
-    from hrockmate.planning.cache import device_kind, measured_times, open_cache
-
-    options = dict(solve_options)
-    cost = options.pop("cost", "measure")
-    if cost not in ("measure", "estimate"):
-        raise ValueError(f"cost must be 'measure' or 'estimate', got {cost!r}")
-    store = open_cache(cache)
-    key = None
-    if store is not None:
-        key = store.plan_key(graph, budget_bytes, {**options, "cost": cost},
-                             device_kind(traced.device), purpose="runtime")
-        cached = store.load_plan(key, graph)
-        if cached is not None:
-            peak = int(simulate(graph, cached.schedule).peak_bytes)
-            program = compile_fn(cached.schedule)
-            if peak + program.extra_bytes <= budget_bytes:
-                return cached.schedule, cached, peak, program
-    measured = graph.meta.get("cost_report", {}).get("mode") == "measure"
-    if cost == "measure" and not measured:  # op times matter for choosing what to recompute
-        if sample is None:
-            raise ValueError(
-                "replanning needs the op times measured, and they were not (the module was "
-                "built for store-all): pass sample= (the arguments of a call), or "
-                "cost='estimate' to plan on estimated times")
-        measured_times(traced, model, sample, store)
-    # block options are shared by every round, and by later calls with the same options
-    options_key = repr(sorted((k, repr(v)) for k, v in options.items()))
-    if prepared is not None and options_key in prepared:
-        options = prepared[options_key]
-    else:
-        options = with_hierarchy(graph, options)
-        if prepared is not None:
-            prepared.clear()  # (one set kept: hierarchies hold much of the graph's size)
-            prepared[options_key] = options
-    # store-all's extra bytes (the allocator's slack, mostly) are what most plans add too: the
-    # first round solves for what is left, so that a tight budget is not solved twice
-    new_plan, peak, program = solve_within_budget(
-        graph, budget_bytes, options, compile_fn, reserve_bytes=program.extra_bytes,
-        possible_reserve_bytes=program.possible_extra_bytes)
-    if store is not None:
-        store.save_plan(key, new_plan)
-    return new_plan.schedule, new_plan, peak, program
-
-
-def _below_floor(graph: Any, budget_bytes: int, floor: int, why: str, reserve_bytes: int
-                 ) -> Exception:
-    """The refusal of a budget below a proven floor of the graph's peak (``why`` says what
-    proves it) plus the runtime's bytes beside the graph's tensors: store-all's, the fewest
-    any plan's runtime keeps."""
-    from hrockmate.ir.budget import format_bytes
-    from hrockmate.ir.plan import InfeasibleBudget
-
-    if reserve_bytes:
-        why += f", and the runtime keeps {format_bytes(reserve_bytes)} beside the graph's tensors"
-    return InfeasibleBudget(budget_bytes, floor + reserve_bytes, graph.name, why=why)
-
-
-#: The largest share of the budget that ``solve_within_budget`` sets aside in its first round for
-#: bytes a plan may add at runtime (generator states of random ops it replays, old values of
-#: buffers it recomputes); above it the rounds find out instead.
-POSSIBLE_RESERVE_SHARE = 0.01
-#: ... and after a round's plan did not fit once compiled (beyond it, a target with all of them
-#: set aside is mostly infeasible: a tiny OPT's 9 generator states are 47% of its budget).
-POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW = 0.05
-
-#: Solve rounds of ``solve_within_budget`` at most (usually one; more only while plans' runtime
-#: bytes push them over the budget, and from the fourth on only while they overshoot less
-#: than the round before: a tiny OPT at 60% overshot by 616 bytes in its fourth round).
-MAX_ROUNDS = 6
-
-
-def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
-                        compile_fn: Callable[[Any], Program],
-                        reserve_bytes: int = 0, possible_reserve_bytes: int = 0,
-                        ) -> tuple[Any, int, Program]:
-    """The solver's plan for ``graph`` (``solve_graph`` with ``options``) whose predicted peak,
-    the simulated one plus what the runtime keeps beyond the graph's tensors
-    (``Program.extra_bytes``: saved generator states, old buffer values, the CUDA allocator's
-    slack), fits ``budget_bytes``.
-
-    The first round solves for ``budget_bytes - reserve_bytes - possible_reserve_bytes`` (the
-    latter, the most a plan's runtime bytes can exceed the reserve's, only while it is at most
-    ``POSSIBLE_RESERVE_SHARE`` of the budget), so that its plan fits as compiled. When a plan
-    does not fit, the next round sets all of ``possible_reserve_bytes`` aside (its plan then
-    fits as compiled; up to ``POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW`` of the budget), and later
-    rounds solve for the budget less the last plan's extra bytes (``MAX_ROUNDS`` in all). A
-    target with possible bytes set aside that turns out infeasible where the reserve alone
-    would not is replaced by the target without them; one whose plan fits is compared with the
-    plan for the budget less the last plan's extra bytes (one more solve), and the faster that
-    fits as compiled is kept. Returns (plan, simulated peak, its
-    compiled program); raises InfeasibleBudget when no round fits."""
-    from hrockmate.ir.plan import InfeasibleBudget
-
-    reserve_bytes = max(0, int(reserve_bytes))
-    possible_all = max(0, int(possible_reserve_bytes))
-    possible = possible_all if possible_all <= POSSIBLE_RESERVE_SHARE * budget_bytes else 0
-    target = budget_bytes - reserve_bytes - possible
-    # where to go when a target with the possible bytes set aside is infeasible
-    give_back = budget_bytes - reserve_bytes if possible else None
-    reserved_all = possible == possible_all or (
-        possible_all > POSSIBLE_RESERVE_SHARE_AFTER_OVERFLOW * budget_bytes)
-    reached: list[int] = []  # peaks with the runtime's bytes of the plans the rounds compiled
-    floor: int | None = None  # the lowest peak the solver reached, with the reserve
-    looser: int | None = None  # a target above the one with all possible bytes set aside
-
-    def fits(peak: int, program: Program) -> bool:  # as compiled, with the runtime's bytes
-        return peak + program.extra_bytes <= budget_bytes
-
-    for _ in range(MAX_ROUNDS):
-        if target <= 0:
-            break
-        try:
-            plan, peak, program = _solved_and_compiled(graph, target, options, compile_fn)
-        except InfeasibleBudget as exc:  # (its lowest peak needs the runtime's bytes too)
-            if give_back is not None and give_back > target and (
-                    exc.min_bytes + reserve_bytes <= budget_bytes):
-                # the possible bytes made it infeasible: the rounds find out what a plan adds
-                target, give_back, looser = give_back, None, None
-                continue
-            floor = exc.min_bytes + reserve_bytes
-            if exc.why and floor > budget_bytes:
-                raise _below_floor(graph, budget_bytes, exc.min_bytes, exc.why,
-                                   reserve_bytes) from None
-            break
-        if fits(peak, program):
-            if looser is not None:
-                # all possible bytes set aside may leave only a slower method's plan (a
-                # 2-layer Starcoder2 at 50%: greedy eviction's +55.9%, where the hierarchy's
-                # plan for the budget less the last plan's bytes fits as compiled): one solve
-                # there, kept when it fits and is faster
-                try:
-                    other = _solved_and_compiled(graph, looser, options, compile_fn)
-                except InfeasibleBudget:
-                    other = None
-                if other is not None and fits(other[1], other[2]) and other[0].time < plan.time:
-                    return other
-            return plan, peak, program
-        if len(reached) >= 3 and peak + program.extra_bytes >= reached[-1]:
-            reached.append(peak + program.extra_bytes)
-            break  # (not converging)
-        reached.append(peak + program.extra_bytes)
-        target, give_back = min(target, budget_bytes - program.extra_bytes) - 1, None
-        if not reserved_all:
-            # a plan added runtime bytes: set aside all a plan may add, so that the next one
-            # fits as compiled (each tighter plan can recompute one more BatchNorm, and
-            # stepping down by the last plan's bytes took 4 rounds on timm's GhostNet)
-            reserved_all = True
-            if budget_bytes - reserve_bytes - possible_all < target:
-                target, give_back = budget_bytes - reserve_bytes - possible_all, target
-                looser = give_back
-    # the smallest a compiled plan reached (it fits a budget of its peak with its runtime
-    # bytes), else the solver's lowest peak with the reserve
-    raise InfeasibleBudget(budget_bytes, min(reached) if reached else
-                           floor if floor is not None else budget_bytes + 1, graph.name)
-
-
-def _solved_and_compiled(graph: Any, target: int, options: dict[str, Any],
-                         compile_fn: Callable[[Any], Program]) -> tuple[Any, int, Program]:
-    """The solver's plan for ``target`` bytes, its simulated peak and its compiled program
-    (raises InfeasibleBudget as ``solve_graph`` does)."""
-    from hrockmate.ir.schedule import simulate
-    from hrockmate.planning.api import solve_graph
-
-    plan = solve_graph(graph, max(target, 2), **options)  # (a bare 1 would mean 100%)
-    plan.check_graph(graph)
-    peak = int(simulate(graph, plan.schedule).peak_bytes)
-    return plan, peak, compile_fn(plan.schedule)
+    """(schedule, plan, simulated peak, compiled program): the planning entry
+    (``hrockmate.planning.entry.plan_for_runtime``) with this runtime's compiler."""
+    return plan_for_runtime(model, sample, traced, budget, plan, solve_options, compile_fn,
+                            describe=_describe, seed_bytes=gradient_seed_bytes(traced.graph),
+                            cache=cache, prepared=prepared)
 
 
 def _describe(graph: Any, schedule: Any, sim: Any, base: Any, budget_bytes: int,
