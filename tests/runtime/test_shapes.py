@@ -222,6 +222,7 @@ def test_a_shape_the_held_schedule_does_not_fit_solves_over_its_blocks_re_costed
     assert solves.calls >= 1 and not prepares  # the top level alone was solved
     assert "re-costed at shape (20, 32)" in caplog.text
     assert "reused_from_shape" not in hm.plan.stats
+    assert hm.plan.stats["blocks_recosted_from_shape"] == [[16, 32]]
     assert hm.predicted_peak_bytes <= budget == hm.budget_bytes
 
 
@@ -352,3 +353,17 @@ def test_followed_changes_keep_the_bytes_asked_for(change: str) -> None:
     assert hm.plan.baseline_peak_bytes < before  # another, smaller graph
     assert hm.budget_bytes == budget
     assert hm.predicted_peak_bytes <= budget
+
+
+def test_a_copy_keeps_the_shape_settings_and_plans_its_shapes_again() -> None:
+    model, x = models.mlp(batch=4, d_in=8, hidden=16, n_layers=2, d_out=4)
+    hm = HRockmate(model, x, max_shapes=3, cache=False)
+    hm(torch.randn(6, 8)).sum().backward()
+    assert len(hm.planned_shapes) == 2
+    twin = copy.deepcopy(hm)
+    programs = twin.__dict__["_hr_shapes"]
+    assert programs.max_shapes == 3 and not programs.strict and not programs.entries
+    reference = copy.deepcopy(twin.wrapped_model)
+    _step_both(twin, twin.wrapped_model, reference, (torch.randn(5, 8),),
+               loss_of=lambda out: out.sum())
+    assert twin.planned_shapes[0] == ((5, 8),)

@@ -22,9 +22,10 @@ Semantics kept from eager PyTorch:
   their value is first computed; recomputations neither write again nor see the new value;
 - in ``eval()`` mode or under ``torch.no_grad()`` the original model runs unchanged.
 
-A call whose inputs differ from the traced sample (structure, shape, dtype or device of a tensor,
-or the value of a non-tensor argument) raises ``InputMismatchError``; build a new ``HRockmate``
-for the new input (its plan depends on the shapes). Each call also compares the model with the
+A call with other tensor shapes than traced is traced and planned in that call, and the
+programs of the shapes seen are kept (``shapes``, docs/input-shapes.md); a call whose inputs
+differ otherwise (structure, dtype or device of a tensor, the value of a non-tensor argument)
+raises ``InputMismatchError``, as a new shape does with ``strict_shapes=True``. Each call also compares the model with the
 model as traced (``_ModelCheck``, no tensor data read): a changed ``requires_grad`` or
 training flag makes it trace and plan again; an edit (modules or tensors added, removed,
 replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times are cached on disk
@@ -538,8 +539,10 @@ class HRockmate(nn.Module):
     ``HRockmate(model, sample, budget=None, plan=None, cache=None, loss_fn=None, **solve_options)``
 
     - ``sample``: what the model is called with (a tensor, a tuple of positional arguments or a
-      dict of keyword arguments); every later call must have the same structure, tensor shapes,
-      dtypes and devices, and the same non-tensor values.
+      dict of keyword arguments); every later call must have the same structure, tensor
+      dtypes and devices, and the same non-tensor values. Tensors of other shapes are traced
+      and planned at their first call; ``max_shapes`` programs are kept (least recently used
+      dropped), and ``strict_shapes=True`` refuses other shapes instead.
     - ``budget``: a fraction of the store-all peak (a number in (0, 1] or ``"50%"``; with the
       loss's gradient seed that ``backward()`` makes), bytes (a whole number above 1, or a size
       string such as ``"6GiB"``), or ``None`` for store-all (plain autograd's memory).

@@ -152,6 +152,7 @@ def recosted_hierarchy(hierarchy: Any, graph: Any) -> Any:
     from hrockmate.planning.blocks import GraphFacts
     from hrockmate.planning.level import option_from_steps
 
+    start = time.perf_counter()
     ctx = GraphFacts(graph)
 
     def copied(block: Any) -> Any:
@@ -163,7 +164,9 @@ def recosted_hierarchy(hierarchy: Any, graph: Any) -> Any:
             new.options = sorted(options, key=lambda o: o.saved_bytes)
         return new
 
-    return dataclasses.replace(hierarchy, graph=graph, root=copied(hierarchy.root), ctx=ctx)
+    root = copied(hierarchy.root)
+    return dataclasses.replace(hierarchy, graph=graph, root=root, ctx=ctx,
+                               seconds=time.perf_counter() - start)
 
 
 def recosted_prepared(prepared: dict[str, dict[str, Any]], graph: Any
@@ -320,15 +323,17 @@ def choose_for_build(choose: Callable[[Any], tuple[Any, Any, int, Any]], traced:
     planner (store-all when it fits, the plan cache, the solver). ``donors``: the states of
     shapes planned before; one with the same structure lends its op times and, where it fits,
     its schedule, and where none fits its prepared hierarchies, re-costed at the new sizes,
-    go into ``prepared`` (the new graph's, which ``choose`` solves with). ``change`` (in words) says the graph is not the one the user built the module
-    for: then a budget no plan fits runs the lowest-peak plan with an ``OverBudgetWarning``
-    instead of raising ``InfeasibleBudget``."""
+    go into ``prepared`` (the new graph's, which ``choose`` solves with; the plan's
+    ``stats["blocks_recosted_from_shape"]`` says so). ``change`` (in words) says the graph is
+    not the one the user built the module for: then a budget no plan fits runs the lowest-peak
+    plan with an ``OverBudgetWarning`` instead of raising ``InfeasibleBudget``."""
     from hrockmate.ir.plan import InfeasibleBudget
 
     graph = traced.graph
     info = ShapeInfo(key, structure_signature(graph), [float(op.time) for op in graph.ops])
     baseline = _store_all_peak(graph)
     budget_bytes = budget_in_bytes(budget, graph, baseline)
+    recosted_from = None
     if budget_bytes is not None and budget_bytes < baseline and not _measured(graph):
         donor = next((d for d in donors if (d.get("_hr_shape_info") is not None
                                             and d["_hr_shape_info"].signature == info.signature
@@ -351,9 +356,13 @@ def choose_for_build(choose: Callable[[Any], tuple[Any, Any, int, Any]], traced:
                     logger.info("HRockmate: the blocks of shape %s re-costed at shape %s in "
                                 "%.2f s; solving the top level only", describe_shapes(other.key),
                                 describe_shapes(key), time.perf_counter() - start)
+                    recosted_from = other.key
                     break
     try:
-        return choose(budget_bytes), budget_bytes, info
+        chosen = choose(budget_bytes)
+        if recosted_from is not None and chosen[1].stats.get("method") != "store-all":
+            chosen[1].stats["blocks_recosted_from_shape"] = _listed(recosted_from)
+        return chosen, budget_bytes, info
     except InfeasibleBudget as exc:
         if change is None or budget_bytes is None:
             raise
