@@ -155,7 +155,7 @@ def test_the_programs_held_are_bounded_by_max_shapes(caplog: pytest.LogCaptureFi
         HRockmate(model, torch.randn(4, 8), max_shapes=0, cache=False)
 
 
-# ---- what still raises -----------------------------------------------------------------------------
+# ---- what still raises ---------------------------------------------------------------------------
 def test_strict_shapes_and_fixed_plans_refuse_a_new_shape() -> None:
     model, x = models.mlp(batch=4, d_in=8, hidden=16, n_layers=2, d_out=4)
     strict = HRockmate(model, x, strict_shapes=True, cache=False)
@@ -178,7 +178,7 @@ def test_another_dtype_device_or_structure_still_raises_with_another_shape() -> 
     assert hm.planned_shapes == [((4, 8),)]  # nothing was traced for those calls
 
 
-# ---- reuse ------------------------------------------------------------------------------------------
+# ---- reuse ---------------------------------------------------------------------------------------
 def test_a_new_shape_of_the_same_structure_reuses_the_schedule_without_solving(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = models.mlp(batch=16, d_in=32, hidden=64, n_layers=4, d_out=8)
@@ -257,7 +257,7 @@ def test_recosted_blocks_cost_what_the_new_graph_says() -> None:
     assert checked > 0
 
 
-# ---- item 4: changes the module follows --------------------------------------------------------------
+# ---- changes the module follows --------------------------------------------------------------
 class _Branchy(nn.Module):
     """A branch on the inputs' values: the wide path needs far more memory than the narrow."""
 

@@ -25,12 +25,12 @@ Semantics kept from eager PyTorch:
 A call with other tensor shapes than traced is traced and planned in that call, and the
 programs of the shapes seen are kept (``shapes``, docs/input-shapes.md); a call whose inputs
 differ otherwise (structure, dtype or device of a tensor, the value of a non-tensor argument)
-raises ``InputMismatchError``, as a new shape does with ``strict_shapes=True``. Each call also compares the model with the
-model as traced (``_ModelCheck``, no tensor data read): a changed ``requires_grad`` or
-training flag makes it trace and plan again; an edit (modules or tensors added, removed,
-replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times are cached on disk
-(``hrockmate.planning.cache``). Pickling keeps the model and the plan and rebuilds the trace and
-code at the first training call.
+raises ``InputMismatchError``, as a new shape does with ``strict_shapes=True``. Each call also
+compares the model with the model as traced (``_ModelCheck``, no tensor data read): a changed
+``requires_grad`` or training flag makes it trace and plan again; an edit (modules or tensors
+added, removed, replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times
+are cached on disk (``hrockmate.planning.cache``). Pickling keeps the model and the plan and
+rebuilds the trace and code at the first training call.
 """
 
 from __future__ import annotations
@@ -536,7 +536,8 @@ def _needs_grad(model: nn.Module, leaves: list[Any]) -> bool:
 class HRockmate(nn.Module):
     """``model`` trained within ``budget``, with gradients identical to plain PyTorch.
 
-    ``HRockmate(model, sample, budget=None, plan=None, cache=None, loss_fn=None, **solve_options)``
+    ``HRockmate(model, sample, budget=None, plan=None, cache=None, loss_fn=None, max_shapes=8,
+    strict_shapes=False, **solve_options)``
 
     - ``sample``: what the model is called with (a tensor, a tuple of positional arguments or a
       dict of keyword arguments); every later call must have the same structure, tensor
@@ -983,7 +984,9 @@ class HRockmate(nn.Module):
         (``shapes.switch_shape``); ``InputMismatchError`` with ``strict_shapes=True`` or a fixed
         ``plan=``."""
         programs = self.__dict__.get("_hr_shapes")
-        why = ("strict_shapes=True" if programs is None or programs.strict
+        if programs is None:  # (unpickled from a module that held one shape: the defaults)
+            programs = self.__dict__["_hr_shapes"] = shapes.ShapePrograms()
+        why = ("strict_shapes=True" if programs.strict
                else "a fixed plan= for the sample's graph" if self._hr_request.plan is not None
                else None)
         if why is not None:
