@@ -10,9 +10,11 @@ as does any new shape with ``strict_shapes=True`` or a fixed ``plan=``.
 
 A new shape learns from those planned before (``choose_for_build``): where its graph has the
 structure of a held one (``structure_signature``: the same ops and tensors, other sizes), the
-held schedule is simulated on the new graph and used when it fits the budget, and the held
-graph's measured op times, scaled per op by the ratio of the cost model's estimates at the two
-sizes (``scale_times``), stand in for measuring the new graph's.
+held schedule is simulated on the new graph and used when it fits the budget; where none fits,
+the held hierarchy's block options are re-costed on the new graph (``recosted_hierarchy``) and
+only the top level is solved. The held graph's measured op times, scaled per op by the ratio
+of the cost model's estimates at the two sizes (``scale_times``), stand in for measuring the
+new graph's.
 
 Budgets (docs/input-shapes.md): a budget in bytes stays those bytes for every shape; a fraction
 is taken of each new shape's own baseline (``budget_in_bytes``, the one rule for both). For the
@@ -40,8 +42,8 @@ logger = logging.getLogger("hrockmate.runtime.module")
 
 #: Input shapes whose programs an ``HRockmate`` keeps by default (the one in use included).
 #: Dynamic padding to multiples of a bucket size, or a last smaller batch, take a few; each
-#: held program keeps its trace (the joint graph) and compiled code, a few MB for a model of
-#: hundreds of ops.
+#: held program keeps its trace (the joint graph and the graph IR, without tensor data) and
+#: its compiled code.
 DEFAULT_MAX_SHAPES = 8
 
 #: The improvement window (``solve_graph``'s ``improve_time``) of a new shape's top-level solve
