@@ -1686,8 +1686,14 @@ def test_changed_inputs_raise_clear_errors() -> None:
     x = torch.randn(3, 4)
     hm = HRockmate(model, (x, 2.0))
     hm(x, 2.0).sum().backward()
-    with pytest.raises(InputMismatchError, match=r"args\[0\].*shape \(3, 4\).*shape \(5, 4\)"):
-        hm(torch.randn(5, 4), 2.0)
+    # another shape is traced and planned in the call (tests/runtime/test_shapes.py); with
+    # strict_shapes=True it is refused, naming both shapes
+    hm(torch.randn(5, 4), 2.0).sum().backward()
+    assert hm.planned_shapes == [((5, 4), None), ((3, 4), None)]
+    strict = HRockmate(model, (x, 2.0), strict_shapes=True)
+    with pytest.raises(InputMismatchError,
+                       match=r"args\[0\].*shape \(3, 4\).*shape \(5, 4\).*strict_shapes=True"):
+        strict(torch.randn(5, 4), 2.0)
     with pytest.raises(InputMismatchError, match=r"args\[0\].*float32.*float64"):
         hm(x.double(), 2.0)
     with pytest.raises(InputMismatchError, match=r"args\[1\].*2\.0.*3\.0"):

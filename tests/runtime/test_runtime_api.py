@@ -90,9 +90,12 @@ def test_pickle_and_deepcopy_keep_a_working_module() -> None:
         for (name, p), (_, q) in zip(other.named_parameters(), h.named_parameters()):
             assert torch.equal(p.grad, q.grad), name
         h.zero_grad(set_to_none=True)
-        # the copy checks its inputs against the traced sample before tracing again
+        # the copy checks its inputs against the traced sample before tracing again: another
+        # dtype is refused, another shape traced and planned (tests/runtime/test_shapes.py)
         with pytest.raises(ValueError, match="differs from the traced sample"):
-            other(sample[0][:1], sample[1][:1])
+            other(sample[0].to(torch.int32), sample[1])
+        other(sample[0][:1], sample[1][:1]).backward()
+        assert other.planned_shapes[0] == ((1, 8), (1, 8))
 
 
 # ---- tracing from several threads ----------------------------------------------------------------

@@ -10,7 +10,8 @@ from hrockmate.runtime.module import (
     InputMismatchError,
     ModelChangedError,
 )
+from hrockmate.runtime.shapes import OverBudgetWarning
 
 __all__ = ["FiniteAssumptionError", "HRockmate", "InputMismatchError", "ModelChangedError",
-           "Program", "RuntimeScheduleError", "compile_schedule", "keep_freed_cpu_memory",
-           "split_cuda_blocks"]
+           "OverBudgetWarning", "Program", "RuntimeScheduleError", "compile_schedule",
+           "keep_freed_cpu_memory", "split_cuda_blocks"]

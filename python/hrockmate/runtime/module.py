@@ -22,14 +22,15 @@ Semantics kept from eager PyTorch:
   their value is first computed; recomputations neither write again nor see the new value;
 - in ``eval()`` mode or under ``torch.no_grad()`` the original model runs unchanged.
 
-A call whose inputs differ from the traced sample (structure, shape, dtype or device of a tensor,
-or the value of a non-tensor argument) raises ``InputMismatchError``; build a new ``HRockmate``
-for the new input (its plan depends on the shapes). Each call also compares the model with the
-model as traced (``_ModelCheck``, no tensor data read): a changed ``requires_grad`` or
-training flag makes it trace and plan again; an edit (modules or tensors added, removed,
-replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times are cached on disk
-(``hrockmate.planning.cache``). Pickling keeps the model and the plan and rebuilds the trace and
-code at the first training call.
+A call with other tensor shapes than traced is traced and planned in that call, and the
+programs of the shapes seen are kept (``shapes``, docs/input-shapes.md); a call whose inputs
+differ otherwise (structure, dtype or device of a tensor, the value of a non-tensor argument)
+raises ``InputMismatchError``, as a new shape does with ``strict_shapes=True``. Each call also
+compares the model with the model as traced (``_ModelCheck``, no tensor data read): a changed
+``requires_grad`` or training flag makes it trace and plan again; an edit (modules or tensors
+added, removed, replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times
+are cached on disk (``hrockmate.planning.cache``). Pickling keeps the model and the plan and
+rebuilds the trace and code at the first training call.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ from hrockmate.runtime.compiler import (
     Program,
     RuntimeScheduleError,
     compile_schedule,
-    gradient_seed_bytes,
 )
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
 from hrockmate.runtime.cuda_memory import split_cuda_blocks
+from hrockmate.runtime import shapes
 
 __all__ = ["FiniteAssumptionError", "HRockmate", "InputMismatchError", "ModelChangedError",
            "RuntimeScheduleError"]
@@ -305,7 +306,9 @@ _NOT_PICKLED = ("_hr_traced", "_hr_program", "_hr_variants", "_hr_fingerprint", 
 # encoder-decoder's two padding masks, each padded or not, take four (transformers' BART).
 _MAX_VARIANTS = 8
 _SHARED_BY_VARIANTS = frozenset({"_hr_model", "_hr_request", "_hr_fingerprint",
-                                 "_hr_snapshot", "_hr_variants"})
+                                 "_hr_snapshot", "_hr_variants", "_hr_shapes"})
+#: ``_build``'s budget when it is the one the constructor (or ``replan``) asked for.
+_ASKED = object()
 
 _NOT_REBUILT = (
     "HRockmate was unpickled and has not been traced again yet, so {what} is not available: "
@@ -541,11 +544,14 @@ def _needs_grad(model: nn.Module, leaves: list[Any]) -> bool:
 class HRockmate(nn.Module):
     """``model`` trained within ``budget``, with gradients identical to plain PyTorch.
 
-    ``HRockmate(model, sample, budget=None, plan=None, cache=None, loss_fn=None, **solve_options)``
+    ``HRockmate(model, sample, budget=None, plan=None, cache=None, loss_fn=None, max_shapes=8,
+    strict_shapes=False, **solve_options)``
 
     - ``sample``: what the model is called with (a tensor, a tuple of positional arguments or a
-      dict of keyword arguments); every later call must have the same structure, tensor shapes,
-      dtypes and devices, and the same non-tensor values.
+      dict of keyword arguments); every later call must have the same structure, tensor
+      dtypes and devices, and the same non-tensor values. Tensors of other shapes are traced
+      and planned at their first call; ``max_shapes`` programs are kept (least recently used
+      dropped), and ``strict_shapes=True`` refuses other shapes instead.
     - ``budget``: a fraction of the store-all peak (a number in (0, 1] or ``"50%"``; with the
       loss's gradient seed that ``backward()`` makes), bytes (a whole number above 1, or a size
       string such as ``"6GiB"``), or ``None`` for store-all (plain autograd's memory).
@@ -571,6 +577,8 @@ class HRockmate(nn.Module):
         plan: Any = None,
         cache: Any = None,
         loss_fn: Any = None,
+        max_shapes: int = shapes.DEFAULT_MAX_SHAPES,
+        strict_shapes: bool = False,
         **solve_options: Any,
     ) -> None:
         super().__init__()
@@ -587,11 +595,18 @@ class HRockmate(nn.Module):
         # What to plan for: kept to plan again when the model's trainable parameters or
         # training flags change, and after unpickling.
         self._hr_request = _PlanRequest(budget, plan, cache, dict(solve_options), loss_fn)
+        # Programs of the other input shapes called with (docs/input-shapes.md).
+        self.__dict__["_hr_shapes"] = shapes.ShapePrograms(max_shapes, strict_shapes)
         self._build(sample)
 
-    def _build(self, sample: Any, plan: Any = None) -> None:
+    def _build(self, sample: Any, plan: Any = None, budget: Any = _ASKED,
+               change: str | None = None, donors: Sequence[dict[str, Any]] = ()) -> None:
         """Trace the model on ``sample``, then choose and compile its schedule: ``plan`` if
-        given, else what the constructor's arguments ask for."""
+        given, else what the constructor's arguments ask for, for ``budget`` when given (the
+        bytes of a shape whose graph changed: ``change`` says how, and a budget no plan fits
+        then runs the lowest-peak plan with a warning). ``donors``: states of other input
+        shapes, whose schedules and op times a graph of the same structure reuses
+        (``shapes.choose_for_build``)."""
         model: nn.Module = self.__dict__["_hr_model"]
         request: _PlanRequest = self._hr_request
         from hrockmate.capture.joint import split_sample
@@ -648,11 +663,28 @@ class HRockmate(nn.Module):
 
         # (hierarchies built for this trace: reused by replan() with the same options)
         self.__dict__["_hr_prepared"] = {}
-        self._install(*_choose_schedule(
-            model, sample, traced, request.budget, request.plan if plan is None else plan,
-            request.solve_options, self._compile, cache=request.cache,
-            prepared=self.__dict__["_hr_prepared"],
-        ))
+        fixed = request.plan if plan is None else plan
+
+        def choose(budget_now: Any) -> tuple[Any, Any, int, Program]:
+            return _choose_schedule(
+                model, sample, traced, budget_now, fixed, request.solve_options, self._compile,
+                cache=request.cache, prepared=self.__dict__["_hr_prepared"],
+            )
+
+        if fixed is not None:
+            self.__dict__["_hr_budget_bytes"] = None
+            self.__dict__["_hr_shape_info"] = None
+            self._install(*choose(request.budget))
+        else:
+            chosen, budget_bytes, info = shapes.choose_for_build(
+                choose, traced, shapes.shape_key(leaves),
+                request.budget if budget is _ASKED else budget, self._compile, change=change,
+                donors=donors, prepared=self.__dict__["_hr_prepared"])
+            # the bytes this shape's later changes (trainable parameters, training flags,
+            # other input values, autocast) are planned for: what the user asked for
+            self.__dict__["_hr_budget_bytes"] = budget_bytes
+            self.__dict__["_hr_shape_info"] = info
+            self._install(*chosen)
         # Taken after the trace: a model may edit itself in its forward (transformers' BigBird
         # swaps its attention modules for full attention on short inputs), and the trace and
         # the slots above are of the model as that call left it.
@@ -687,6 +719,11 @@ class HRockmate(nn.Module):
             self._compile, cache=request.cache, prepared=self.__dict__["_hr_prepared"],
         ))
         self._hr_request = _PlanRequest(budget, None, request.cache, options, request.loss_fn)
+        # the new budget is this shape's from now on; other shapes plan again for it
+        self.__dict__["_hr_budget_bytes"] = shapes.budget_in_bytes(budget, self.traced.graph)
+        programs = self.__dict__.get("_hr_shapes")
+        if programs is not None:
+            programs.clear()
         return self.plan
 
     def _compile(self, schedule: Any) -> Program:
@@ -886,7 +923,7 @@ class HRockmate(nn.Module):
             )
         logger.warning("HRockmate: %s since the model was traced; tracing and planning again",
                        what)
-        self._build(sample)
+        self._build(sample, budget=self._budget_bytes(), change=f"{what} since it was traced")
 
     def _guarded_value(self, inputs: list[torch.Tensor]) -> Callable[[Any], torch.Tensor]:
         """The values a trace's guards read (``capture.values``): inputs, small buffers."""
@@ -922,7 +959,8 @@ class HRockmate(nn.Module):
         logger.warning("HRockmate: %s; the model took another path, so it is traced and "
                        "planned again for this call (the last %d paths are kept)", differs,
                        _MAX_VARIANTS)
-        self._build(self._sample_of_call(args, kwargs))
+        self._build(self._sample_of_call(args, kwargs), budget=self._budget_bytes(),
+                    change=differs)
         self.__dict__["_hr_variants"] = (variants + [current])[-(_MAX_VARIANTS - 1):]
 
     def _follow_autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -939,7 +977,55 @@ class HRockmate(nn.Module):
                 "within the same autocast region as the training calls")
         logger.warning("%s; tracing and planning again for this call (build HRockmate within "
                        "the autocast region the training calls use to trace once)", what)
-        self._build(self._sample_of_call(args, kwargs))
+        self._build(self._sample_of_call(args, kwargs), budget=self._budget_bytes(),
+                    change=what)
+
+    def _budget_bytes(self) -> Any:
+        """The budget a changed graph of this shape is planned for: the bytes it was resolved
+        to when the shape was planned (a module unpickled from before they were kept: the
+        constructor's budget)."""
+        return self.__dict__.get("_hr_budget_bytes", self._hr_request.budget)
+
+    def _follow_shape(self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
+                      j: int) -> None:
+        """Leaf ``j`` (and maybe others) has another shape than traced: switch to the program
+        held for this call's shapes, or trace and plan them in this call
+        (``shapes.switch_shape``); ``InputMismatchError`` with ``strict_shapes=True`` or a fixed
+        ``plan=``."""
+        programs = self.__dict__.get("_hr_shapes")
+        if programs is None:  # (unpickled from a module that held one shape: the defaults)
+            programs = self.__dict__["_hr_shapes"] = shapes.ShapePrograms()
+        why = ("strict_shapes=True" if programs.strict
+               else "a fixed plan= for the sample's graph" if self._hr_request.plan is not None
+               else None)
+        if why is not None:
+            name = _leaf_names(args, kwargs)[j]
+            raise InputMismatchError(
+                f"argument {name} differs from the traced sample: traced with shape "
+                f"{tuple(self._hr_input_meta[j][0])}, called with shape {tuple(leaves[j].shape)}; "
+                f"HRockmate was built with {why}, so it runs the sample's shapes only: build "
+                "it without that to trace and plan each new shape at its first call, or "
+                "build another HRockmate for this input")
+        sample = self._sample_of_call(args, kwargs)
+        old = shapes.describe_shapes(shapes.meta_shape_key(self._hr_input_meta))
+        new = shapes.describe_shapes(shapes.shape_key(leaves))
+        shapes.switch_shape(self, shapes.shape_key(leaves), lambda donors: self._build(
+            sample, change=f"the input shapes changed from {old} to {new}", donors=donors))
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The budget of the input shape in use, in bytes (None: store-all, or a fixed plan=):
+        a budget given in bytes as given; a fraction, of this shape's baseline. Changes the
+        module follows are planned for these bytes."""
+        return self.__dict__.get("_hr_budget_bytes")
+
+    @property
+    def planned_shapes(self) -> list[tuple[Any, ...]]:
+        """The input shapes whose programs the module holds (at most ``max_shapes``), the one
+        in use first: per flattened argument its shape, None for non-tensors."""
+        held = self.__dict__.get("_hr_shapes")
+        now = [shapes.meta_shape_key(self.__dict__["_hr_input_meta"])]
+        return now + (list(reversed(held.entries)) if held is not None else [])
 
     def _sample_of_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call's arguments as a sample of the traced form: detached tensors, those whose
@@ -954,22 +1040,26 @@ class HRockmate(nn.Module):
         return dict(new_kwargs) if new_kwargs else tuple(new_args)
 
     # ---- input checks ----------------------------------------------------------------------
-    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      follow: bool = True) -> list[Any]:
         if self._hr_positional_tensors and not kwargs and len(args) == len(self._hr_input_meta):
             leaves = list(args)  # common case: only positional tensors, no pytree walk needed
         else:
             leaves, spec = pytree.tree_flatten((args, kwargs))
             self._check_structure(spec)
         meta = self._hr_input_meta
+        reshaped = None  # the first tensor of another shape (followed once all else matches)
         for j, leaf in enumerate(leaves):
             want = meta[j]
             if isinstance(leaf, torch.Tensor):
                 if not (isinstance(want, tuple) and len(want) == 3):
                     self._mismatch(args, kwargs, j, "a non-tensor value", "a tensor")
                 shape, dtype, device = want
-                if leaf.shape != shape:  # (torch.Size is a tuple)
-                    self._mismatch(args, kwargs, j, f"shape {tuple(shape)}",
-                                   f"shape {tuple(leaf.shape)}")
+                if leaf.shape != shape and reshaped is None:  # (torch.Size is a tuple)
+                    if not follow:
+                        self._mismatch(args, kwargs, j, f"shape {tuple(shape)}",
+                                       f"shape {tuple(leaf.shape)}")
+                    reshaped = j
                 if leaf.dtype != dtype:
                     self._mismatch(args, kwargs, j, f"dtype {dtype}", f"dtype {leaf.dtype}")
                 if leaf.device != device:
@@ -985,6 +1075,9 @@ class HRockmate(nn.Module):
                 self._mismatch(args, kwargs, j, "a tensor", f"{type(leaf).__name__} {leaf!r}")
             elif not _same_value(leaf, want):
                 self._mismatch(args, kwargs, j, f"value {want!r}", f"value {leaf!r}")
+        if reshaped is not None:
+            self._follow_shape(args, kwargs, leaves, reshaped)
+            return self._check_inputs(args, kwargs, follow=False)
         return leaves
 
     def _check_structure(self, spec: Any) -> None:
@@ -999,7 +1092,8 @@ class HRockmate(nn.Module):
         name = _leaf_names(args, kwargs)[j]
         raise InputMismatchError(
             f"argument {name} differs from the traced sample: traced with {traced}, called with "
-            f"{got}; the plan is specific to the sample, so build a new HRockmate for this input"
+            f"{got}; only tensor shapes may change from call to call, so call it as the sample "
+            "or build another HRockmate for this input"
         )
 
 
