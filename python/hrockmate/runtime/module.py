@@ -63,6 +63,7 @@ from hrockmate.runtime.compiler import (
     Program,
     RuntimeScheduleError,
     compile_schedule,
+    gradient_seed_bytes,
 )
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
 from hrockmate.runtime.cuda_memory import split_cuda_blocks
