@@ -639,11 +639,19 @@ class HRockmate(nn.Module):
 
         # (hierarchies built for this trace: reused by replan() with the same options)
         self.__dict__["_hr_prepared"] = {}
+        from hrockmate.runtime.baseline import fraction_in_bytes, record_reference
+
+        # a fraction is of plain PyTorch's measured peak (runtime.baseline)
+        chosen = request.plan if plan is None else plan
+        budget, eager = fraction_in_bytes(model, sample, traced, None if chosen is not None
+                                          else request.budget, request.loss_fn, request.cache)
+        self.__dict__["_hr_eager"] = eager
         self._install(*_choose_schedule(
-            model, sample, traced, request.budget, request.plan if plan is None else plan,
+            model, sample, traced, budget, chosen,
             request.solve_options, self._compile, cache=request.cache,
             prepared=self.__dict__["_hr_prepared"],
         ))
+        record_reference(self.plan, eager)
         # Taken after the trace: a model may edit itself in its forward (transformers' BigBird
         # swaps its attention modules for full attention on short inputs), and the trace and
         # the slots above are of the model as that call left it.
@@ -673,10 +681,17 @@ class HRockmate(nn.Module):
         a change of trainable parameters, or unpickling) plan for this budget and options."""
         request: _PlanRequest = self._hr_request
         options = {**request.solve_options, **solve_options}
+        from hrockmate.runtime.baseline import fraction_in_bytes, record_reference
+
+        resolved, eager = fraction_in_bytes(
+            self.__dict__["_hr_model"], sample, self.traced, budget, request.loss_fn,
+            request.cache, known=self.__dict__.get("_hr_eager"))
+        self.__dict__["_hr_eager"] = eager
         self._install(*_choose_schedule(
-            self.__dict__["_hr_model"], sample, self.traced, budget, None, options,
+            self.__dict__["_hr_model"], sample, self.traced, resolved, None, options,
             self._compile, cache=request.cache, prepared=self.__dict__["_hr_prepared"],
         ))
+        record_reference(self.plan, eager)
         self._hr_request = _PlanRequest(budget, None, request.cache, options, request.loss_fn)
         return self.plan
 
