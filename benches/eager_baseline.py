@@ -122,13 +122,17 @@ def _peak(model: nn.Module, fn: Callable[[], Any]) -> int:
 
 def _loop_step(model: nn.Module, sample: Any, loss_fn: Any, keep: bool) -> Callable[[], Any]:
     """A training loop's step: only the loss kept, or the whole output (``keep``)."""
-    def step() -> Any:
+    def kept() -> Any:
         out = _call(model, sample)
-        loss = _loss(out, loss_fn)
-        loss.backward()
-        return out if keep else loss
+        _loss(out, loss_fn).backward()
+        return out
 
-    return step
+    def dropped() -> Any:
+        loss = _loss(_call(model, sample), loss_fn)  # (no name holds the output object)
+        loss.backward()
+        return loss
+
+    return kept if keep else dropped
 
 
 def _bitwise(hm: HRockmate, ref: nn.Module, sample: Any, loss_fn: Any) -> bool:
