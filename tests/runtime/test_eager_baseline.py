@@ -197,6 +197,17 @@ def test_measuring_leaves_rng_buffers_and_gradients_as_they_were() -> None:
     assert x.grad is x_grad_obj and torch.equal(x.grad, torch.ones_like(x))
 
 
+def test_measuring_does_not_reach_the_graph_an_input_came_from() -> None:
+    torch.manual_seed(3)
+    model = _BNDropNet().train()
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(32, 16) @ w  # an input with a history
+    measure_eager_baseline(model, x)
+    assert w.grad is None
+    x.sum().backward()  # the input's own graph is intact (not freed by a measuring backward)
+    assert w.grad is not None
+
+
 def test_training_after_construction_is_bitwise_plain_pytorch() -> None:
     """BatchNorm statistics and dropout draws after building at 50% (which measured plain
     PyTorch on the model) match a model that was never measured."""
@@ -225,14 +236,15 @@ def test_the_reference_is_the_smaller_of_plain_and_traced() -> None:
     from hrockmate.models import rnn_loop
 
     model, x = rnn_loop(cell="gru", batch=64, steps=8, hidden=64)
-    hm = HRockmate(model, x, budget=0.8, cost="estimate", progress=False)
+    hm = HRockmate(model, x, budget=0.8, cost="estimate", progress=False, improve_time=1.0)
     eager, traced = hm.plan.eager_peak_bytes, traced_store_all_peak(hm.traced.graph)
     assert eager is not None and eager > traced
     budget = math.floor(0.8 * traced)
     # (the plan's budget is what was solved for: the budget less the runtime's own bytes)
     assert budget - 4096 <= hm.plan.budget_bytes <= budget
     assert hm.predicted_peak_bytes <= budget
-    hm_bytes = HRockmate(model, x, budget=budget, cost="estimate", progress=False)
+    hm_bytes = HRockmate(model, x, budget=budget, cost="estimate", progress=False,
+                         improve_time=1.0)
     assert hm_bytes.plan.eager_peak_bytes is None
     assert hm_bytes.plan.budget_bytes == hm.plan.budget_bytes
 

@@ -17,9 +17,12 @@ the larger. The reference is therefore the smaller of the two peaks (``budget_re
 
 The measurement must leave no trace in training: the random generators' states, the model's
 buffers (BatchNorm statistics) and every parameter's and input's ``.grad`` are as they were
-after it, so the first real step matches plain PyTorch bit for bit. What it cannot restore
-(Python state a forward edits, gradient hooks that act, collective communication) makes it
-skip the measurement: ``skip_reason`` says why, and the traced store-all is the reference.
+after it, so the first real step matches plain PyTorch bit for bit. Python state that a
+forward edits (a counter of calls) is not restored: the model runs twice more (a warm-up and
+the measured iteration). Gradient hooks and distributed wrappers, which would act beyond the
+iteration, make it skip the measurement (``skip_reason``), as does a device other than CPU
+and CUDA or a plain iteration that runs out of memory; the traced store-all is then the
+reference.
 """
 
 from __future__ import annotations
@@ -105,11 +108,15 @@ def measure_eager_baseline(model: nn.Module, sample: Any, *, loss_fn: Any = None
     from hrockmate.capture.memory import _backward_roots, measure_peak_memory
     from hrockmate.capture.tracing import split_sample
 
-    args, kwargs = split_sample(sample)
+    # inputs that require grad become leaves of their own (sharing the storage): the backward
+    # must neither reach the graph an input came from (it would free that graph's saved
+    # tensors) nor accumulate into the caller's .grad
+    args, kwargs = pytree.tree_map(
+        lambda x: x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad
+        else x, split_sample(sample))
     inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     params = [p for p in model.parameters() if p.requires_grad]
-    # (cleared for each run, so that autograd accumulates into no tensor of the caller's)
-    fresh = params + [x for x in inputs if x.requires_grad and x.is_leaf]
+    fresh = params + [x for x in inputs if x.requires_grad]  # (cleared before each run)
 
     def step() -> list[torch.Tensor]:
         # (the model's output object is not bound to a name: only the roots stay)
