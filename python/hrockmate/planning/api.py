@@ -337,7 +337,7 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
 
     A fractional budget is of the smaller of plain PyTorch's peak, measured once on ``sample``
     (``plan.eager_peak_bytes``; the model's state is restored after it), and the traced
-    store-all peak with the loss's gradient seed (``runtime.baseline``, docs/budget.md).
+    store-all peak (``plan.baseline_peak_bytes``; ``runtime.baseline``, docs/budget.md).
 
     ``options`` are those of ``solve_graph`` (``method``, ``time_limit``, ...). The budget bounds
     activation memory: the peak, during forward and backward, of memory allocated by the
@@ -356,7 +356,7 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
     graph = traced.graph
     # a fraction is of plain PyTorch's measured peak (runtime.baseline)
     budget, eager = fraction_in_bytes(model, sample, traced, budget, loss_fn,
-                                      False if store is None else store)
+                                      False if store is None else store, seeds=False)
     key = None
     if store is not None:
         baseline = int(simulate(graph, store_all_schedule(graph)).peak_bytes)

@@ -169,18 +169,25 @@ def traced_store_all_peak(graph: Any) -> int:
 
 
 def fraction_in_bytes(model: nn.Module, sample: Any, traced: Any, budget: BudgetLike | None,
-                      loss_fn: Any, cache: Any, known: EagerBaseline | None = None
-                      ) -> tuple[BudgetLike | None, EagerBaseline | None]:
+                      loss_fn: Any, cache: Any, known: EagerBaseline | None = None,
+                      seeds: bool = True) -> tuple[BudgetLike | None, EagerBaseline | None]:
     """(``budget`` in bytes when it is a fraction, the plain-PyTorch peak it was resolved
     with): ``known`` if given, else the cache's or a measurement when ``sample`` is given
     (``eager_baseline_for``); without either, the fraction is of the traced store-all
-    (``budget_reference``). Other budgets come back unchanged, with ``known``."""
+    (``budget_reference``), with the gradient seeds unless ``seeds`` is False (``solve``
+    plans the graph alone, whose store-all peak has none). Other budgets come back
+    unchanged, with ``known``."""
     if budget is None or not is_fraction(budget):
         return budget, known
     eager = known
     if eager is None and sample is not None:
         eager = eager_baseline_for(model, sample, traced, loss_fn, cache)
-    return resolve_budget(budget, traced_store_all_peak(traced.graph), eager), eager
+    traced_peak = traced_store_all_peak(traced.graph)
+    if not seeds:
+        from hrockmate.runtime.compiler import gradient_seed_bytes
+
+        traced_peak -= gradient_seed_bytes(traced.graph)
+    return resolve_budget(budget, traced_peak, eager), eager
 
 
 def eager_baseline_for(model: nn.Module, sample: Any, traced: Any, loss_fn: Any,
