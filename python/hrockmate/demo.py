@@ -113,8 +113,13 @@ def run_demo(
     t_eager, t_hr = _paired_median_times(eager_step, hr_step, iterations)
 
     # the budget asked for; plan.budget_bytes is the solver's target, lowered by what the
-    # runtime keeps besides the graph's tensors (saved random-generator states)
-    budget_bytes = parse_budget(budget, plan.baseline_peak_bytes)
+    # runtime keeps besides the graph's tensors (saved random-generator states); a fraction
+    # is of the smaller of plain PyTorch's peak and the traced store-all's (docs/budget.md)
+    from hrockmate.runtime.baseline import EagerBaseline, budget_reference, traced_store_all_peak
+
+    measured = plan.eager_peak_bytes
+    budget_bytes = parse_budget(budget, budget_reference(
+        traced_store_all_peak(graph), None if measured is None else EagerBaseline(measured, "")))
     print(f"budget    {format_bytes(budget_bytes)}")
     print(f"{'':10}{'peak memory':>14}{'iteration':>12}")
     print(f"{'PyTorch':10}{format_bytes(eager.peak_bytes):>14}{t_eager * 1e3:>10.1f}ms")

@@ -1334,7 +1334,8 @@ def test_parameters_reached_only_by_outputs_without_gradient_get_none() -> None:
     torch.manual_seed(0)
     model, x = _TwoHeads(), torch.randn(64, 32)
     ref = copy.deepcopy(model)
-    hm = HRockmate(model, (x,), budget=0.8)
+    hm = HRockmate(model, (x,), budget=0.9)  # (of plain PyTorch's peak, 15% below store-all's)
+    assert hm.recomputed_ops > 0
     for step in range(2):
         for m in (hm, ref):
             with warnings.catch_warnings():

@@ -5,14 +5,16 @@ by the iteration beyond what was allocated before it started, not counting the p
 ``.grad`` tensors (see docs/solver.md). One grammar serves the Python API and every command:
 
 - a number in (0, 1] (``0.5``, ``1``, ``"0.5"``), or a percentage string (``"50%"``): that
-  fraction of the store-all peak (plain autograd's peak by the same measure);
+  fraction of a reference peak: for a graph alone the traced store-all peak; for a model
+  (``HRockmate``, ``solve``) the smaller of plain PyTorch's measured peak and the traced
+  store-all's (``runtime.baseline``, docs/budget.md);
 - a whole number above 1 (``6_000_000_000``, ``"4096"``): bytes;
 - a string with a unit: ``"6GiB"``, ``"500MB"``, ``"1.5 gib"``, ``"4096B"``, ``"512 KiB"``;
   decimal units (kB, MB, GB, TB: powers of 1000) and binary units (KiB, MiB, GiB, TiB: powers of
   1024), case-insensitive.
 
 A number above 1 that is not whole (``1.5``) is refused: it is neither. Numbers are read
-exactly (decimal strings and floats through ``fractions.Fraction``), so ``1`` is the store-all
+exactly (decimal strings and floats through ``fractions.Fraction``), so ``1`` is the reference
 peak to the byte however large it is, and fractions are rounded down.
 """
 
@@ -57,7 +59,8 @@ _FORMS = (
 def parse_budget(budget: BudgetLike, store_all_peak: int | None = None) -> int:
     """Return the budget in bytes.
 
-    ``store_all_peak`` (bytes) is needed only for fractional budgets. Raises ``BudgetError``
+    ``store_all_peak`` (bytes), the reference peak a fraction is of, is needed only for
+    fractional budgets. Raises ``BudgetError``
     (a ``ValueError``) naming the problem for anything else.
     """
     value, shown = _read(budget)
@@ -68,6 +71,12 @@ def parse_budget(budget: BudgetLike, store_all_peak: int | None = None) -> int:
             f"fractional budget {shown} needs the store-all peak to be known; pass bytes instead"
         )
     return max(1, math.floor(value * int(store_all_peak)))
+
+
+def is_fraction(budget: BudgetLike) -> bool:
+    """Whether ``budget`` is a fraction (a number in (0, 1] or a percentage) rather than a
+    size in bytes; raises ``BudgetError`` for what is neither, as ``parse_budget`` does."""
+    return not isinstance(_read(budget)[0], int)
 
 
 def parse_fraction(budget: BudgetLike) -> float:

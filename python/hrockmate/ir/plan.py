@@ -74,6 +74,15 @@ class Plan:
         return bool(self.stats.get("optimal", False))
 
     @property
+    def eager_peak_bytes(self) -> int | None:
+        """Plain PyTorch's measured peak for the iteration (``stats["eager_peak_bytes"]``), which
+        a fractional budget of ``HRockmate`` or ``solve`` is of when it is below the traced
+        store-all peak (``baseline_peak_bytes``); None where it was not measured (a graph
+        solved alone, a budget in bytes)."""
+        value = self.stats.get("eager_peak_bytes")
+        return None if value is None else int(value)
+
+    @property
     def overhead(self) -> float:
         """Predicted extra compute relative to store-all (0.1 = 10% slower)."""
         return self.time / self.baseline_time - 1.0 if self.baseline_time > 0 else 0.0

@@ -195,6 +195,10 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
           cache: Any = None, **options: Any) -> Plan:
     """Trace one training iteration of ``model`` on ``sample`` and plan it within ``budget``.
 
+    A fractional budget is of the smaller of plain PyTorch's peak, measured once on ``sample``
+    (``plan.eager_peak_bytes``; the model's state is restored after it), and the traced
+    store-all peak (``plan.baseline_peak_bytes``; ``runtime.baseline``, docs/budget.md).
+
     ``options`` are those of ``solve_graph`` (``method``, ``time_limit``, ...). The budget bounds
     activation memory: the peak, during forward and backward, of memory allocated by the
     iteration beyond what existed before it, not counting the parameters' ``.grad`` tensors.
@@ -205,9 +209,14 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
     from hrockmate.ir.schedule import simulate, store_all_schedule
     from hrockmate.planning.cache import device_kind, measured_times, open_cache
 
+    from hrockmate.runtime.baseline import fraction_in_bytes, record_reference
+
     store = open_cache(cache)
     traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate", decisions_cache=store)
     graph = traced.graph
+    # a fraction is of plain PyTorch's measured peak (runtime.baseline)
+    budget, eager = fraction_in_bytes(model, sample, traced, budget, loss_fn,
+                                      False if store is None else store, seeds=False)
     key = None
     if store is not None:
         baseline = int(simulate(graph, store_all_schedule(graph)).peak_bytes)
@@ -215,9 +224,11 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
                              device_kind(traced.device), purpose="solve")
         cached = store.load_plan(key, graph)
         if cached is not None:
+            record_reference(cached, eager)
             return cached
     measured_times(traced, model, sample, store)
     plan = solve_graph(graph, budget, **options)
+    record_reference(plan, eager)
     if store is not None:
         store.save_plan(key, plan)
     return plan

@@ -20,6 +20,8 @@ What:
   hrockmate and torch, the device kind, and a digest of the planner's code (the native core
   and the Python planning and IR modules, ``planner_fingerprint``): a plan made by another
   build of the same version is not reused.
+- ``eager/<key>.json``: plain PyTorch's measured peak for one iteration (the reference of a
+  fractional budget, ``runtime.baseline``), keyed as op times are.
 - ``decisions/<key>.json``: what each random decision of a model (LayerDrop) leaves out of
   its graph, keyed by the graph as traced, the model's files where it reads the decisions and
   the version of the rules (``capture.decisions.cache_key``): a later start needs none of the
@@ -66,6 +68,7 @@ CACHE_ENV = "HROCKMATE_CACHE_DIR"
 CACHE_VERSION = 1
 TIMES_FORMAT = "hrockmate-op-times"
 DECISIONS_FORMAT = "hrockmate-decisions"
+EAGER_FORMAT = "hrockmate-eager-peak"
 _OFF = frozenset({"off", "0", "false", "no", "none"})
 #: Solve options that do not change the plan.
 _NOT_IN_KEY = frozenset({"progress"})
@@ -227,6 +230,39 @@ class PlanCache:
             op.time = float(t)
         graph.meta["cost_report"] = {"mode": "measure", "cache": "hit"}
         return True
+
+    # ---- plain PyTorch's peak -----------------------------------------------------------
+    def _eager_path(self, graph: "Graph", device: str) -> Path:
+        key = _digest({"cache": CACHE_VERSION, "graph": graph.structure_hash(), "device": device,
+                       "what": "eager-peak"})
+        return self.directory / "eager" / f"{key}.json"
+
+    def load_eager_peak(self, graph: "Graph", device: str) -> int | None:
+        """Plain PyTorch's measured peak for the iteration ``graph`` traces, on this kind of
+        device (``runtime.baseline``), keyed as op times are; None when none is cached."""
+        path = self._eager_path(graph, device)
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != EAGER_FORMAT or data.get("graph") != graph.structure_hash():
+                raise ValueError("not plain PyTorch's peak for this graph")
+            peak = data["peak_bytes"]
+            if isinstance(peak, bool) or not isinstance(peak, int) or peak <= 0:
+                raise ValueError("peak_bytes must be a positive whole number")
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            _warn(f"ignoring eager-peak cache entry {path}: {exc}")
+            return None
+        return peak
+
+    def save_eager_peak(self, graph: "Graph", device: str, peak_bytes: int) -> None:
+        path = self._eager_path(graph, device)
+        data = {"format": EAGER_FORMAT, "graph": graph.structure_hash(), "device": device,
+                "peak_bytes": int(peak_bytes)}
+        try:
+            write_atomic(path, json.dumps(data))
+        except OSError as exc:
+            _warn(f"cannot write eager-peak cache entry {path}: {exc.strerror or exc}")
 
     # ---- random decisions -----------------------------------------------------------------
     def load_decisions(self, key: str, parse: Callable[[Any], Any]) -> Any:

@@ -665,6 +665,13 @@ class HRockmate(nn.Module):
         # (hierarchies built for this trace: reused by replan() with the same options)
         self.__dict__["_hr_prepared"] = {}
         fixed = request.plan if plan is None else plan
+        from hrockmate.runtime.baseline import fraction_in_bytes, record_reference
+
+        # a fraction is of plain PyTorch's measured peak at this shape (runtime.baseline)
+        asked = request.budget if budget is _ASKED else budget
+        asked, eager = fraction_in_bytes(model, sample, traced, None if fixed is not None
+                                         else asked, request.loss_fn, request.cache)
+        self.__dict__["_hr_eager"] = eager
 
         def choose(budget_now: Any) -> tuple[Any, Any, int, Program]:
             return _choose_schedule(
@@ -678,14 +685,14 @@ class HRockmate(nn.Module):
             self._install(*choose(request.budget))
         else:
             chosen, budget_bytes, info = shapes.choose_for_build(
-                choose, traced, shapes.shape_key(leaves),
-                request.budget if budget is _ASKED else budget, self._compile, change=change,
+                choose, traced, shapes.shape_key(leaves), asked, self._compile, change=change,
                 donors=donors, prepared=self.__dict__["_hr_prepared"])
             # the bytes this shape's later changes (trainable parameters, training flags,
             # other input values, autocast) are planned for: what the user asked for
             self.__dict__["_hr_budget_bytes"] = budget_bytes
             self.__dict__["_hr_shape_info"] = info
             self._install(*chosen)
+        record_reference(self.plan, eager)
         # Taken after the trace: a model may edit itself in its forward (transformers' BigBird
         # swaps its attention modules for full attention on short inputs), and the trace and
         # the slots above are of the model as that call left it.
@@ -715,13 +722,20 @@ class HRockmate(nn.Module):
         a change of trainable parameters, or unpickling) plan for this budget and options."""
         request: _PlanRequest = self._hr_request
         options = {**request.solve_options, **solve_options}
+        from hrockmate.runtime.baseline import fraction_in_bytes, record_reference
+
+        resolved, eager = fraction_in_bytes(
+            self.__dict__["_hr_model"], sample, self.traced, budget, request.loss_fn,
+            request.cache, known=self.__dict__.get("_hr_eager"))
+        self.__dict__["_hr_eager"] = eager
         self._install(*_choose_schedule(
-            self.__dict__["_hr_model"], sample, self.traced, budget, None, options,
+            self.__dict__["_hr_model"], sample, self.traced, resolved, None, options,
             self._compile, cache=request.cache, prepared=self.__dict__["_hr_prepared"],
         ))
+        record_reference(self.plan, eager)
         self._hr_request = _PlanRequest(budget, None, request.cache, options, request.loss_fn)
         # the new budget is this shape's from now on; other shapes plan again for it
-        self.__dict__["_hr_budget_bytes"] = shapes.budget_in_bytes(budget, self.traced.graph)
+        self.__dict__["_hr_budget_bytes"] = shapes.budget_in_bytes(resolved, self.traced.graph)
         programs = self.__dict__.get("_hr_shapes")
         if programs is not None:
             programs.clear()
