@@ -1,10 +1,10 @@
 """HRockmate's peak at fractional budgets against plain PyTorch's own peak.
 
-A fractional budget is of plain PyTorch's measured peak (``runtime.baseline``, docs/budget.md).
+A fractional budget is of plain PyTorch's measured peak (``capture.baseline``, docs/budget.md).
 Per model, in one process, on the CPU by default:
 
 - ``eager``: plain PyTorch's peak as a training loop runs it (``loss = model(...)``, the other
-  outputs dropped, ``loss.backward()``), measured here independently of ``runtime.baseline``
+  outputs dropped, ``loss.backward()``), measured here independently of ``capture.baseline``
   after one unmeasured iteration, by the budget's measure (``hrockmate.measure_peak_memory``:
   allocations above the start of the step, parameters' ``.grad`` not counted);
 - ``traced``: the traced store-all schedule's predicted peak, with the loss's gradient seed;
@@ -46,7 +46,7 @@ import torch.nn as nn  # noqa: E402
 
 import hrockmate  # noqa: E402
 from hrockmate.runtime import HRockmate  # noqa: E402
-from hrockmate.runtime.baseline import traced_store_all_peak  # noqa: E402
+from hrockmate.capture.baseline import traced_store_all_peak  # noqa: E402
 
 VOCAB, BATCH, SEQ, LAYERS, WIDTH = 512, 8, 128, 2, 64
 

@@ -115,7 +115,7 @@ def run_demo(
     # the budget asked for; plan.budget_bytes is the solver's target, lowered by what the
     # runtime keeps besides the graph's tensors (saved random-generator states); a fraction
     # is of the smaller of plain PyTorch's peak and the traced store-all's (docs/budget.md)
-    from hrockmate.runtime.baseline import EagerBaseline, budget_reference, traced_store_all_peak
+    from hrockmate.capture.baseline import EagerBaseline, budget_reference, traced_store_all_peak
 
     measured = plan.eager_peak_bytes
     budget_bytes = parse_budget(budget, budget_reference(

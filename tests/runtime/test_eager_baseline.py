@@ -1,4 +1,4 @@
-"""A fractional budget is a fraction of plain PyTorch's measured peak (runtime.baseline).
+"""A fractional budget is a fraction of plain PyTorch's measured peak (capture.baseline).
 
 Plain PyTorch is measured as a training loop runs it: ``loss = model(**batch).loss`` (the
 model's other outputs dropped) then ``loss.backward()``. The Hugging Face models hold logits
@@ -22,8 +22,8 @@ import torch.nn as nn
 import hrockmate
 from hrockmate.planning.cache import PlanCache, PlanCacheWarning
 from hrockmate.runtime import HRockmate
-from hrockmate.runtime import baseline as baseline_mod
-from hrockmate.runtime.baseline import measure_eager_baseline, traced_store_all_peak
+from hrockmate.capture import baseline as baseline_mod
+from hrockmate.capture.baseline import measure_eager_baseline, traced_store_all_peak
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing may be downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -77,7 +77,7 @@ def _hf(name: str, dropout: float) -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 def _plain_peak(model: nn.Module, sample: dict[str, Any]) -> int:
     """Plain PyTorch's peak as a training loop runs it, measured independently of
-    ``runtime.baseline`` (one unmeasured iteration first)."""
+    ``capture.baseline`` (one unmeasured iteration first)."""
     params = list(model.parameters())
 
     def step() -> torch.Tensor:
@@ -250,7 +250,7 @@ def test_the_reference_is_the_smaller_of_plain_and_traced() -> None:
 
 
 def test_resolving_a_budget() -> None:
-    from hrockmate.runtime.baseline import EagerBaseline, budget_reference, resolve_budget
+    from hrockmate.capture.baseline import EagerBaseline, budget_reference, resolve_budget
 
     low, high = EagerBaseline(1000, "cpu"), EagerBaseline(5000, "cpu")
     assert budget_reference(3000, low) == 1000 and budget_reference(3000, high) == 3000

@@ -18,6 +18,7 @@ from hrockmate import models
 from hrockmate.ir.schedule import peak_lower_bound
 from hrockmate.runtime import HRockmate, InputMismatchError, OverBudgetWarning
 from hrockmate.runtime import shapes
+from hrockmate.capture.baseline import traced_store_all_peak
 
 
 def _assert_same_grads(model: nn.Module, reference: nn.Module) -> None:
@@ -108,9 +109,12 @@ def test_dynamic_padding_on_hf_gpt2_trains_bitwise_within_each_budget(
         assert torch.equal(out.loss.detach(), ref_out.loss.detach()), seq
         _assert_same_grads(model, ref)
         assert hm.planned_shapes[0] == ((2, seq), (2, seq))
-        # a fraction is of each shape's own baseline, and every plan keeps within it
-        base = hm.plan.baseline_peak_bytes
-        assert hm.budget_bytes == shapes.budget_in_bytes(0.6, hm.traced.graph, base)
+        # a fraction is of each shape's own baseline (the smaller of plain PyTorch's measured
+        # peak and the traced store-all's), and every plan keeps within it
+        eager = hm.plan.eager_peak_bytes
+        traced = traced_store_all_peak(hm.traced.graph)
+        assert eager is not None
+        assert hm.budget_bytes == hrockmate.parse_budget(0.6, min(eager, traced))
         assert hm.predicted_peak_bytes <= hm.budget_bytes, seq
         def step_fn() -> Any:
             o = hm(**inputs)
@@ -324,8 +328,11 @@ def test_parameters_unfrozen_over_the_budget_warn_and_train_exactly() -> None:
     model, x = _dropout_mlp()
     model[0].requires_grad_(False)
     ref = copy.deepcopy(model)
-    hm = HRockmate(model, x, budget=1.0, cache=False, progress=False)
+    # (a budget in bytes at the frozen graph's store-all peak: unfreezing needs more)
+    store_all = HRockmate(model, x, cache=False, progress=False).predicted_peak_bytes
+    hm = HRockmate(model, x, budget=store_all, cache=False, progress=False)
     budget = hm.budget_bytes
+    assert budget == store_all
     model[0].requires_grad_(True)
     ref[0].requires_grad_(True)
     with pytest.warns(OverBudgetWarning, match=r"parameter '0.weight' now requires grad"):

@@ -7,7 +7,7 @@ by the iteration beyond what was allocated before it started, not counting the p
 - a number in (0, 1] (``0.5``, ``1``, ``"0.5"``), or a percentage string (``"50%"``): that
   fraction of a reference peak: for a graph alone the traced store-all peak; for a model
   (``HRockmate``, ``solve``) the smaller of plain PyTorch's measured peak and the traced
-  store-all's (``runtime.baseline``, docs/budget.md);
+  store-all's (``capture.baseline``, docs/budget.md);
 - a whole number above 1 (``6_000_000_000``, ``"4096"``): bytes;
 - a string with a unit: ``"6GiB"``, ``"500MB"``, ``"1.5 gib"``, ``"4096B"``, ``"512 KiB"``;
   decimal units (kB, MB, GB, TB: powers of 1000) and binary units (KiB, MiB, GiB, TiB: powers of

@@ -626,3 +626,11 @@ def topological_ops(graph: Graph) -> list[int]:
                 f"graph '{graph.name}': forward op '{graph.ops[j].name}' depends on a backward op"
             )
     return order
+
+
+def gradient_seed_bytes(graph: Any) -> int:
+    """Bytes of the outputs' gradients (tangents), which the caller's ``backward()`` makes
+    inside the step (a loss's 4-byte seed), not before it as the graph's other preexisting
+    tensors: the runtime holds them beside the plan's tensors through the backward, and plain
+    autograd's measured peak has them."""
+    return sum(t.bytes for t in graph.tensors if t.role == "tangent")

@@ -197,7 +197,7 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
 
     A fractional budget is of the smaller of plain PyTorch's peak, measured once on ``sample``
     (``plan.eager_peak_bytes``; the model's state is restored after it), and the traced
-    store-all peak (``plan.baseline_peak_bytes``; ``runtime.baseline``, docs/budget.md).
+    store-all peak (``plan.baseline_peak_bytes``; ``capture.baseline``, docs/budget.md).
 
     ``options`` are those of ``solve_graph`` (``method``, ``time_limit``, ...). The budget bounds
     activation memory: the peak, during forward and backward, of memory allocated by the
@@ -209,12 +209,12 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
     from hrockmate.ir.schedule import simulate, store_all_schedule
     from hrockmate.planning.cache import device_kind, measured_times, open_cache
 
-    from hrockmate.runtime.baseline import fraction_in_bytes, record_reference
+    from hrockmate.capture.baseline import fraction_in_bytes, record_reference
 
     store = open_cache(cache)
     traced = trace_model(model, sample, loss_fn=loss_fn, cost="estimate", decisions_cache=store)
     graph = traced.graph
-    # a fraction is of plain PyTorch's measured peak (runtime.baseline)
+    # a fraction is of plain PyTorch's measured peak (capture.baseline)
     budget, eager = fraction_in_bytes(model, sample, traced, budget, loss_fn,
                                       False if store is None else store, seeds=False)
     key = None

@@ -21,7 +21,7 @@ What:
   and the Python planning and IR modules, ``planner_fingerprint``): a plan made by another
   build of the same version is not reused.
 - ``eager/<key>.json``: plain PyTorch's measured peak for one iteration (the reference of a
-  fractional budget, ``runtime.baseline``), keyed as op times are.
+  fractional budget, ``capture.baseline``), keyed as op times are.
 - ``decisions/<key>.json``: what each random decision of a model (LayerDrop) leaves out of
   its graph, keyed by the graph as traced, the model's files where it reads the decisions and
   the version of the rules (``capture.decisions.cache_key``): a later start needs none of the
@@ -239,7 +239,7 @@ class PlanCache:
 
     def load_eager_peak(self, graph: "Graph", device: str) -> int | None:
         """Plain PyTorch's measured peak for the iteration ``graph`` traces, on this kind of
-        device (``runtime.baseline``), keyed as op times are; None when none is cached."""
+        device (``capture.baseline``), keyed as op times are; None when none is cached."""
         path = self._eager_path(graph, device)
         if not path.is_file():
             return None

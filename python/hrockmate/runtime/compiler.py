@@ -22,6 +22,7 @@ import torch.fx
 from hrockmate.capture.decisions import SkipRules
 from hrockmate.capture.kernels import RELAYOUT, in_place_kernel, op_kernel
 from hrockmate.ir.graph import PREEXISTING_ROLES as _PREEXISTING
+from hrockmate.ir.graph import gradient_seed_bytes  # noqa: F401  (the runtime counts it)
 from hrockmate.runtime.cuda_memory import allocator_slack_bytes
 
 __all__ = ["Program", "RuntimeScheduleError", "compile_schedule"]
@@ -90,14 +91,6 @@ class Program:
     #: slots of S after the generator states: per random decision, whether this call skips
     #: its region, and per tensor standing for a skipped one, that tensor while needed
     num_decision_slots: int = 0
-
-
-def gradient_seed_bytes(graph: Any) -> int:
-    """Bytes of the outputs' gradients (tangents), which the caller's ``backward()`` makes
-    inside the step (a loss's 4-byte seed), not before it as the graph's other preexisting
-    tensors: the runtime holds them beside the plan's tensors through the backward, and plain
-    autograd's measured peak has them."""
-    return sum(t.bytes for t in graph.tensors if t.role == "tangent")
 
 
 def _tangents_reaching(graph: Any, sources: dict[int, tuple[str, Any]]) -> list[int]:

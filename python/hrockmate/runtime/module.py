@@ -665,9 +665,9 @@ class HRockmate(nn.Module):
         # (hierarchies built for this trace: reused by replan() with the same options)
         self.__dict__["_hr_prepared"] = {}
         fixed = request.plan if plan is None else plan
-        from hrockmate.runtime.baseline import fraction_in_bytes, record_reference
+        from hrockmate.capture.baseline import fraction_in_bytes, record_reference
 
-        # a fraction is of plain PyTorch's measured peak at this shape (runtime.baseline)
+        # a fraction is of plain PyTorch's measured peak at this shape (capture.baseline)
         asked = request.budget if budget is _ASKED else budget
         asked, eager = fraction_in_bytes(model, sample, traced, None if fixed is not None
                                          else asked, request.loss_fn, request.cache)
@@ -722,7 +722,7 @@ class HRockmate(nn.Module):
         a change of trainable parameters, or unpickling) plan for this budget and options."""
         request: _PlanRequest = self._hr_request
         options = {**request.solve_options, **solve_options}
-        from hrockmate.runtime.baseline import fraction_in_bytes, record_reference
+        from hrockmate.capture.baseline import fraction_in_bytes, record_reference
 
         resolved, eager = fraction_in_bytes(
             self.__dict__["_hr_model"], sample, self.traced, budget, request.loss_fn,

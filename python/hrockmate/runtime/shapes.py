@@ -69,7 +69,7 @@ def budget_in_bytes(budget: Any, graph: Any, baseline: int | None = None) -> int
     if budget is None:
         return None
     from hrockmate.ir.budget import parse_budget
-    from hrockmate.runtime.compiler import gradient_seed_bytes
+    from hrockmate.ir.graph import gradient_seed_bytes
 
     if baseline is None:
         baseline = _store_all_peak(graph)

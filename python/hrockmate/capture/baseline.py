@@ -106,7 +106,7 @@ def measure_eager_baseline(model: nn.Module, sample: Any, *, loss_fn: Any = None
     first, so that lazy initialisations (kernels' caches, a library's first-call set-up) do not
     count. Every state the iteration changes is restored (module docstring)."""
     from hrockmate.capture.memory import _backward_roots, measure_peak_memory
-    from hrockmate.capture.tracing import split_sample
+    from hrockmate.capture.joint import split_sample
 
     # inputs that require grad become leaves of their own (sharing the storage): the backward
     # must neither reach the graph an input came from (it would free that graph's saved
@@ -163,7 +163,7 @@ def traced_store_all_peak(graph: Any) -> int:
     """The traced store-all schedule's predicted peak with the outputs' gradient seeds that
     ``backward()`` makes (what a module's fraction was of before plain PyTorch was measured)."""
     from hrockmate.ir.schedule import simulate, store_all_schedule
-    from hrockmate.runtime.compiler import gradient_seed_bytes
+    from hrockmate.ir.graph import gradient_seed_bytes
 
     return int(simulate(graph, store_all_schedule(graph)).peak_bytes) + gradient_seed_bytes(graph)
 
@@ -184,7 +184,7 @@ def fraction_in_bytes(model: nn.Module, sample: Any, traced: Any, budget: Budget
         eager = eager_baseline_for(model, sample, traced, loss_fn, cache)
     traced_peak = traced_store_all_peak(traced.graph)
     if not seeds:
-        from hrockmate.runtime.compiler import gradient_seed_bytes
+        from hrockmate.ir.graph import gradient_seed_bytes
 
         traced_peak -= gradient_seed_bytes(traced.graph)
     return resolve_budget(budget, traced_peak, eager), eager
