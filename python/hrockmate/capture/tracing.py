@@ -1746,6 +1746,9 @@ def trace_model(
         raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if cost not in COST_MODES:
         raise TraceError(f"cost must be one of {COST_MODES}, got {cost!r}")
+    from hrockmate.runtime.distributed import check_layout  # (tracing would break its state)
+
+    check_layout(model, "hrockmate cannot trace this model")
     t0 = time.perf_counter()
     args, kwargs = split_sample(sample)
     leaves, input_spec = pytree.tree_flatten((args, kwargs))
@@ -1920,7 +1923,13 @@ def trace_model(
         which = "guarded"
     if joint is None:
         (exc, path), (comp_exc, comp_path) = failures["eager"], failures["compiling"]
-        eager, random_reads = _eager_run(step, flat_real, buffers, device)
+        def plain_step(*_: torch.Tensor) -> Any:  # the model as the user calls it, unswapped
+            attributes.restore()
+            out = model(*args, **kwargs)
+            return select_loss(out, loss_fn) if isinstance(loss_fn, (str, int)) else \
+                out if loss_fn is None else loss_fn(out)
+
+        eager, random_reads = _eager_run(plain_step, flat_real, buffers, device)
         attributes.restore()
         if eager is not None:  # the model's own error, not a limit of tracing
             first = _first_line(eager)
