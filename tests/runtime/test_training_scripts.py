@@ -191,6 +191,7 @@ def _hf_gpt2() -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
     return model, rows
 
 
+@pytest.mark.slow  # (two plans at 50%: the sample's, and the one with num_items_in_batch)
 def test_trainer_with_default_arguments_trains_like_plain_and_saves_tied_weights(
         tmp_path: Any) -> None:
     """transformers' Trainer at its default TrainingArguments (remove_unused_columns=True, the

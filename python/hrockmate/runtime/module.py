@@ -24,7 +24,10 @@ Semantics kept from eager PyTorch:
 
 A call whose inputs differ from the traced sample (structure, shape, dtype or device of a tensor,
 or the value of a non-tensor argument) raises ``InputMismatchError``; build a new ``HRockmate``
-for the new input (its plan depends on the shapes). Each call also compares the model with the
+for the new input (its plan depends on the shapes). Keyword arguments that a call adds to an
+all-keyword sample (transformers' ``num_items_in_batch``) are traced as inputs instead
+(``hrockmate.integrations.calls``, which also gives the module the model's ``forward``
+signature). Each call also compares the model with the
 model as traced (``_ModelCheck``, no tensor data read): a changed ``requires_grad`` or
 training flag makes it trace and plan again; an edit (modules or tensors added, removed,
 replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times are cached on disk
@@ -557,7 +560,10 @@ class HRockmate(nn.Module):
       needs a plan.
 
     ``parameters()``, ``named_parameters()``, ``buffers()`` and ``state_dict()`` are the original
-    model's (same objects, same keys); other attributes fall through to the model.
+    model's (same objects, same keys); other attributes fall through to the model, and
+    ``inspect.signature(hmod.forward)`` is the model's. The returned tensors are ordinary
+    autograd outputs (``loss /= n`` in place works). docs/training-scripts.md: Trainer,
+    torch.compile, distributed training.
 
     Mixed precision: build it within the ``torch.autocast`` region the training calls use (a
     call under other regions traces and plans again) and call ``backward()`` after the region.
