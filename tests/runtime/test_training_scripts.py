@@ -295,3 +295,44 @@ def test_a_plain_model_builds_without_a_compile_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         HRockmate(_MLPLoss(), _batches(1)[0], cache=False)
+
+
+@pytest.mark.slow  # (planning a BERT classifier at 60%)
+def test_trainer_drops_unused_columns_accumulates_and_compiles_like_eager(tmp_path: Any) -> None:
+    """A BERT classifier under Trainer's defaults plus 2-step gradient accumulation and
+    ``torch_compile=True``: the dataset's extra column is dropped by the module's signature,
+    ``label`` is renamed for the model, and the compiled HRockmate module (which runs its plan
+    eagerly) ends bitwise equal to the plain Trainer without compile."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64,
+                                  max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=3)
+    model = transformers.BertForSequenceClassification(cfg)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(0, 64, (12,), generator=g),
+             "attention_mask": torch.ones(12, dtype=torch.long),
+             "token_type_ids": torch.zeros(12, dtype=torch.long),
+             "label": int(torch.randint(0, 3, (1,), generator=g)),
+             "source": "a column the model does not take"} for _ in range(16)]
+    sample = dict(default_data_collator([{k: v for k, v in r.items() if k != "source"}
+                                         for r in rows[:4]]))
+    hm = HRockmate(model, sample, budget=0.6, cache=False, loss_fn="loss")
+    assert hm.plan.method != "store-all"
+
+    def train(m: nn.Module, out: str, compile_: bool) -> None:
+        args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=3,
+                                 per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                 use_cpu=True, report_to=[], save_strategy="no",
+                                 disable_tqdm=True, torch_compile=compile_)
+        Trainer(model=m, args=args, train_dataset=rows).train()
+
+    train(ref, "plain", False)
+    train(hm, "hrockmate", True)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), f"{name} differs from the plain Trainer's"
