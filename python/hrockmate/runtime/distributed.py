@@ -25,7 +25,6 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,8 +115,9 @@ def _sharded_parts(model: nn.Module, with_tensors: bool) -> list[str]:
 
 def check_layout(model: nn.Module, when: str, with_tensors: bool = True) -> None:
     """Raise ``UnsupportedLayoutError`` when ``model`` (the wrapped model) holds per-block
-    FSDP2 shards; ``when`` starts the message. ``with_tensors``: also refuse DTensor parameters (at a call they are
-    unsharded already where the whole HRockmate module is sharded, so they are blocks')."""
+    FSDP2 shards; ``when`` starts the message. ``with_tensors``: also refuse DTensor
+    parameters (at a call they are unsharded already where the whole HRockmate module is
+    sharded, so they are blocks')."""
     parts = _sharded_parts(model, with_tensors)
     if not parts:
         return
