@@ -64,10 +64,16 @@ def _follow_new_keywords(hmod: "HRockmate", args: tuple[Any, ...],
     spec = hmod.__dict__.get("_hr_input_spec")
     if spec is None or args:
         return
-    traced_args, traced_kwargs = _halves(spec)
-    traced = frozenset(traced_kwargs.context or ())
+    known = hmod.__dict__.get("_hr_keywords")  # (the spec's keywords, read once per trace)
+    if known is None or known[0] is not spec:
+        traced_args, traced_kwargs = _halves(spec)
+        known = (spec, frozenset(traced_kwargs.context or ()), traced_args.num_children == 0)
+        hmod.__dict__["_hr_keywords"] = known
+    _, traced, all_keywords = known
+    if not all_keywords or kwargs.keys() == traced:
+        return
     new = set(kwargs) - traced
-    if not new or not traced <= set(kwargs) or traced_args.num_children:
+    if not new or not traced <= kwargs.keys():
         return
     model = hmod.__dict__["_hr_model"]
     if not _accepts(model_signature(model), new):
