@@ -148,3 +148,73 @@ def test_pipeline_stages_one_hrockmate_per_stage() -> None:
         h2(h1(sample)).square().sum().backward()
         ref(sample).square().sum().backward()
     _assert_equal_grads(full, ref, "pipeline")
+
+
+def _agree_worker(rank: int, port: int) -> None:
+    from hrockmate.runtime.distributed import planning_per_rank
+
+    _init(rank, port)
+    try:
+        model, sample = models.mlp(batch=64, d_in=16, hidden=64, n_layers=4, d_out=4)
+        # the ranks ask for different budgets, so that their own plans differ
+        budget = 0.5 if rank == 0 else 0.8
+        with planning_per_rank():
+            own = HRockmate(model, sample, budget=budget, cache=False)
+        hm = HRockmate(model, sample, budget=budget, cache=False)
+        mine = (list(hm.schedule.steps), hm.schedule.forward_len)
+        everyone: list[Any] = [None] * WORLD
+        dist.all_gather_object(everyone, (mine, list(own.schedule.steps)))
+        assert everyone[0][0] == everyone[1][0], "the ranks run different schedules"
+        assert everyone[0][1] != everyone[1][1], "the ranks' own plans did not differ"
+        # and the schedule runs: one step, gradients as plain autograd's
+        ref = copy.deepcopy(model)
+        hm(sample).square().sum().backward()
+        ref(sample).square().sum().backward()
+        _assert_equal_grads(model, ref, f"rank {rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_runs_rank_zeros_plan() -> None:
+    """With a process group of two ranks whose own plans differ, both run rank 0's."""
+    _spawn(_agree_worker)
+
+
+def _per_block_worker(rank: int, port: int) -> None:
+    import pytest
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hrockmate.runtime.distributed import UnsupportedLayoutError
+
+    _init(rank, port)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        # sharded per block, then wrapped: refused at construction
+        model, sample = models.mlp(batch=4, d_in=8, hidden=16, n_layers=2, d_out=4)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        model(sample).sum().backward()  # (plain per-block FSDP2 trains)
+        with pytest.raises(UnsupportedLayoutError, match=r"HRockmate cannot be built.*per block"
+                           r".*DistributedDataParallel\(HRockmate.*fully_shard\(HRockmate"):
+            HRockmate(model, sample)
+        # tracing it directly is refused the same way, before tracing could break the
+        # shards' state (it did, and the model then failed in plain PyTorch too)
+        with pytest.raises(UnsupportedLayoutError, match="hrockmate cannot trace this model"):
+            hrockmate.trace_model(model, sample)
+        model(sample).sum().backward()
+        # wrapped, then sharded per block: refused at the first training call
+        model, sample = models.mlp(batch=4, d_in=8, hidden=16, n_layers=2, d_out=4)
+        hm = HRockmate(model, sample)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        with pytest.raises(UnsupportedLayoutError, match=r"HRockmate was called.*per block"):
+            hm(sample)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_block_fsdp2_is_refused_naming_the_supported_layouts() -> None:
+    _spawn(_per_block_worker)

@@ -178,6 +178,9 @@ def trace_model(
         raise TraceError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if cost not in COST_MODES:
         raise TraceError(f"cost must be one of {COST_MODES}, got {cost!r}")
+    from hrockmate.capture.layout import check_layout  # (tracing would break its state)
+
+    check_layout(model, "hrockmate cannot trace this model")
     t0 = time.perf_counter()
     tracer = _StepTracer(model, sample, loss_fn, name or type(model).__name__)
     joint = tracer.first_joint()
@@ -312,6 +315,16 @@ class _StepTracer:
         self.compiling_paths = False
 
     # ---- the step -------------------------------------------------------------------------------
+    def plain_step(self, *_: torch.Tensor) -> Any:
+        """The model as the user calls it, its parameters not swapped: what "fails in plain
+        PyTorch too" is said of."""
+        self.attributes.restore()
+        a, kw = pytree.tree_unflatten(list(self.leaves), self.input_spec)
+        out = self.model(*a, **kw)
+        if isinstance(self.loss_fn, (str, int)):
+            return select_loss(out, self.loss_fn)
+        return out if self.loss_fn is None else self.loss_fn(out)
+
     def step(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self.attributes.restore()  # (each pass starts from the model the user gave)
         state = {name: flat[i] for name, i in self.slots}
@@ -426,7 +439,7 @@ class _StepTracer:
             joint, self.guards, self.reads_box["last"] = guarded
             self.which = "guarded"
         if joint is None:
-            eager, random_reads = eager_run(self.step, self.flat_real, self.buffers,
+            eager, random_reads = eager_run(self.plain_step, self.flat_real, self.buffers,
                                             self.device)
             self.attributes.restore()
             raise_trace_failure(self.failures, self.model, eager, random_reads)

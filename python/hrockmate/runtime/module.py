@@ -25,7 +25,10 @@ Semantics kept from eager PyTorch:
 A call with other tensor shapes than traced is traced and planned in that call, and the
 programs of the shapes seen are kept (``shapes``, docs/input-shapes.md); a call whose inputs
 differ otherwise (structure, dtype or device of a tensor, the value of a non-tensor argument)
-raises ``InputMismatchError``, as a new shape does with ``strict_shapes=True``. Each call also
+raises ``InputMismatchError``, as a new shape does with ``strict_shapes=True``. Keyword
+arguments that a call adds to an all-keyword sample (transformers' ``num_items_in_batch``) are
+traced as inputs (``hrockmate.integrations.calls``, which also gives the module the model's
+``forward`` signature). Each call also
 compares the model with the model as traced (``_ModelCheck``, no tensor data read): a changed
 ``requires_grad`` or training flag makes it trace and plan again; an edit (modules or tensors
 added, removed, replaced, reshaped, retied) raises ``ModelChangedError``. Plans and op times
@@ -59,6 +62,7 @@ from hrockmate.planning.entry import (  # noqa: F401  (the runtime's names for t
     plan_for_runtime,
     solve_within_budget,
 )
+from hrockmate.integrations.calls import signed_forward, unwrap_compiled
 from hrockmate.runtime.compiler import (
     Program,
     RuntimeScheduleError,
@@ -104,7 +108,8 @@ def _leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
 class _IterationState:
     """Everything one iteration (one call) shares between its forward and backward chunks."""
 
-    __slots__ = ("program", "params", "buffers", "inputs", "env", "rng", "gp", "gx", "ungiven")
+    __slots__ = ("program", "params", "buffers", "inputs", "env", "rng", "gp", "gx", "ungiven",
+                 "saved_outputs")
 
     def __init__(
         self,
@@ -112,8 +117,10 @@ class _IterationState:
         params: list[torch.Tensor],
         buffers: list[torch.Tensor],
         inputs: list[torch.Tensor],
+        saved_outputs: Sequence[int] = (),
     ) -> None:
         self.program = program
+        self.saved_outputs = saved_outputs  # (positions among the outputs: _outputs_read_back)
         self.params = params
         self.buffers = buffers
         self.inputs = inputs
@@ -192,7 +199,11 @@ class _ForwardSegment(torch.autograd.Function):
         state.env = env
         ctx.state = state
         ctx.has_token = token is not None
-        ctx.save_for_backward(*outputs)
+        # Only the outputs whose storage the backward segment reads are saved, as a plain
+        # autograd node saves only what its backward needs: the others (the loss, mostly) are
+        # the caller's to modify in place (``loss /= accumulation_steps``), and a modified
+        # saved one fails autograd's version check at backward, as it would in plain PyTorch.
+        ctx.save_for_backward(*(outputs[k] for k in state.saved_outputs))
         # outputs the plan has no gradient for (see Program.tangent_layout)
         nondiff = [o for o, layout in zip(outputs, program.tangent_layout) if layout is None]
         if nondiff:
@@ -207,8 +218,8 @@ class _ForwardSegment(torch.autograd.Function):
         state: _IterationState = ctx.state
         program = state.program
         if state.env is not None:
-            for t, saved in zip(program.output_ids, ctx.saved_tensors):
-                state.env[t] = saved
+            for k, saved in zip(state.saved_outputs, ctx.saved_tensors):
+                state.env[program.output_ids[k]] = saved
         grads_out = [
             g if g is None or not contig or g.is_contiguous() else g.contiguous()
             for g, contig in zip(grad_outputs, program.tangent_contiguous)
@@ -564,7 +575,10 @@ class HRockmate(nn.Module):
       needs a plan.
 
     ``parameters()``, ``named_parameters()``, ``buffers()`` and ``state_dict()`` are the original
-    model's (same objects, same keys); other attributes fall through to the model.
+    model's (same objects, same keys); other attributes fall through to the model, and
+    ``inspect.signature(hmod.forward)`` is the model's. The returned tensors are ordinary
+    autograd outputs (``loss /= n`` in place works). docs/training-scripts.md: Trainer,
+    torch.compile, distributed training.
 
     Mixed precision: build it within the ``torch.autocast`` region the training calls use (a
     call under other regions traces and plans again) and call ``backward()`` after the region.
@@ -585,7 +599,10 @@ class HRockmate(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"HRockmate needs a torch.nn.Module, got {type(model).__name__}")
+        model = unwrap_compiled(model)
         object.__setattr__(self, "_hr_model", model)
+        # (the model's signature, for code that inspects it: hrockmate.integrations.calls)
+        self.__dict__["forward"] = signed_forward(self)
         # Share the model's registries: parameters, buffers, children and state_dict keys are
         # exactly the original's, and .to()/zero_grad()/train() reach the same objects.
         self._parameters = model._parameters
@@ -596,9 +613,14 @@ class HRockmate(nn.Module):
         # What to plan for: kept to plan again when the model's trainable parameters or
         # training flags change, and after unpickling.
         self._hr_request = _PlanRequest(budget, plan, cache, dict(solve_options), loss_fn)
+        from hrockmate.runtime import distributed
+
+        distributed.check_layout(model, "HRockmate cannot be built")
         # Programs of the other input shapes called with (docs/input-shapes.md).
         self.__dict__["_hr_shapes"] = shapes.ShapePrograms(max_shapes, strict_shapes)
         self._build(sample)
+        if distributed.should_agree():  # (every rank runs rank 0's plan)
+            distributed.agree_on_plan(self)
 
     def _build(self, sample: Any, plan: Any = None, budget: Any = _ASKED,
                change: str | None = None, donors: Sequence[dict[str, Any]] = ()) -> None:
@@ -755,6 +777,8 @@ class HRockmate(nn.Module):
         object.__setattr__(self, "_hr_plan", plan)
         object.__setattr__(self, "_hr_schedule", schedule)
         object.__setattr__(self, "_hr_program", program)
+        object.__setattr__(self, "_hr_saved_outputs",
+                           _outputs_read_back(self.traced.graph, schedule, program.output_ids))
         # The simulator's peak plus what the runtime keeps beyond the graph's tensors.
         self.predicted_peak_bytes: int = predicted + program.extra_bytes
 
@@ -833,10 +857,12 @@ class HRockmate(nn.Module):
         state = dict(self.__dict__)
         for name in _NOT_PICKLED:
             state.pop(name, None)
+        state.pop("forward", None)  # (made again: it refers to this object)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__["forward"] = signed_forward(self)
         self.__dict__["_hr_traced"] = None
         self.__dict__["_hr_program"] = None
 
@@ -864,7 +890,7 @@ class HRockmate(nn.Module):
             return model(*args, **kwargs)  # nothing to differentiate: plain forward
         buffers = [owner._buffers[attr] for owner, attr in self._hr_buffer_slots]
         replay_python_draws(self.__dict__["_hr_traced"].python_draws)  # (as the model's code)
-        state = _IterationState(program, params, buffers, inputs)
+        state = _IterationState(program, params, buffers, inputs, self._hr_saved_outputs)
         n = len(program.chunks)
         token: torch.Tensor | None = None
         if n > 1:
@@ -1142,6 +1168,16 @@ def _output_views(traced: Any) -> list[tuple[int, int]]:
         if root != t and j is not None and k not in with_tangent:
             views.append((k, j))
     return views
+
+
+def _outputs_read_back(graph: Any, schedule: Any, output_ids: Sequence[int]) -> list[int]:
+    """Positions of the outputs whose storage a step after the forward segment reads (the
+    output itself, or a view or detached alias of it, such as softmax's result)."""
+    read: set[int] = set()
+    for kind, k in schedule.steps[schedule.forward_len:]:
+        if kind == "compute":
+            read.update(graph.storage_root(t) for t in graph.ops[k].inputs)
+    return [j for j, t in enumerate(output_ids) if graph.storage_root(t) in read]
 
 
 def _rebuild_outputs(template: list[Any], spec: Any, outs: Sequence[torch.Tensor]) -> Any:
