@@ -440,6 +440,9 @@ class _ReportingHighs(HighsStandIn):
                  gap: Callable[[float], float] = lambda t: 0.1) -> None:
         super().__init__()
         self.reports, self.seconds, self.gap = reports, seconds, gap
+        self.reported = 0  # schedules reported before the run ended
+        self.interrupted = False  # whether a callback stopped it (else its seconds ran out)
+        self.last_gap: float | None = None  # the gap it reported at its last poll
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -448,11 +451,14 @@ class _ReportingHighs(HighsStandIn):
             while todo and time.perf_counter() - t0 >= todo[0][0]:
                 for fn in self.cbMipImprovingSolution:
                     fn(_Event(todo.pop(0)[1]))
+                self.reported += 1
             poll = _Event()
             poll.data_out.mip_gap = self.gap(time.perf_counter() - t0)  # (HiGHS's relative gap)
+            self.last_gap = poll.data_out.mip_gap
             for fn in self.cbMipInterrupt:
                 fn(poll)
             if poll.interrupted:
+                self.interrupted = True
                 return
             time.sleep(0.01)
 
@@ -460,54 +466,47 @@ class _ReportingHighs(HighsStandIn):
 def test_a_start_of_last_resort_does_not_end_the_window() -> None:
     # past its soft deadline a MIP stops on its first schedule; a start of last resort (the
     # objective 100 reported at once) does not count: it stops on the better one at 0.6 s
-    t0 = time.perf_counter()
-    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0), (0.6, 50.0)]), soft_deadline=t0)
-    assert why == "window" and time.perf_counter() - t0 < 0.5
-    t0 = time.perf_counter()
-    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0), (0.6, 50.0)]), soft_deadline=t0,
-                        count_below=100.0)
-    assert why == "window" and 0.6 <= time.perf_counter() - t0 < 3.0
+    # (which schedules the stand-in reported before it was stopped, not how long it ran)
+    h = _ReportingHighs([(0.0, 100.0), (0.6, 50.0)])
+    why = ilp.run_highs(h, soft_deadline=time.perf_counter())
+    assert why == "window" and h.interrupted and h.reported == 1
+    h = _ReportingHighs([(0.0, 100.0), (0.6, 50.0)])
+    why = ilp.run_highs(h, soft_deadline=time.perf_counter(), count_below=100.0)
+    assert why == "window" and h.interrupted and h.reported == 2
     # the start reported with rounding below its own cost is still the start
-    t0 = time.perf_counter()
-    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0 * (1 - 1e-12)), (0.6, 50.0)]),
-                        soft_deadline=t0, count_below=100.0)
-    assert why == "window" and 0.6 <= time.perf_counter() - t0 < 3.0
-    # nor does it start the stall rule's clock
-    t0 = time.perf_counter()
-    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=1.0), stall=0.1,
-                        count_below=100.0)
-    assert why is None and time.perf_counter() - t0 >= 1.0
+    h = _ReportingHighs([(0.0, 100.0 * (1 - 1e-12)), (0.6, 50.0)])
+    why = ilp.run_highs(h, soft_deadline=time.perf_counter(), count_below=100.0)
+    assert why == "window" and h.interrupted and h.reported == 2
+    # nor does it start the stall rule's clock: the stand-in runs out its second unstopped
+    h = _ReportingHighs([(0.0, 100.0)], seconds=1.0)
+    why = ilp.run_highs(h, stall=0.1, count_below=100.0)
+    assert why is None and not h.interrupted and h.reported == 1
 
 
 def test_a_barren_search_stops_at_its_deadline_only_without_a_schedule() -> None:
     # nothing found (the start of last resort aside): it stops at the barren deadline
-    t0 = time.perf_counter()
-    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=5.0), barren_deadline=t0 + 0.3,
-                        count_below=100.0)
-    assert why == "barren" and 0.3 <= time.perf_counter() - t0 < 2.0
+    h = _ReportingHighs([(0.0, 100.0)], seconds=5.0)
+    why = ilp.run_highs(h, barren_deadline=time.perf_counter() + 0.3, count_below=100.0)
+    assert why == "barren" and h.interrupted and h.reported == 1
     # a schedule found before it: the search goes on (here to the stand-in's own end)
-    t0 = time.perf_counter()
-    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0), (0.1, 50.0)], seconds=1.0),
-                        barren_deadline=t0 + 0.3, count_below=100.0)
-    assert why is None and time.perf_counter() - t0 >= 1.0
+    h = _ReportingHighs([(0.0, 100.0), (0.1, 50.0)], seconds=1.0)
+    why = ilp.run_highs(h, barren_deadline=time.perf_counter() + 0.3, count_below=100.0)
+    assert why is None and not h.interrupted and h.reported == 2
 
 
 def test_the_window_ends_a_search_only_within_its_gap() -> None:
     # a schedule in hand past the soft deadline, but HiGHS's gap still 60%: the search goes on
-    # until the gap is within WINDOW_MAX_GAP (here at 0.5 s)
-    t0 = time.perf_counter()
-    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=3.0,
-                                        gap=lambda t: 0.6 if t < 0.5 else 0.1),
-                        soft_deadline=t0, window_gap=ilp.WINDOW_MAX_GAP)
-    assert why == "window" and 0.5 <= time.perf_counter() - t0 < 2.0
+    # until the gap is within WINDOW_MAX_GAP (here from 0.5 s on)
+    h = _ReportingHighs([(0.0, 100.0)], seconds=3.0, gap=lambda t: 0.6 if t < 0.5 else 0.1)
+    why = ilp.run_highs(h, soft_deadline=time.perf_counter(), window_gap=ilp.WINDOW_MAX_GAP)
+    assert why == "window" and h.interrupted and h.last_gap == 0.1
     assert ilp.CLOSE_GAP < 0.1 <= ilp.WINDOW_MAX_GAP < 0.6
     # a gap HiGHS never closes: the stall rule ends it
-    t0 = time.perf_counter()
-    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=3.0, gap=lambda t: 0.6),
-                        soft_deadline=t0, stall=0.3, window_gap=ilp.WINDOW_MAX_GAP)
-    assert why == "stall" and 0.3 <= time.perf_counter() - t0 < 2.0
+    h = _ReportingHighs([(0.0, 100.0)], seconds=3.0, gap=lambda t: 0.6)
+    why = ilp.run_highs(h, soft_deadline=time.perf_counter(), stall=0.3,
+                        window_gap=ilp.WINDOW_MAX_GAP)
+    assert why == "stall" and h.interrupted
     # without a gap to wait for (op levels), the window ends it at once
-    t0 = time.perf_counter()
-    why = ilp.run_highs(_ReportingHighs([(0.0, 100.0)], seconds=3.0, gap=lambda t: 0.6),
-                        soft_deadline=t0)
-    assert why == "window" and time.perf_counter() - t0 < 0.5
+    h = _ReportingHighs([(0.0, 100.0)], seconds=3.0, gap=lambda t: 0.6)
+    why = ilp.run_highs(h, soft_deadline=time.perf_counter())
+    assert why == "window" and h.interrupted and h.reported == 1 and h.last_gap == 0.6
