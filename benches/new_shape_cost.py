@@ -115,7 +115,7 @@ def run_case(name: str, budget: Any, iters: int) -> dict[str, Any]:
     model, samples, loss_of = CASES[name]()
     ref = copy.deepcopy(model)
     if name in IN_BYTES:
-        from hrockmate.capture.tracing import trace_model
+        from hrockmate.capture.trace import trace_model
         from hrockmate.runtime.shapes import budget_in_bytes
 
         budget = budget_in_bytes(budget, trace_model(model, samples[0], cost="estimate").graph)

@@ -275,7 +275,7 @@ def test_solve_takes_the_fraction_of_plain_pytorch() -> None:
 
 
 def test_a_graph_alone_keeps_fractions_of_its_store_all() -> None:
-    from hrockmate.capture.tracing import trace
+    from hrockmate.capture.trace import trace
 
     model, x = hrockmate.models.mlp()
     graph = trace(model, x)

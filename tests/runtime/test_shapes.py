@@ -231,7 +231,7 @@ def test_a_shape_the_held_schedule_does_not_fit_solves_over_its_blocks_re_costed
 
 
 def test_recosted_blocks_cost_what_the_new_graph_says() -> None:
-    from hrockmate.capture.tracing import trace_model
+    from hrockmate.capture.trace import trace_model
     from hrockmate.planning.api import with_hierarchy
     from hrockmate.planning.level import option_from_steps
 
