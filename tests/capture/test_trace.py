@@ -1037,8 +1037,14 @@ def test_an_output_view_emitted_after_the_gradients_is_a_forward_result(
     model = _LogitsUpdatedInPlace()
     ref = copy.deepcopy(model)
     x, y = torch.randn(2, 5, 8), torch.randint(0, 16, (2, 5))
+    if budget is not None:
+        # (in bytes, of the traced store-all: plain PyTorch's peak, which a fraction is of,
+        # drops the logits this test keeps, and no plan of this tiny graph fits 90% of it)
+        budget = int(budget * hrockmate.HRockmate(model, (x, y), loss_fn="loss", cache=False,
+                                                  progress=False).predicted_peak_bytes)
     hm = hrockmate.HRockmate(model, (x, y), loss_fn="loss", budget=budget, cache=False,
                              progress=False)
+    assert budget is None or hm.plan.stats.get("method") != "store-all"
     graph = hm.traced.graph
     for t, tensor in enumerate(graph.tensors):
         if tensor.role == "output":

@@ -202,6 +202,12 @@ def eager_baseline_for(model: nn.Module, sample: Any, traced: Any, loss_fn: Any,
         logger.info("HRockmate: plain PyTorch's peak is not measured (%s); a fractional budget "
                     "is of the traced store-all peak", why)
         return None
+    if getattr(traced, "skippable", None):
+        # (plain PyTorch's peak is then that of whichever layers its own draws keep; the traced
+        # store-all is of the iteration that keeps them all, the most any call can need)
+        logger.info("HRockmate: plain PyTorch's peak is not measured (the model skips layers "
+                    "at random, LayerDrop); a fractional budget is of the traced store-all peak")
+        return None
     if torch.device(traced.device).type not in ("cpu", "cuda"):
         logger.info("HRockmate: plain PyTorch's peak is measured on cpu and cuda devices only, "
                     "not %s; a fractional budget is of the traced store-all peak", traced.device)
