@@ -51,7 +51,9 @@ class InfeasibleBudget(ValueError):
                            "minimal)")
             text = f"no schedule was found within the budget of {budget}{where}: {reached}"
             self._reason = reached
-        super().__init__(f"{text}; give a budget of at least {self.min_bytes} bytes")
+        # (a floor is only a bound: a schedule reaching it is not known)
+        more = " (a schedule may need more)" if why else ""
+        super().__init__(f"{text}; give a budget of at least {self.min_bytes} bytes{more}")
 
     @property
     def proven_minimum(self) -> bool:
