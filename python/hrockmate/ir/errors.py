@@ -24,25 +24,42 @@ class InfeasibleBudget(ValueError):
     """No schedule fits the budget. ``min_bytes`` is the smallest peak the solver reached, or,
     when ``why`` is set, a lower bound on every schedule's peak that ``why`` explains (found
     before solving; the smallest reachable peak may be higher). ``reason`` says which, in
-    words."""
+    words. ``proof`` (with no ``why``): why the peak reached is the least of any schedule;
+    without it the peak reached is the least found, not proven minimal. ``proven_minimum``: the number
+    is a proven floor (``why``) or a proven least peak (``proof``)."""
 
     def __init__(self, budget_bytes: int, min_bytes: int, graph_name: str = "",
-                 why: str = "") -> None:
+                 why: str = "", proof: str = "") -> None:
         self.budget_bytes = int(budget_bytes)
         self.min_bytes = int(min_bytes)
         self.graph_name = graph_name
         self.why = why
+        self.proof = "" if why else proof
         where = f" for graph '{graph_name}'" if graph_name else ""
         minimum = f"{self.min_bytes} bytes ({format_bytes(self.min_bytes)})"
         budget = f"{self.budget_bytes} bytes ({format_bytes(self.budget_bytes)})"
         if why:  # a proven lower bound
             text = (f"budget of {budget} is below the smallest feasible peak{where}, which is at "
-                    f"least {minimum}: {why}")
-        else:  # the lowest peak the methods reached, not proven the least possible
-            text = (f"no schedule was found within the budget of {budget}{where}: the lowest "
-                    f"peak reached is {minimum}")
-        self._reason = why or f"the lowest peak reached is {minimum}"
-        super().__init__(f"{text}; give a budget of at least {self.min_bytes} bytes")
+                    f"least {minimum} (a proven floor): {why}")
+            self._reason = why
+        else:  # the lowest peak the methods reached
+            if self.proof:
+                reached = (f"the lowest peak reached is {minimum}, proven the least possible: "
+                           f"{self.proof}")
+            else:
+                reached = (f"the lowest peak reached is {minimum}, the least found (not proven "
+                           "minimal)")
+            text = f"no schedule was found within the budget of {budget}{where}: {reached}"
+            self._reason = reached
+        # (a floor is only a bound: a schedule reaching it is not known)
+        more = " (a schedule may need more)" if why else ""
+        super().__init__(f"{text}; give a budget of at least {self.min_bytes} bytes{more}")
+
+    @property
+    def proven_minimum(self) -> bool:
+        """Whether ``min_bytes`` is proven: a floor no schedule goes below (``why``), or a
+        least peak (``proof``)."""
+        return bool(self.why or self.proof)
 
     def _as_solver_signal(self, message: str, min_bytes: int | None) -> None:
         """Set up a solver's subclass instance: ``message`` is its text and reason, and
@@ -51,6 +68,7 @@ class InfeasibleBudget(ValueError):
         self.min_bytes = int(min_bytes or 0)
         self.graph_name = ""
         self.why = ""
+        self.proof = ""
         self._reason = message
         ValueError.__init__(self, message)
 

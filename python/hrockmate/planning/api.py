@@ -176,7 +176,9 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
     found = search(graph, method, budget_bytes, ctx, hierarchy=hierarchy, leaf_size=leaf_size,
                    exact_ops=exact_ops)
     if isinstance(found, Infeasible):
-        raise InfeasibleBudget(budget_bytes, found.min_bytes, graph.name)
+        if method != "hrockmate":  # (the other methods state their own minimum)
+            raise InfeasibleBudget(budget_bytes, found.min_bytes, graph.name)
+        found = least_peak_fallback(graph, budget_bytes, method, flat_ops, hierarchy)
     cand = found
     peak, t = validate(graph, cand, budget_bytes)
     if cand.notice:
@@ -189,6 +191,42 @@ def _solve_graph(graph: Graph, budget: BudgetLike, *, method: str, time_limit: f
         warnings.warn(shortfall, stacklevel=2)
     logger.info("%s", plan.summary())
     return plan
+
+
+def least_peak_fallback(graph: Graph, budget_bytes: int, method: str, flat_ops: int,
+                        hierarchy: Hierarchy | Sequence[Hierarchy] | None) -> Candidate:
+    """The lowest-peak schedule found for the graph (``minima.least_peak``) when it is within
+    ``budget_bytes``, as the plan of a search that found none; else the refusal naming its
+    peak, the one number that does not depend on the budget asked for and at which a solve
+    returns a plan."""
+    from hrockmate.planning.minima import least_peak_for_options
+
+    least = least_peak_for_options(graph, {"flat_ops": flat_ops, "hierarchy": hierarchy})
+    if least.peak > budget_bytes:
+        raise InfeasibleBudget(budget_bytes, least.peak, graph.name, proof=least.proof)
+    cand = Candidate(list(least.steps), least.forward_len, least.proven,
+                     {"method": method, "fallback": "least-peak",
+                      "least_peak_by": least.label})
+    cand.notice = (f"{method} found no schedule for '{graph.name}' within {budget_bytes} bytes; "
+                   f"using the lowest-peak schedule found ({least.label}, {least.peak} bytes)")
+    return cand
+
+
+def least_peak_plan(graph: Graph, schedule: Any, label: str, budget_bytes: int) -> Plan:
+    """The ``Plan`` of a lowest-peak schedule (from ``minima.least_peak``, made by ``label``)
+    for ``budget_bytes``."""
+    from hrockmate.planning.policy import simulate_steps
+
+    _steps, _fl, base_peak, base_time = baseline_schedule(graph)
+    steps = [(str(k), int(i)) for k, i in schedule.steps]
+    peak, t = simulate_steps(graph, steps, int(schedule.forward_len))
+    return Plan(graph_hash=graph.structure_hash(), graph_name=graph.name,
+                budget_bytes=int(budget_bytes), peak_bytes=peak, time=t,
+                baseline_peak_bytes=base_peak, baseline_time=base_time,
+                steps=steps, forward_len=int(schedule.forward_len),
+                time_unit=graph.time_unit,
+                stats={"method": "hrockmate", "fallback": "least-peak",
+                       "least_peak_by": label, "optimal": False})
 
 
 def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,

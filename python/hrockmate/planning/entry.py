@@ -234,10 +234,46 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
             if budget_bytes - reserve_bytes - possible_all < target:
                 target, give_back = budget_bytes - reserve_bytes - possible_all, target
                 looser = give_back
+    if options.get("method", "hrockmate") == "hrockmate":
+        return least_peak_within(graph, budget_bytes, options, compile_fn, reserve_bytes)
     # the smallest a compiled plan reached (it fits a budget of its peak with its runtime
     # bytes), else the solver's lowest peak with the reserve
     raise InfeasibleBudget(budget_bytes, min(reached) if reached else
                            floor if floor is not None else budget_bytes + 1, graph.name)
+
+
+def least_peak_within(graph: Any, budget_bytes: int, options: dict[str, Any],
+                      compile_fn: Compile, reserve_bytes: int = 0) -> tuple[Any, int, Any]:
+    """The lowest-peak schedule found for ``graph`` (``minima.least_peak``, the same for every
+    budget) as (plan, simulated peak, compiled program) when, compiled, it fits
+    ``budget_bytes``; else the refusal that names its peak with its compiled program's extra
+    bytes: a budget of that many bytes is one this schedule fits as compiled. The peaks the
+    rounds' plans reached are not named: they come from searches at other targets, which a
+    solve at that number would not repeat."""
+    from hrockmate.ir.plan import InfeasibleBudget
+    from hrockmate.ir.schedule import Schedule
+    from hrockmate.planning.api import least_peak_plan
+    from hrockmate.planning.minima import least_peak_for_options
+
+    least = least_peak_for_options(graph, options)
+    best: tuple[int, int, Any, Any] | None = None  # (total, simulated peak, schedule, program)
+    for peak, _t, _label, steps, fl in least.schedules:
+        if best is not None and peak >= best[0]:
+            break  # (by ascending peak: no later one can have a smaller total)
+        schedule = Schedule(steps=list(steps), forward_len=fl)
+        program = compile_fn(schedule)
+        total = peak + int(program.extra_bytes)
+        if best is None or total < best[0]:
+            best = (total, peak, schedule, program)
+    assert best is not None
+    total, peak, schedule, program = best
+    if total <= budget_bytes:
+        return least_peak_plan(graph, schedule, least.label, budget_bytes), peak, program
+    # (a proven least peak stays proven with the fewest runtime bytes any plan keeps)
+    proof = least.proof if peak == least.peak and program.extra_bytes <= reserve_bytes else ""
+    if proof and program.extra_bytes:
+        proof += ", and the runtime keeps no fewer bytes beside the graph's tensors"
+    raise InfeasibleBudget(budget_bytes, total, graph.name, proof=proof)
 
 
 def solved_and_compiled(graph: Any, target: int, options: dict[str, Any],
