@@ -65,7 +65,9 @@ def budget_in_bytes(budget: Any, graph: Any, baseline: int | None = None) -> int
     """The budget in bytes for ``graph`` (None: no budget, store-all): bytes as given, a
     fraction of plain autograd's peak measured as the graph's store-all peak with the
     gradient seed that ``backward()`` makes. ``baseline``: the graph's store-all peak when the
-    caller has simulated it already. Every budget the runtime resolves goes through here."""
+    caller has simulated it already. ``HRockmate`` resolves a fractional budget against plain
+    PyTorch's measured peak first (``capture.baseline.fraction_in_bytes``), so what comes here
+    from it is bytes; a fraction here is of the traced store-all."""
     if budget is None:
         return None
     from hrockmate.ir.budget import parse_budget
