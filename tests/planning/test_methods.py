@@ -12,8 +12,8 @@ from hrockmate.planning import methods
 from hrockmate.planning.context import SolveContext
 from hrockmate.planning.methods import Candidate, Infeasible
 
-PUBLIC_NAMES = ("hrockmate", "checkmate", "checkpoint", "selective", "greedy", "twremat",
-                "rotor", "recompute-all", "store-all")
+PUBLIC_NAMES = ("hrockmate", "checkmate", "checkpoint", "selective", "layers", "greedy",
+                "twremat", "rotor", "recompute-all", "store-all")
 
 
 def _ctx(graph: Graph) -> SolveContext:

@@ -208,7 +208,31 @@ def trace_model(
             "trace_seconds": round(traced.trace_seconds, 4),
         }
     )
+    layers = checkpoint_layers(model)
+    if layers:
+        traced.graph.meta["checkpoint_layers"] = layers
     return traced
+
+
+def checkpoint_layers(model: nn.Module) -> list[str]:
+    """The module paths of the layers the model's own gradient checkpointing wraps, in
+    module order: transformers' ``GradientCheckpointingLayer`` instances, else the modules
+    whose class the model names in ``_no_split_modules`` (its repeated blocks, which
+    transformers' older ``gradient_checkpointing`` wrapped); empty for fewer than two. The
+    planner's per-layer checkpointing (``planning.strategies.layer_labels``) cuts there;
+    without them it finds the layers from the module lists."""
+    import sys
+
+    modeling = sys.modules.get("transformers.modeling_layers")  # (never imported for this)
+    marker = getattr(modeling, "GradientCheckpointingLayer", None)
+    named = [(n, m) for n, m in model.named_modules() if n]
+    found = [n for n, m in named if marker is not None and isinstance(m, marker)]
+    if len(found) < 2:
+        classes = set(getattr(model, "_no_split_modules", None) or ())
+        found = [n for n, m in named if type(m).__name__ in classes]
+    # (a layer inside another is part of it)
+    found = [n for n in found if not any(n.startswith(o + ".") for o in found)]
+    return found if len(found) >= 2 else []
 
 
 def trace(

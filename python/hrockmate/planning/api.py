@@ -64,8 +64,9 @@ def solve_graph(
         method: ``"hrockmate"`` (hierarchical H-ILP; graphs of at most ``flat_ops`` ops are
             solved at the op level, i.e. exactly), ``"checkmate"`` (exact MILP over all ops),
             ``"checkpoint"`` (per-block checkpointing), ``"selective"`` (the same, keeping
-            matmul/conv/attention outputs), ``"twremat"`` (the fastest of TW-Remat's recursion
-            depths that fits), ``"rotor"`` (Rotor's dynamic program; the graph must split into
+            matmul/conv/attention outputs), ``"layers"`` (per-layer checkpointing of the
+            model's repeated layers, as its own gradient checkpointing does it),
+            ``"twremat"`` (the fastest of TW-Remat's recursion depths that fits), ``"rotor"`` (Rotor's dynamic program; the graph must split into
             a chain of stages), ``"recompute-all"`` or ``"store-all"``.
         time_limit: seconds (positive, or None for no limit) for the whole solve: the blocks'
             options get 75% of it, then the top level and the simple strategies the rest.

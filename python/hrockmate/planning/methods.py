@@ -93,8 +93,8 @@ def _by_policy(name: str) -> Method:
 # checkmate: the exact MILP over every op; checkpoint / selective: block checkpointing;
 # greedy: DTR-style greedy eviction; twremat / rotor: the literature's solvers on the whole
 # graph; recompute-all: the schedule of least memory
-for _name in ("hrockmate", "checkmate", "checkpoint", "selective", "greedy", "twremat",
-              "rotor", "recompute-all"):
+for _name in ("hrockmate", "checkmate", "checkpoint", "selective", "layers", "greedy",
+              "twremat", "rotor", "recompute-all"):
     register(_name)(_by_policy(_name))
 
 

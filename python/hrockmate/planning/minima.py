@@ -124,6 +124,9 @@ def _compute(graph: Graph, flat_ops: int, hierarchies: Sequence[Any]) -> LeastPe
             p = min(points, key=lambda p: (p.peak, p.time))
             assert p.steps is not None and p.forward_len is not None
             add(label, p.steps, p.forward_len)
+    layers = reference.layer_checkpoint_schedule(graph)
+    if layers is not None:
+        add("per-layer checkpointing", *layers)
     # greedy eviction aimed at a ladder of budgets from the floor up: it gets stuck below
     # what it can reach, and it takes milliseconds per budget
     base = simulate_steps(graph, *_store_all(graph))[0]

@@ -268,6 +268,16 @@ def _checkpointing(run: _Run, _h: Hierarchy | None) -> Found:
     return Candidate(r.steps, r.forward_len, False, {"method": run.method, **r.stats}), 0
 
 
+def _layers(run: _Run, _h: Hierarchy | None) -> Found:
+    try:
+        r = reference.solve_layers(run.graph, run.budget)
+    except reference.SolverInfeasible as exc:
+        run.add_recompute_all()
+        cand, lowest = run.pick()
+        return cand, int(min(lowest, exc.min_bytes) if exc.min_bytes else lowest)
+    return Candidate(r.steps, r.forward_len, False, {"method": run.method, **r.stats}), 0
+
+
 def _greedy(run: _Run, _h: Hierarchy | None) -> Found:
     graph, budget = run.graph, run.budget
     found = reference.greedy_eviction_schedule(graph, budget, run.ctx.time_left())
@@ -513,6 +523,7 @@ _RUNNERS: dict[str, Callable[[_Run, Hierarchy | None], Found | None]] = {
     "checkmate": _checkmate,
     "checkpoint": _checkpointing,
     "selective": _checkpointing,
+    "layers": _layers,
     "greedy": _greedy,
     "twremat": _literature,
     "rotor": _literature,
@@ -528,9 +539,9 @@ class SimpleStrategies:
 
     # those within the budget, as (candidate, peak, time), marked as fallbacks
     fits: list[tuple[Candidate, int, float]] = field(default_factory=list)
-    # the lowest peak block checkpointing, selective checkpointing and Rotor each reach (for the
-    # log and the error when nothing fits; Rotor's is its chain model's minimum, which
-    # ``rotor_lowest`` refines)
+    # the lowest peak block checkpointing, selective checkpointing, per-layer checkpointing and
+    # Rotor each reach (for the log and the error when nothing fits; Rotor's is its chain
+    # model's minimum, which ``rotor_lowest`` refines)
     lowest: dict[str, int] = field(default_factory=dict)
     # why one of them has no lowest peak ("rotor": "does not apply, ...")
     why_none: dict[str, str] = field(default_factory=dict)
@@ -539,7 +550,8 @@ class SimpleStrategies:
 def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float | None = None
                        ) -> SimpleStrategies:
     """The simple strategies no plan may lose to, each at its fastest setting within the
-    budget: block checkpointing, selective checkpointing, whole-graph Rotor (chain-shaped
+    budget: block checkpointing, selective checkpointing, per-layer checkpointing (graphs
+    with repeated layers only), whole-graph Rotor (chain-shaped
     graphs only) and greedy eviction (DTR-style, any graph), within ``time_limit`` seconds."""
     from hrockmate.planning.literature import NotAChainError
 
@@ -560,6 +572,17 @@ def _simple_strategies(graph: Graph, budget: int, method: str, time_limit: float
             out.append((Candidate(best.steps, best.forward_len, False,
                                   {"method": method, "fallback": label, "blocks": best.blocks}),
                         best.peak, best.time))
+    # per-layer checkpointing, as the model's own gradient checkpointing applies it: one
+    # schedule, built in milliseconds
+    layers = reference.layer_checkpoint_schedule(graph)
+    if layers is None:
+        why_none["layers"] = "does not apply, the graph has no repeated layers"
+    else:
+        peak, t = simulate_steps(graph, *layers)
+        lowest["layers"] = peak
+        if peak <= budget:
+            out.append((Candidate(layers[0], layers[1], False,
+                                  {"method": method, "fallback": "layers"}), peak, t))
     try:
         rotor, rotor_lowest = _run_literature(
             graph, "rotor", budget,

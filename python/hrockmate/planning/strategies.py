@@ -12,6 +12,12 @@ validates every result with the simulator and picks among them with ``method=``:
   fastest one that fits the budget;
 - ``selective``: the same, but also keeping the outputs of matmuls, convolutions and attention
   (torchtitan-style selective checkpointing);
+- ``layers``: per-layer checkpointing as a model's own ``gradient_checkpointing`` applies it
+  (transformers' ``gradient_checkpointing_enable``, torchtitan's per-block activation
+  checkpointing): each repeated layer of the model (a module in a ``ModuleList`` such as
+  ``transformer.h.3``, from the module path the trace records per op) is one block, and what
+  runs outside the layers (embeddings, the final norm, the head and the loss) keeps all it
+  makes, as it does when only the layers are checkpointed;
 - ``greedy``: greedy eviction in the op order, DTR-style (``greedy_eviction_schedule``; four
   eviction scores, the fastest refined schedule): needs no structure, so it serves graphs with
   long skips that the block strategies cannot cut;
@@ -101,6 +107,94 @@ def block_checkpoint_schedule(graph: Graph, blocks: int,
     kind, ids, fl = call_native(_native.block_checkpoint_schedule, graph, blocks=blocks,
                                 keep_extra=_id_array(keep_extra))
     return Schedule.from_arrays(kind, ids, fl).steps, int(fl)
+
+
+def layer_labels(graph: Graph) -> list[int] | None:
+    """Per op, the repeated layer its module belongs to (0, 1, ... in the order the layers'
+    first forward ops run), -1 for ops outside every layer; None when the graph has no
+    repeated layers (no module paths, or no list of at least two layers).
+
+    The layers are the children of the module lists whose children run the most forward
+    ops: a path ``P.<k>`` with at least two indices ``k`` under one prefix ``P`` is a layer of
+    the list ``P`` (transformers' ``transformer.h.3``, ``model.layers.0``, torchtitan's
+    ``layers.5``). Lists nested in another list's layer (the experts of a mixture-of-experts
+    layer) are part of that layer; side-by-side lists (an encoder's and a decoder's) each
+    give their layers. ``graph.meta["checkpoint_layers"]``, the module paths a model marks as
+    its own checkpointing units when the trace recorded them, takes precedence."""
+    fwd = [j for j, o in enumerate(graph.ops) if o.phase == "forward"]
+    named = graph.meta.get("checkpoint_layers") or _listed_layers(graph.ops[j].module
+                                                                  for j in fwd)
+    if len(named) < 2:
+        return None
+    # longest first: a path inside a layer whose name extends another's ("h.1" and "h.10")
+    # is matched on a whole segment
+    paths = sorted(named, key=len, reverse=True)
+    label = [-1] * graph.num_ops
+    index: dict[str, int] = {}
+    for j in fwd:
+        module = graph.ops[j].module
+        for p in paths:
+            if module == p or module.startswith(p + "."):
+                label[j] = index.setdefault(p, len(index))
+                break
+    return label if len(index) >= 2 else None
+
+
+def _listed_layers(modules: Iterable[str]) -> list[str]:
+    """The layer paths of ``layer_labels``' rule: ``P.<k>`` for the module lists ``P`` with at
+    least two children ``k`` among ``modules``, the lists whose children run the most ops,
+    lists inside another list's layer left out."""
+    runs: dict[str, dict[str, int]] = {}  # list prefix -> layer path -> ops under it
+    for module in modules:
+        parts = module.split(".") if module else []
+        for k in range(1, len(parts)):
+            if parts[k].isdigit():
+                prefix, layer = ".".join(parts[:k]), ".".join(parts[:k + 1])
+                counts = runs.setdefault(prefix, {})
+                counts[layer] = counts.get(layer, 0) + 1
+    lists = {p: c for p, c in runs.items() if len(c) >= 2}
+    chosen: list[str] = []
+    # the lists covering the most ops first; a list inside a chosen list's layer is skipped
+    for prefix in sorted(lists, key=lambda p: (-sum(lists[p].values()), p)):
+        if any(prefix.startswith(q + ".") or q.startswith(prefix + ".") for q in chosen):
+            continue
+        chosen.append(prefix)
+    return [layer for p in chosen for layer in lists[p]]
+
+
+def layer_checkpoint_schedule(graph: Graph, labels: list[int] | None = None
+                              ) -> tuple[list[Step], int] | None:
+    """Per-layer checkpointing (``layer_labels``' layers, or the ``labels`` given): each layer a
+    block of ``block_checkpoint_schedule``'s rule (what crosses layers kept, a layer run
+    forward again when its backward needs what it dropped), the ops outside the layers keeping
+    every output. Built by the Rust core (``CheckpointFacts::labelled_blocks``,
+    ``checkpointing::block_checkpoint``); None when the graph has no repeated layers."""
+    from hrockmate import _native
+
+    labels = layer_labels(graph) if labels is None else labels
+    if labels is None:
+        return None
+    kind, ids, fl = call_native(_native.labelled_checkpoint_schedule, graph,
+                                label=np.asarray(labels, dtype=np.int64),
+                                keep_extra=_id_array(()))
+    return Schedule.from_arrays(kind, ids, fl).steps, int(fl)
+
+
+def solve_layers(graph: Graph, budget: int, **_: Any) -> SolverResult:
+    """Per-layer checkpointing when it fits the budget (``layer_checkpoint_schedule``)."""
+    labels = layer_labels(graph)
+    found = layer_checkpoint_schedule(graph, labels) if labels is not None else None
+    if found is None or labels is None:
+        raise SolverInfeasible(
+            f"'{graph.name}' has no repeated layers to checkpoint (no module list with two or "
+            "more layers among its ops' module paths); use method='checkpoint'", proven=False)
+    steps, fl = found
+    peak = int(simulate(graph, Schedule(steps, fl)).peak_bytes)
+    if peak > budget:
+        raise SolverInfeasible(
+            f"per-layer checkpointing of '{graph.name}' peaks at {peak} bytes, over the budget "
+            f"of {budget} bytes", proven=False, min_bytes=peak)
+    return SolverResult(steps, fl, False, {"layers": max(labels) + 1})
 
 
 def greedy_eviction_schedule(graph: Graph, budget: int, time_limit: float | None = None

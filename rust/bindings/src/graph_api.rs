@@ -280,6 +280,45 @@ fn block_checkpoint_schedule<'py>(
     Ok(schedule_arrays(py, s))
 }
 
+/// Per-block checkpointing with the blocks given by a label per op (`label`, int64, one per op:
+/// the layer a forward op belongs to, negative outside every checkpointed layer; backward ops'
+/// labels are ignored): a block is a run of forward ops with one label
+/// (`CheckpointFacts::labelled_blocks`), and the outputs of the unlabelled ops are kept with
+/// `keep_extra`, as a model that checkpoints only its layers keeps everything else.
+/// (step_kind int8, step_id int64, forward_len) (`checkpointing::block_checkpoint`).
+#[pyfunction]
+#[pyo3(signature = (label, keep_extra, **graph))]
+fn labelled_checkpoint_schedule<'py>(
+    py: Python<'py>,
+    label: PyReadonlyArray1<'py, i64>,
+    keep_extra: PyReadonlyArray1<'py, i64>,
+    graph: Option<&Bound<'py, PyDict>>,
+) -> PyResult<ScheduleArrays<'py>> {
+    let input = graph_input(graph)?;
+    let extra: Vec<i64> = keep_extra.as_array().iter().copied().collect();
+    let label: Vec<i64> = label.as_array().iter().copied().collect();
+    let s = run_native(py, None, |stop| {
+        let g = input.build()?;
+        if label.len() != g.ops.len() {
+            return Err(Failure::InvalidArgument(format!(
+                "label has {} items; the graph has {} ops (one label per op)",
+                label.len(),
+                g.ops.len()
+            )));
+        }
+        let mut extra = ids_below(&extra, g.tensors.len(), "keep_extra")?;
+        let facts = CheckpointFacts::new(&g);
+        let (block_of, outside) = facts.labelled_blocks(&label);
+        for o in outside {
+            extra.extend_from_slice(&g.ops[o].outputs);
+        }
+        extra.sort_unstable();
+        extra.dedup();
+        Ok(block_checkpoint(&g, &facts, &block_of, &extra, stop)?)
+    })?;
+    Ok(schedule_arrays(py, s))
+}
+
 /// Per-block checkpointing at every candidate block count, simulated
 /// (`checkpointing::checkpoint_points`): a list of `(blocks, peak_bytes, time, schedule)`,
 /// `schedule` being (step_kind, step_id, forward_len) or None (with `budget_bytes`, only the
@@ -345,6 +384,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(block_checkpoint_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_points, m)?)?;
+    m.add_function(wrap_pyfunction!(labelled_checkpoint_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(greedy_eviction, m)?)?;
     m.add("EVICTION_SCORES", EvictionScore::NAMES.to_vec())?;
     Ok(())

@@ -101,6 +101,33 @@ impl CheckpointFacts {
     }
 }
 
+impl CheckpointFacts {
+    /// Blocks given by a label per op (`label[o]`, e.g. the index of the layer an op's module
+    /// belongs to; negative for ops outside every checkpointed region): the forward ops are
+    /// walked in `fwd` order and a new block starts wherever the label changes, so blocks stay
+    /// contiguous runs of the order even when a region's ops are interleaved with others'.
+    /// Returns the block of each op (`usize::MAX` for backward ops) and the forward ops with
+    /// negative labels, whose outputs a caller keeps (the regions a model does not checkpoint).
+    pub fn labelled_blocks(&self, label: &[i64]) -> (Vec<usize>, Vec<OpId>) {
+        let mut block_of = vec![NONE; label.len()];
+        let mut outside = Vec::new();
+        let mut current: Option<i64> = None;
+        let mut block = 0usize;
+        for &o in &self.fwd {
+            let l = label.get(o).copied().unwrap_or(-1);
+            if current.is_some() && current != Some(l) {
+                block += 1;
+            }
+            current = Some(l);
+            block_of[o] = block;
+            if l < 0 {
+                outside.push(o);
+            }
+        }
+        (block_of, outside)
+    }
+}
+
 /// The sorted, deduplicated union of the tensors in `lists` (frees happen in id order, so that
 /// schedules do not depend on how an op lists its tensors).
 fn sorted_union(buf: &mut Vec<TensorId>, lists: &[&[TensorId]]) {

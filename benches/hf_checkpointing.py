@@ -1,0 +1,186 @@
+"""HRockmate against transformers' own gradient checkpointing, at that checkpointing's peak.
+
+    OMP_NUM_THREADS=1 python benches/hf_checkpointing.py            # writes the JSON below
+    python benches/hf_checkpointing.py --layers 2 --seq 64 --rounds 2   # a quick look
+
+An HF GPT-2 built from a config (no weights downloaded, dropout off, ``use_cache=False`` as
+``gradient_checkpointing_enable`` sets it in training) runs one training step (forward and
+backward on one batch) in each configuration:
+
+- ``plain``: the model as it is;
+- ``hf``: ``gradient_checkpointing_enable()`` (non-reentrant), every ``GPT2Block`` checkpointed;
+- ``hrockmate@hf``: ``HRockmate(model, sample, budget)`` with the budget in bytes set to the
+  peak ``hf`` measured, and ``hrockmate-layers@hf``: the same with ``method="layers"``
+  (per-layer checkpointing alone, planned by hrockmate);
+
+each with the output held through backward (``out = model(**b); out.loss.backward()``) and
+with it dropped first (``model(**b).loss.backward()``; the logits freed before backward).
+The HRockmate budgets are ``hf``'s peak in the same mode. Peaks are measured with
+``hrockmate.measure_peak_memory`` (activations, parameters' gradients excluded); step times
+are medians of rounds in which the configurations run in turn (alternating), so that the
+ratios to ``plain`` are measured side by side. Writes ``benches/results/hf_checkpointing.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def _model(layers: int, embd: int, heads: int, seq: int, vocab: int) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_embd=embd, n_head=heads, vocab_size=vocab,
+                     n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    model.train()
+    return model
+
+
+def _step(model: Any, batch: dict[str, torch.Tensor], hold: bool) -> Callable[[], None]:
+    def step() -> None:
+        if hold:
+            out = model(**batch)
+            out.loss.backward()
+            del out
+        else:
+            model(**batch).loss.backward()
+
+    return step
+
+
+def _peak(model: Any, batch: dict[str, torch.Tensor], hold: bool) -> int:
+    import hrockmate
+
+    step = _step(model, batch, hold)
+    step()
+    model.zero_grad(set_to_none=True)
+    params = list(model.wrapped_model.parameters() if hasattr(model, "wrapped_model")
+                  else model.parameters())
+    peak = int(hrockmate.measure_peak_memory(step, params=params).peak_bytes)
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benches/hf_checkpointing.py")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--embd", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"
+                                             / "hf_checkpointing.json"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HROCKMATE_CACHE_DIR", "off")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from hrockmate import HRockmate
+
+    base = _model(args.layers, args.embd, args.heads, args.seq, args.vocab)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    plain = copy.deepcopy(base)
+    hf = copy.deepcopy(base)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.train()
+
+    result: dict[str, Any] = {"benchmark": "hf_checkpointing"}
+    rows: dict[str, dict[str, Any]] = {}
+    models: dict[str, tuple[Any, bool]] = {}
+    for hold in (True, False):
+        mode = "held" if hold else "dropped"
+        models[f"plain/{mode}"] = (plain, hold)
+        models[f"hf/{mode}"] = (hf, hold)
+        budget = _peak(hf, batch, hold)
+        for name, options in ((f"hrockmate@hf/{mode}", {}),
+                              (f"hrockmate-layers@hf/{mode}", {"method": "layers"})):
+            t0 = time.perf_counter()
+            try:
+                hm = HRockmate(copy.deepcopy(base), batch, budget=budget, loss_fn="loss",
+                               cache=False, **options)
+            except Exception as exc:  # noqa: BLE001 - a refusal is a result here
+                rows[name] = {"budget_bytes": budget, "error": f"{type(exc).__name__}: {exc}"}
+                continue
+            plan = hm.plan
+            rows[name] = {
+                "budget_bytes": budget, "build_s": round(time.perf_counter() - t0, 2),
+                "method": plan.method, "fallback": plan.stats.get("fallback"),
+                "beats_hierarchy_plan": bool(plan.stats.get("beats_hierarchy_plan")),
+                "predicted_peak_bytes": hm.predicted_peak_bytes,
+                "predicted_time_ratio": round(1.0 + plan.overhead, 4),
+                "hierarchy_plan_time_ratio": (
+                    round(plan.stats["hierarchy_plan_time"] / plan.baseline_time, 4)
+                    if plan.stats.get("hierarchy_plan_time") else None),
+                "recomputed_ops": hm.recomputed_ops,
+            }
+            models[name] = (hm, hold)
+
+    peaks = {name: _peak(m, batch, hold) for name, (m, hold) in models.items()}
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for name, (m, hold) in models.items():  # (warm-up)
+        _step(m, batch, hold)()
+        m.zero_grad(set_to_none=True)
+    for _ in range(args.rounds):
+        for name, (m, hold) in models.items():
+            step = _step(m, batch, hold)
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - t0)
+                m.zero_grad(set_to_none=True)
+    # bitwise: one step of each HRockmate against plain's
+    ref = copy.deepcopy(base)
+    ref(**batch).loss.backward()
+    bitwise = {}
+    for name, (m, hold) in models.items():
+        if not name.startswith("hrockmate"):
+            continue
+        _step(m, batch, hold)()
+        bitwise[name] = all(torch.equal(p.grad, q.grad) for p, q in
+                            zip(m.wrapped_model.parameters(), ref.parameters()))
+        m.zero_grad(set_to_none=True)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    result.update({
+        "command": " ".join(["python benches/hf_checkpointing.py",
+                             *(argv if argv is not None else sys.argv[1:])]),
+        "host": {"platform": platform.platform(), "torch": torch.__version__,
+                 "threads": torch.get_num_threads()},
+        "model": {"family": "transformers GPT2LMHeadModel", "layers": args.layers,
+                  "embd": args.embd, "heads": args.heads, "seq": args.seq,
+                  "batch": args.batch, "vocab": args.vocab, "use_cache": False},
+        "hrockmate": rows,
+        "measured_peak_bytes": peaks,
+        "peak_ratio_to_plain": {k: round(v / peaks["plain/" + k.split("/")[1]], 4)
+                                for k, v in peaks.items()},
+        "within_budget": {k: peaks[k] <= r["budget_bytes"] for k, r in rows.items()
+                          if k in peaks},
+        "step_s_median": {k: round(v, 5) for k, v in median.items()},
+        "step_ratio_to_plain": {k: round(v / median["plain/" + k.split("/")[1]], 4)
+                                for k, v in median.items()},
+        "steps_timed": {k: len(v) for k, v in times.items()},
+        "gradients_bitwise_equal_to_plain": bitwise,
+    })
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

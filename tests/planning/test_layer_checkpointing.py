@@ -1,0 +1,133 @@
+"""Per-layer checkpointing as a model's own gradient checkpointing applies it: the layers found
+from the module paths, its schedule, and the planner's plan never slower than it where it
+fits (a tiny transformers GPT-2 at the peak of its own ``gradient_checkpointing_enable``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import copy
+
+import pytest
+import torch
+
+import hrockmate
+from hrockmate.ir.graph import Graph, Op, Tensor
+from hrockmate.ir.schedule import Schedule, simulate, store_all_schedule
+from hrockmate.planning import policy, strategies
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2(layers: int = 3, width: int = 64, seq: int = 32, vocab: int = 128) -> tuple[Any, dict]:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=vocab,
+                                  n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+                                  eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.train()
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def _chain(modules: list[str]) -> Graph:
+    """Forward ops in a chain, one per module path (backward ops: none are needed here)."""
+    tensors = [Tensor("x", 4, "input")] + [Tensor(f"t{k}", 4, "activation")
+                                           for k in range(len(modules))]
+    ops = [Op(f"op{k}", "forward", 1.0, [k], [k + 1], module=m) for k, m in enumerate(modules)]
+    return Graph("chain", tensors, ops)
+
+
+def test_layers_are_the_children_of_the_largest_module_lists() -> None:
+    modules = ["embed", "enc.layers.0.attn", "enc.layers.0.mlp", "enc.layers.1", "enc.layers.10",
+               "enc.layers.10.mlp.experts.0", "enc.layers.10.mlp.experts.1", "mid",
+               "dec.blocks.0", "dec.blocks.1.ff", "head", ""]
+    labels = strategies.layer_labels(_chain(modules))
+    # the experts' list is inside a layer; "enc.layers.1" is not a prefix of "enc.layers.10"
+    assert labels == [-1, 0, 0, 1, 2, 2, 2, -1, 3, 4, -1, -1]
+    assert strategies.layer_labels(_chain(["embed", "layers.0", "head"])) is None
+    # the model's own checkpointing units, where the trace recorded them, come first
+    g = _chain(["a.0", "a.1", "b", "c"])
+    g.meta["checkpoint_layers"] = ["b", "c"]
+    assert strategies.layer_labels(g) == [-1, -1, 0, 1]
+
+
+@pytest.fixture(scope="module")
+def gpt2_graph() -> Graph:
+    model, sample = _gpt2()
+    return hrockmate.trace(model, sample, loss_fn="loss", cost="estimate")
+
+
+def test_per_layer_checkpointing_is_a_valid_schedule_that_plans_never_lose_to(
+        gpt2_graph: Graph) -> None:
+    g = gpt2_graph
+    assert g.meta["checkpoint_layers"] == [f"transformer.h.{k}" for k in range(3)]
+    labels = strategies.layer_labels(g)
+    assert labels is not None and max(labels) == 2
+    steps, fl = strategies.layer_checkpoint_schedule(g)
+    sim = simulate(g, Schedule(steps, fl))  # raises on an invalid schedule
+    store = simulate(g, store_all_schedule(g))
+    computed = [i for k, i in steps if k == "compute"]
+    for j, op in enumerate(g.ops):
+        if op.phase == "backward":
+            assert computed.count(j) == 1, op.name
+        elif labels[j] < 0:  # outside the layers nothing runs again
+            assert computed.count(j) == 1, op.name
+    # every layer runs forward again (its inner values were dropped), once
+    again = {labels[i] for i in computed[sum(k == "compute" for k, _ in steps[:fl]):]
+             if g.ops[i].phase == "forward"}
+    assert again == {0, 1, 2}
+    assert sim.peak_bytes < 0.5 * store.peak_bytes and sim.time > store.time
+
+    budget = int(sim.peak_bytes)
+    # one of the simple strategies every plan is compared with and can fall back to
+    simple = policy._simple_strategies(g, budget, "hrockmate")
+    assert simple.lowest["layers"] == budget
+    assert [c.stats["fallback"] for c, _, _ in simple.fits].count("layers") == 1
+    alone = hrockmate.solve_graph(g, budget, method="layers")
+    assert simulate(g, alone.schedule).peak_bytes <= budget
+    # at the peak of per-layer checkpointing, the planner's plan is at least as fast
+    plan = hrockmate.solve_graph(g, budget)
+    planned = simulate(g, plan.schedule)
+    assert planned.peak_bytes <= budget
+    assert planned.time <= sim.time * (1 + 1e-9)
+
+
+def test_a_graph_without_layers_is_refused_by_the_layers_method() -> None:
+    g = _chain(["a", "b"])
+    with pytest.raises(hrockmate.InfeasibleBudget, match="no repeated layers"):
+        strategies.solve_layers(g, 10**9)
+
+
+def test_tiny_gpt2_trains_bitwise_at_its_own_checkpointing_peak() -> None:
+    model, sample = _gpt2()
+    reference = copy.deepcopy(model)
+    ckpt = copy.deepcopy(model)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def peak_of(m: torch.nn.Module) -> int:
+        def step() -> None:
+            out = m(**sample)  # (the output held through backward, as a training loop does)
+            out.loss.backward()
+
+        step()
+        m.zero_grad(set_to_none=True)
+        peak = hrockmate.measure_peak_memory(step, params=list(m.parameters())).peak_bytes
+        m.zero_grad(set_to_none=True)
+        return int(peak)
+
+    budget = peak_of(ckpt)
+    assert budget < 0.5 * peak_of(reference)
+    hm = hrockmate.HRockmate(model, sample, budget=budget, loss_fn="loss", cost="estimate",
+                             cache=False)
+    assert hm.predicted_peak_bytes <= budget
+    out = hm(**sample)
+    out.loss.backward()
+    ref_out = reference(**sample)
+    ref_out.loss.backward()
+    assert torch.equal(out.loss, ref_out.loss)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    model.zero_grad(set_to_none=True)
+    assert peak_of(hm) <= budget
