@@ -11,7 +11,8 @@ backward on one batch) in each configuration:
 - ``hf``: ``gradient_checkpointing_enable()`` (non-reentrant), every ``GPT2Block`` checkpointed;
 - ``hrockmate@hf``: ``HRockmate(model, sample, budget)`` with the budget in bytes set to the
   peak ``hf`` measured, and ``hrockmate-layers@hf``: the same with ``method="layers"``
-  (per-layer checkpointing alone, planned by hrockmate);
+  (per-layer checkpointing alone, planned by hrockmate); with the output dropped, both are
+  built with ``drop_outputs=True`` (the caller lets go of the logits as the forward returns);
 
 each with the output held through backward (``out = model(**b); out.loss.backward()``) and
 with it dropped first (``model(**b).loss.backward()``; the logits freed before backward).
@@ -108,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         models[f"plain/{mode}"] = (plain, hold)
         models[f"hf/{mode}"] = (hf, hold)
         budget = _peak(hf, batch, hold)
-        for name, options in ((f"hrockmate@hf/{mode}", {}),
-                              (f"hrockmate-layers@hf/{mode}", {"method": "layers"})):
+        # (dropping the output, the caller says so: drop_outputs=True plans without it)
+        drop = {} if hold else {"drop_outputs": True}
+        for name, options in ((f"hrockmate@hf/{mode}", drop),
+                              (f"hrockmate-layers@hf/{mode}", {"method": "layers", **drop})):
+            print(f"building {name} at {budget} bytes", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             try:
                 hm = HRockmate(copy.deepcopy(base), batch, budget=budget, loss_fn="loss",

@@ -131,3 +131,66 @@ def test_tiny_gpt2_trains_bitwise_at_its_own_checkpointing_peak() -> None:
         assert torch.equal(p.grad, q.grad), name
     model.zero_grad(set_to_none=True)
     assert peak_of(hm) <= budget
+
+
+def _dropped_peak_of(m: torch.nn.Module, sample: dict) -> int:
+    """The measured peak of a step that keeps only the loss (the logits go as the forward
+    returns)."""
+
+    def step() -> None:
+        m(**sample).loss.backward()
+
+    step()
+    m.zero_grad(set_to_none=True)
+    peak = hrockmate.measure_peak_memory(step, params=list(m.parameters())).peak_bytes
+    m.zero_grad(set_to_none=True)
+    return int(peak)
+
+
+def test_dropped_outputs_are_not_charged_after_the_forward(gpt2_graph: Graph) -> None:
+    from hrockmate.planning import dropped
+
+    g = gpt2_graph
+    outputs = [x for x, t in enumerate(g.tensors) if t.role == "output"]
+    loss = min(outputs, key=lambda x: g.tensors[g.storage_root(x)].bytes)
+    drop = dropped.droppable_outputs(g, outputs, {loss})
+    assert loss not in drop and drop  # the logits (a view of the head's output)
+    planning = dropped.planning_graph(g, drop)
+    assert all(planning.tensors[x].role == "activation" for x in drop)
+    assert g.tensors[drop[0]].role == "output"  # (the traced graph is left as it is)
+    store = store_all_schedule(g)
+    held = simulate(g, store)
+    let_go = dropped.dropped_peak(planning, store, drop)
+    logits = g.tensors[g.storage_root(drop[0])].bytes
+    # the backward starts without the logits: the peak (there) is lower by their bytes
+    assert let_go.peak_bytes == held.peak_bytes - logits
+    # a schedule of the planning graph frees them; as one of the traced graph it does not
+    steps, fl = strategies.layer_checkpoint_schedule(planning)
+    traced = dropped.traced_schedule(Schedule(steps, fl), drop)
+    assert not any(k == "free" and i in drop for k, i in traced.steps)
+    simulate(g, traced)  # valid on the traced graph
+    assert dropped.dropped_peak(planning, traced, drop).peak_bytes < simulate(g, traced).peak_bytes
+
+
+def test_tiny_gpt2_dropping_its_logits_trains_within_its_own_checkpointing_peak() -> None:
+    model, sample = _gpt2(vocab=1024)
+    reference = copy.deepcopy(model)
+    ckpt = copy.deepcopy(model)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    budget = _dropped_peak_of(ckpt, sample)
+    hm = hrockmate.HRockmate(model, sample, budget=budget, loss_fn="loss", cost="estimate",
+                             cache=False, drop_outputs=True)
+    assert hm.plan.stats["dropped_outputs"] == 1
+    assert hm.predicted_peak_bytes <= budget
+    loss = hm(**sample).loss
+    loss.backward()
+    ref_loss = reference(**sample).loss
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    model.zero_grad(set_to_none=True)
+    measured = _dropped_peak_of(hm, sample)
+    assert measured <= budget
+    # the prediction is that of the step as run, not of one holding the logits
+    assert measured >= 0.97 * hm.predicted_peak_bytes

@@ -49,10 +49,14 @@ def plan_for_runtime(
     (``with_hierarchy``) by the options they were built for, kept by the caller across calls.
     ``describe(graph, schedule, sim, base, budget_bytes, method)`` makes the ``Plan`` of a
     schedule that did not come from the solver; ``seed_bytes``: the outputs' gradients, which a
-    fraction of plain autograd's peak counts."""
+    fraction of plain autograd's peak counts. The solve option ``drop_outputs=True`` plans for
+    a caller that lets go of the outputs without a gradient before backward
+    (``hrockmate.planning.dropped``)."""
     from hrockmate.ir.schedule import peak_lower_bound, simulate, store_all_schedule
 
     graph = traced.graph
+    solve_options = dict(solve_options)
+    drop_outputs = bool(solve_options.pop("drop_outputs", False))
     if plan is not None:
         if hasattr(plan, "check_graph"):  # a Plan
             plan.check_graph(graph)
@@ -77,6 +81,9 @@ def plan_for_runtime(
 
         # a fraction is of plain autograd's peak by the same measure: with the gradient seed
         budget_bytes = parse_budget(budget, baseline + seed_bytes)
+    if drop_outputs:
+        return _dropping_outputs(model, sample, traced, budget_bytes, solve_options, compile_fn,
+                                 describe=describe, cache=cache, prepared=prepared)
     if budget_bytes >= baseline + program.extra_bytes:
         made = describe(graph, store_all, base, base, budget_bytes, "store-all")
         return store_all, made, baseline, program
@@ -126,6 +133,76 @@ def plan_for_runtime(
     if store is not None:
         store.save_plan(key, new_plan)
     return new_plan.schedule, new_plan, peak, program
+
+
+#: Rounds of ``_dropping_outputs`` at most: each solves again for the budget less what the
+#: last plan's forward exceeded it by (the dropped outputs are alive through the forward,
+#: which the planning graph does not charge where its schedule frees them early).
+DROPPED_ROUNDS = 3
+
+
+def _dropping_outputs(model: Any, sample: Any, traced: Any, budget_bytes: int,
+                      solve_options: dict[str, Any], compile_fn: Compile, *,
+                      describe: Describe, cache: Any, prepared: Any
+                      ) -> tuple[Any, Any, int, Any]:
+    """``plan_for_runtime`` for a caller that drops the outputs without a gradient before
+    backward (``drop_outputs=True``; ``hrockmate.planning.dropped``): planned on the graph
+    in which they are activations, the schedule made one of the traced graph, its peak
+    that with them freed where the forward ends."""
+    import dataclasses
+
+    from hrockmate.ir.schedule import store_all_schedule
+    from hrockmate.planning import dropped as dr
+
+    graph = traced.graph
+    with_grad = {traced.output_ids[int(key)] for kind, key in traced.sources.values()
+                 if kind == "tangent"}
+    drop = dr.droppable_outputs(graph, traced.output_ids, with_grad)
+    options = dict(solve_options)
+    if not drop:
+        return plan_for_runtime(model, sample, traced, budget_bytes, None, options, compile_fn,
+                                describe=describe, cache=cache, prepared=prepared)
+    planning = dr.planning_graph(graph, drop)
+    store_all = store_all_schedule(graph)
+    base = dr.dropped_peak(planning, store_all, drop)
+    program = compile_fn(store_all)
+    if budget_bytes >= base.peak_bytes + program.extra_bytes:
+        made = describe(graph, store_all, base, base, budget_bytes, "store-all")
+        made.stats["dropped_outputs"] = len(drop)
+        return store_all, made, int(base.peak_bytes), program
+
+    def compile_traced(schedule: Any) -> Any:
+        return compile_fn(dr.traced_schedule(schedule, drop))
+
+    # (the planning graph stands in for the traced one; the hierarchies prepared for the
+    # traced graph are not its own)
+    stand_in = _with_graph(traced, planning)
+    target = budget_bytes
+    for _ in range(DROPPED_ROUNDS):
+        _, made, _, _ = plan_for_runtime(model, sample, stand_in, target, None, options,
+                                         compile_traced, describe=describe, cache=cache)
+        schedule = dr.traced_schedule(made.schedule, drop)
+        sim = dr.dropped_peak(planning, schedule, drop)
+        program = compile_fn(schedule)
+        over = int(sim.peak_bytes) + program.extra_bytes - budget_bytes
+        if over <= 0:
+            plan = dataclasses.replace(
+                made, graph_hash=graph.structure_hash(), steps=list(schedule.steps),
+                forward_len=int(schedule.forward_len), peak_bytes=int(sim.peak_bytes),
+                time=float(sim.time), stats={**made.stats, "dropped_outputs": len(drop)})
+            return schedule, plan, int(sim.peak_bytes), program
+        target -= over
+    from hrockmate.ir.plan import InfeasibleBudget
+
+    raise InfeasibleBudget(budget_bytes, int(sim.peak_bytes) + program.extra_bytes, graph.name)
+
+
+def _with_graph(traced: Any, graph: Any) -> Any:
+    import copy
+
+    other = copy.copy(traced)
+    other.graph = graph
+    return other
 
 
 def below_floor(graph: Any, budget_bytes: int, floor: int, why: str, reserve_bytes: int
