@@ -12,7 +12,9 @@ backward on one batch) in each configuration:
 - ``hrockmate@hf``: ``HRockmate(model, sample, budget)`` with the budget in bytes set to the
   peak ``hf`` measured, and ``hrockmate-layers@hf``: the same with ``method="layers"``
   (per-layer checkpointing alone, planned by hrockmate); with the output dropped, both are
-  built with ``drop_outputs=True`` (the caller lets go of the logits as the forward returns);
+  built with ``drop_outputs=True`` (the caller lets go of the logits as the forward returns),
+  and ``hrockmate-with-cache@hf`` is the same model at transformers' default
+  ``use_cache=True``, whose cache of keys and values the caller drops with the logits;
 
 each with the output held through backward (``out = model(**b); out.loss.backward()``) and
 with it dropped first (``model(**b).loss.backward()``; the logits freed before backward).
@@ -75,6 +77,15 @@ def _peak(model: Any, batch: dict[str, torch.Tensor], hold: bool) -> int:
     return peak
 
 
+def dropped_of(traced: Any) -> list[int]:
+    """The outputs ``drop_outputs=True`` plans without (those without a gradient)."""
+    from hrockmate.planning.dropped import droppable_outputs
+
+    with_grad = {traced.output_ids[int(key)] for kind, key in traced.sources.values()
+                 if kind == "tangent"}
+    return droppable_outputs(traced.graph, traced.output_ids, with_grad)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benches/hf_checkpointing.py")
     parser.add_argument("--layers", type=int, default=12)
@@ -91,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HROCKMATE_CACHE_DIR", "off")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from hrockmate import HRockmate
+    from hrockmate.ir.schedule import Schedule, simulate
+    from hrockmate.planning.dropped import dropped_peak, planning_graph
+    from hrockmate.planning.strategies import layer_checkpoint_schedule
 
     base = _model(args.layers, args.embd, args.heads, args.seq, args.vocab)
     g = torch.Generator().manual_seed(1)
@@ -111,17 +125,35 @@ def main(argv: list[str] | None = None) -> int:
         budget = _peak(hf, batch, hold)
         # (dropping the output, the caller says so: drop_outputs=True plans without it)
         drop = {} if hold else {"drop_outputs": True}
-        for name, options in ((f"hrockmate@hf/{mode}", drop),
-                              (f"hrockmate-layers@hf/{mode}", {"method": "layers", **drop})):
+        builds = [(f"hrockmate@hf/{mode}", drop, False),
+                  (f"hrockmate-layers@hf/{mode}", {"method": "layers", **drop}, False)]
+        if not hold:
+            # the model at its default use_cache=True returns a cache of keys and values,
+            # which transformers' checkpointing turns off; dropped with the logits
+            builds.append((f"hrockmate-with-cache@hf/{mode}", drop, True))
+        for name, options, use_cache in builds:
             print(f"building {name} at {budget} bytes", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
+            model = copy.deepcopy(base)
+            model.config.use_cache = use_cache
             try:
-                hm = HRockmate(copy.deepcopy(base), batch, budget=budget, loss_fn="loss",
-                               cache=False, **options)
+                hm = HRockmate(model, batch, budget=budget, loss_fn="loss", cache=False,
+                               **options)
             except Exception as exc:  # noqa: BLE001 - a refusal is a result here
                 rows[name] = {"budget_bytes": budget, "error": f"{type(exc).__name__}: {exc}"}
                 continue
             plan = hm.plan
+            # per-layer checkpointing on the same op times as this plan (each build measures
+            # its own): what "never slower than it" compares
+            graph = hm.traced.graph
+            layers = layer_checkpoint_schedule(graph)
+            assert layers is not None
+            layers_sched = Schedule(*layers)
+            if options.get("drop_outputs"):
+                drop = dropped_of(hm.traced)
+                layers_sim = dropped_peak(planning_graph(graph, drop), layers_sched, drop)
+            else:
+                layers_sim = simulate(graph, layers_sched)
             rows[name] = {
                 "budget_bytes": budget, "build_s": round(time.perf_counter() - t0, 2),
                 "method": plan.method, "fallback": plan.stats.get("fallback"),
@@ -132,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                     round(plan.stats["hierarchy_plan_time"] / plan.baseline_time, 4)
                     if plan.stats.get("hierarchy_plan_time") else None),
                 "recomputed_ops": hm.recomputed_ops,
+                "layers_same_times": {"peak_bytes": int(layers_sim.peak_bytes),
+                                      "time_ratio": round(layers_sim.time / plan.baseline_time,
+                                                          4)},
             }
             models[name] = (hm, hold)
 

@@ -19,11 +19,12 @@ from hrockmate.planning import policy, strategies
 transformers = pytest.importorskip("transformers")
 
 
-def _gpt2(layers: int = 3, width: int = 64, seq: int = 32, vocab: int = 128) -> tuple[Any, dict]:
+def _gpt2(layers: int = 3, width: int = 64, seq: int = 32, vocab: int = 128,
+          use_cache: bool = False) -> tuple[Any, dict]:
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=vocab,
                                   n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+                                  attn_pdrop=0.0, use_cache=use_cache, bos_token_id=0,
                                   eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg)
     model.train()
@@ -172,15 +173,20 @@ def test_dropped_outputs_are_not_charged_after_the_forward(gpt2_graph: Graph) ->
     assert dropped.dropped_peak(planning, traced, drop).peak_bytes < simulate(g, traced).peak_bytes
 
 
-def test_tiny_gpt2_dropping_its_logits_trains_within_its_own_checkpointing_peak() -> None:
-    model, sample = _gpt2(vocab=1024)
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_tiny_gpt2_dropping_its_logits_trains_within_its_own_checkpointing_peak(
+        use_cache: bool) -> None:
+    # with use_cache=True the model also returns its keys and values, which attention's
+    # backward reads: the runtime saves them, so dropped or not they stay until then
+    model, sample = _gpt2(vocab=1024, use_cache=use_cache)
     reference = copy.deepcopy(model)
     ckpt = copy.deepcopy(model)
     ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    budget = _dropped_peak_of(ckpt, sample)
+    # (transformers' checkpointing turns the cache off: with it, 15% more than that peak)
+    budget = int(_dropped_peak_of(ckpt, sample) * (1.15 if use_cache else 1.0))
     hm = hrockmate.HRockmate(model, sample, budget=budget, loss_fn="loss", cost="estimate",
                              cache=False, drop_outputs=True)
-    assert hm.plan.stats["dropped_outputs"] == 1
+    assert hm.plan.stats["dropped_outputs"] == (1 + 2 * 3 if use_cache else 1)
     assert hm.predicted_peak_bytes <= budget
     loss = hm(**sample).loss
     loss.backward()
@@ -192,5 +198,6 @@ def test_tiny_gpt2_dropping_its_logits_trains_within_its_own_checkpointing_peak(
     model.zero_grad(set_to_none=True)
     measured = _dropped_peak_of(hm, sample)
     assert measured <= budget
-    # the prediction is that of the step as run, not of one holding the logits
-    assert measured >= 0.97 * hm.predicted_peak_bytes
+    # the prediction is that of the step as run: not of one holding the logits, nor of one
+    # whose saved cache is gone
+    assert 0.97 * hm.predicted_peak_bytes <= measured <= 1.02 * hm.predicted_peak_bytes

@@ -12,7 +12,8 @@ copy of the graph in which those outputs are ordinary activations (``planning_gr
 the schedule it gets is made one of the traced graph by leaving out their frees
 (``traced_schedule``). Its predicted peak is that of the traced graph's schedule with the
 dropped outputs freed where the forward ends (``dropped_peak``): alive through the whole
-forward, as they are until it returns, gone in the backward.
+forward, as they are until it returns, gone in the backward unless the backward reads their
+storage (the runtime saves those).
 """
 
 from __future__ import annotations
@@ -59,8 +60,13 @@ def traced_schedule(schedule: Any, dropped: Sequence[int]) -> Schedule:
 def dropped_peak(planning: Graph, schedule: Any, dropped: Sequence[int]) -> SimulationResult:
     """The simulation, on ``planning_graph``, of a schedule of the traced graph with the
     dropped outputs freed where the forward ends: what the step costs when the caller lets
-    go of them as the forward returns."""
+    go of them as the forward returns. An output whose storage a step after the forward reads
+    (a cache's keys, which attention's backward reads; the logits where the loss is made
+    again) is saved by the runtime for the backward, as autograd saves it, and stays."""
     steps = [(str(k), int(i)) for k, i in schedule.steps]
     fl = int(schedule.forward_len)
-    frees = [("free", t) for t in sorted(set(dropped))]
+    read_back = {planning.storage_root(t) for kind, k in steps[fl:] if kind == "compute"
+                 for t in planning.ops[k].inputs}
+    frees = [("free", t) for t in sorted(set(dropped))
+             if planning.storage_root(t) not in read_back]
     return simulate(planning, Schedule(steps[:fl] + frees + steps[fl:], fl + len(frees)))

@@ -177,10 +177,18 @@ def _dropping_outputs(model: Any, sample: Any, traced: Any, budget_bytes: int,
     # (the planning graph stands in for the traced one; the hierarchies prepared for the
     # traced graph are not its own)
     stand_in = _with_graph(traced, planning)
+    from hrockmate.ir.plan import InfeasibleBudget
+
     target = budget_bytes
+    reached: list[int] = []  # the peaks with the runtime's bytes of the plans that went over
     for _ in range(DROPPED_ROUNDS):
-        _, made, _, _ = plan_for_runtime(model, sample, stand_in, target, None, options,
-                                         compile_traced, describe=describe, cache=cache)
+        try:
+            _, made, _, _ = plan_for_runtime(model, sample, stand_in, target, None, options,
+                                             compile_traced, describe=describe, cache=cache)
+        except InfeasibleBudget:
+            if not reached:
+                raise  # (the first round's target is the budget asked: its refusal holds)
+            break  # (a lower target than asked: the least peak a plan reached is named)
         schedule = dr.traced_schedule(made.schedule, drop)
         sim = dr.dropped_peak(planning, schedule, drop)
         program = compile_fn(schedule)
@@ -191,10 +199,9 @@ def _dropping_outputs(model: Any, sample: Any, traced: Any, budget_bytes: int,
                 forward_len=int(schedule.forward_len), peak_bytes=int(sim.peak_bytes),
                 time=float(sim.time), stats={**made.stats, "dropped_outputs": len(drop)})
             return schedule, plan, int(sim.peak_bytes), program
+        reached.append(int(sim.peak_bytes) + program.extra_bytes)
         target -= over
-    from hrockmate.ir.plan import InfeasibleBudget
-
-    raise InfeasibleBudget(budget_bytes, int(sim.peak_bytes) + program.extra_bytes, graph.name)
+    raise InfeasibleBudget(budget_bytes, min(reached), graph.name)
 
 
 def _with_graph(traced: Any, graph: Any) -> Any:

@@ -1,7 +1,8 @@
 //! Per-block checkpointing (`hrockmate_core::checkpointing`): every block count gives a schedule
 //! the simulator accepts, in which each backward op runs once and the forward segment runs only
-//! forward ops; keeping every forward value recomputes nothing; the budgeted sweep keeps exactly
-//! the fastest schedule within the budget.
+//! forward ops; keeping every forward value recomputes nothing; blocks given by a label per op
+//! (per-layer checkpointing) are contiguous runs and never run the unlabelled ops again; the
+//! budgeted sweep keeps exactly the fastest schedule within the budget.
 
 use hrockmate_core::checkpointing::{block_checkpoint, checkpoint_candidates, checkpoint_points, CheckpointFacts};
 use hrockmate_core::graph::Phase;
@@ -50,6 +51,50 @@ proptest! {
         let kept = block_checkpoint(&g, &facts, &block_of, &all, &Stop::never()).unwrap();
         let ksim = simulate(&g, &kept).unwrap();
         prop_assert!(ksim.compute_count.iter().all(|&c| c == 1));
+    }
+
+    #[test]
+    fn labelled_blocks_are_contiguous_runs_and_give_valid_schedules(
+        seed in any::<u64>(),
+        n_forward in 1usize..40,
+        layer_len in 1usize..8,
+        outside in 0usize..6,
+        shuffled in any::<bool>(),
+    ) {
+        let p = GenParams { n_forward, ..GenParams::default() };
+        let mut g = random_training_graph(seed, &p);
+        if shuffled {
+            g = shuffle_ops(&g, seed ^ 0x5eed);
+        }
+        let facts = CheckpointFacts::new(&g);
+        // layers of `layer_len` forward ops after `outside` unlabelled ones, and the last
+        // `outside` unlabelled too (an embedding before the layers, a head after them)
+        let n = facts.fwd.len();
+        let mut label = vec![-1i64; g.ops.len()];
+        for (k, &o) in facts.fwd.iter().enumerate() {
+            if k >= outside && k + outside < n {
+                label[o] = ((k - outside) / layer_len) as i64;
+            }
+        }
+        let (block_of, unlabelled) = facts.labelled_blocks(&label);
+        // blocks are numbered along the forward order, one per run of a label
+        let blocks: Vec<usize> = facts.fwd.iter().map(|&o| block_of[o]).collect();
+        prop_assert!(blocks.windows(2).all(|w| w[1] == w[0] || w[1] == w[0] + 1));
+        for w in facts.fwd.windows(2) {
+            prop_assert_eq!(block_of[w[0]] == block_of[w[1]], label[w[0]] == label[w[1]]);
+        }
+        prop_assert_eq!(unlabelled.len(), facts.fwd.iter().filter(|&&o| label[o] < 0).count());
+        let mut keep: Vec<usize> = unlabelled.iter().flat_map(|&o| g.ops[o].outputs.clone()).collect();
+        keep.sort_unstable();
+        keep.dedup();
+        let s = block_checkpoint(&g, &facts, &block_of, &keep, &Stop::never()).unwrap();
+        let sim = simulate(&g, &s).unwrap();
+        for (o, op) in g.ops.iter().enumerate() {
+            if op.phase == Phase::Backward || label[o] < 0 {
+                // (what runs outside the layers keeps all it makes: it never runs again)
+                prop_assert_eq!(sim.compute_count[o], 1, "op {} runs once", o);
+            }
+        }
     }
 
     #[test]
