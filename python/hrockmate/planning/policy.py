@@ -272,6 +272,8 @@ def _layers(run: _Run, _h: Hierarchy | None) -> Found:
     try:
         r = reference.solve_layers(run.graph, run.budget)
     except reference.SolverInfeasible as exc:
+        if not exc.min_bytes:  # (no layers at all: say so before falling back)
+            logger.warning("%s", exc)
         run.add_recompute_all()
         cand, lowest = run.pick()
         return cand, int(min(lowest, exc.min_bytes) if exc.min_bytes else lowest)
