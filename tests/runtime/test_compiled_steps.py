@@ -50,9 +50,14 @@ def _same_grads(model: nn.Module, ref: nn.Module) -> None:
         assert torch.equal(p.grad, q.grad), f"grad of {name}"
 
 
-def test_a_gradients_first_term_takes_the_sum_in_place() -> None:
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, cuda])])
+def test_a_gradients_first_term_takes_the_sum_in_place(device: str) -> None:
     torch.manual_seed(0)
-    model, x = _TwoUsers(), torch.randn(8, 16)
+    model, x = _TwoUsers().to(device), torch.randn(8, 16, device=device)
     ref = copy.deepcopy(model)
     hm = HRockmate(model, x)
     nodes, g = hm.traced.op_nodes, hm.traced.graph
