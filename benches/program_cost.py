@@ -6,12 +6,13 @@ runtime compiles it (``after``) and with no step run in place into its first arg
 (``before``: ``runtime.compiler.REUSES_FIRST_ARGUMENT`` empty). Plain eager, ``before`` and
 ``after`` run full training iterations (forward and backward of the loss) in turn in one
 process, the order rotating each round, so that load on the machine hits all three alike. The
-result per run is the median iteration time; overheads are against eager. The prediction is
+result per run is the median iteration time; overheads are against eager. A budget is a
+fraction of plain PyTorch's peak (``HRockmate``'s), or ``store-all``. The prediction is
 ``plan.overhead`` (the plan's time against store-all's, both with op times as measured, in
 sequence: ``capture.costs``). Writes JSON to ``bench-results/program_cost.json`` (``--out``).
 
     python benches/program_cost.py                               # mamba, gpt2 (the demo's)
-    python benches/program_cost.py --models mamba jamba --budgets 1.0 0.7 --iters 15
+    python benches/program_cost.py --models mamba jamba --budgets store-all 0.7 0.5
     python benches/program_cost.py --models mamba --mamba-hidden 64 --mamba-layers 2
 
 Mamba and Jamba are transformers' models from small random configs, on their slow torch path
@@ -124,7 +125,8 @@ def bench(name: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
         steps = plan.steps
         source = after.forward.source + "".join(c.source for c in after.chunks)
         row = {
-            "model": name, "budget": budget, "ops": g.num_ops,
+            "model": name, "budget": "store-all" if budget is None else budget,
+            "ops": g.num_ops,
             "compute_steps": sum(1 for k, _ in steps if k == "compute"),
             "free_steps": sum(1 for k, _ in steps if k == "free"),
             "recomputed_ops": after.recomputed_ops,
@@ -140,7 +142,7 @@ def bench(name: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
             "build_s": build_s, "iters": ns.iters,
         }
         rows.append(row)
-        print(f"{name:6s} budget {budget:<5g} {g.num_ops} ops  predicted "
+        print(f"{name:6s} budget {budget or 'store-all':<9} {g.num_ops} ops  predicted "
               f"{100 * row['predicted_overhead']:+6.1f}%  measured before "
               f"{100 * row['measured_overhead_before']:+6.1f}%  after "
               f"{100 * row['measured_overhead_after']:+6.1f}%  ({row['steps_in_place']} steps "
@@ -148,10 +150,15 @@ def bench(name: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _budget(text: str) -> float | None:
+    return None if text == "store-all" else float(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="*", default=["mamba", "gpt2"], choices=sorted(MODELS))
-    p.add_argument("--budgets", nargs="*", type=float, default=[1.0, 0.7])
+    p.add_argument("--budgets", nargs="*", type=_budget, default=[None, 0.7],
+                   help="fractions of plain PyTorch's peak, or store-all (the default's first)")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--mamba-hidden", type=int, default=256)
