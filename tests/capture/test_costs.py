@@ -176,3 +176,52 @@ def test_real_run_corrects_sizes_fake_kernels_get_wrong() -> None:
 
     run_joint(traced, placeholder_values(traced, model, x), keep=set(), on_op=check)
     assert mismatches == []
+
+
+def test_each_step_costs_its_op_as_measured_in_sequence(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """An op's time is its fastest call plus what its calls in sequence took beyond that; a
+    schedule that runs one more step predicts that op's whole time more."""
+    from hrockmate.capture import costs
+    from hrockmate.ir.schedule import Schedule, simulate, store_all_schedule
+
+    hot, extra = 1e-6, 3e-6
+    monkeypatch.setattr(costs, "_time_op", lambda *a, **k: hot)
+    monkeypatch.setattr(costs, "in_sequence_extra",
+                        lambda traced, values, sigs, fastest: {s: extra for s in fastest})
+    model, x = _repeated_mlp()
+    traced = trace_model(model, x, cost="none")
+    report = annotate_costs(traced, model, x, mode="measure")
+    g = traced.graph
+    assert report.step_seconds == pytest.approx(extra)
+    assert g.meta["cost_report"]["step_seconds"] == pytest.approx(extra)
+    grid = 2 ** (1 / 16)  # (half a step of the rounding grid)
+    assert all((hot + extra) / grid <= op.time <= (hot + extra) * grid for op in g.ops)
+
+    base = store_all_schedule(g)
+    steps = list(base.steps)
+    k = next(k for k, op in enumerate(g.ops) if op.phase == "forward"
+             and all(g.tensors[t].role not in ("output", "input") for t in op.outputs))
+    at = steps.index(("compute", k)) + 1
+    steps[at:at] = [("free", t) for t in g.ops[k].outputs] + [("compute", k)]
+    more = Schedule(steps, base.forward_len + len(g.ops[k].outputs) + 1)
+    added = simulate(g, more).time - simulate(g, base).time
+    assert added == pytest.approx(g.ops[k].time)
+    assert added >= (hot + extra) / grid
+
+
+def test_calls_in_sequence_cost_more_than_in_a_loop() -> None:
+    """What an op's calls in sequence take beyond its fastest call in a loop: never negative,
+    positive on average (fresh arguments and memory), and bounded by the calls themselves."""
+    from hrockmate.capture import costs
+
+    model, x = _repeated_mlp()
+    traced = trace_model(model, x, cost="measure")
+    report = traced.graph.meta["cost_report"]
+    mean_time = sum(op.time for op in traced.graph.ops) / traced.graph.num_ops
+    assert 0 < report["step_seconds"] < 1.1 * mean_time
+    sigs = [op_signature(n) for n in traced.op_nodes]
+    values = placeholder_values(traced, model, x)
+    extra = costs.in_sequence_extra(traced, values, sigs, {s: 0.0 for s in sigs})
+    assert set(extra) == set(sigs)
+    assert all(0 <= e < 1.0 for e in extra.values())  # (seconds: the calls' own medians)

@@ -19,6 +19,17 @@ Times (seconds):
   constants are in ``DEVICE_SPEEDS``: rough figures for a current server CPU core pair and a
   data-centre GPU; only ratios between ops matter to the planner.
 
+In sequence (``"measure"``, CPU): the runtime runs a schedule as straight-line Python
+(``runtime.compiler``), each op once on tensors that earlier ops just made, in memory the
+allocator just handed out; the op called in a loop finds its arguments and its result's memory
+in the caches, and on graphs of many small ops runs much faster. So after the passes
+above the joint graph runs ``SEQUENCE_PASSES`` more times as the program runs it, each call
+timed once, and every signature's time becomes its fastest call plus the median of what its
+calls in sequence took beyond that (``in_sequence_extra``): store-all's predicted time is then
+the program's, each recomputation costs what it costs in the program, and a schedule of more
+steps predicts more time. The mean of those extras per op is ``CostReport.step_seconds``. Not
+on CUDA: the host runs ahead of the kernels, which CUDA events time as they run in sequence.
+
 Real tensors: the joint graph is run once on the real sample (parameters, buffers, inputs and
 tangents of ones), so every op sees values like the real ones (integer indices stay in range).
 The values are detached, and ops run with grad mode on as when traced (some kernels, e.g.
@@ -40,6 +51,7 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +82,8 @@ DEVICE_SPEEDS: dict[str, tuple[float, float, float]] = {
     "cuda": (5.0e13, 1.5e12, 5.0e-6),
 }
 MEASURE_PASSES = 3
+#: Runs of the joint graph timing each call once in sequence (``in_sequence_extra``).
+SEQUENCE_PASSES = 2
 MIN_MEASURE_S = 1e-3
 MAX_REPEATS = 50
 MIN_REPEATS = 5
@@ -85,6 +99,8 @@ class CostReport:
     resized: int = 0  # output sizes corrected from the real run (fake kernels got them wrong)
     measure_seconds: float = 0.0
     workspace_seconds: float = 0.0
+    #: the mean over ops of what running in sequence adds to an op's time (``in_sequence_extra``)
+    step_seconds: float = 0.0
     cache: dict[Any, float] = field(default_factory=dict)
 
 
@@ -168,6 +184,31 @@ def _time_op(node: fx.Node, args: Any, kwargs: Any, device: torch.device) -> flo
         samples.append(dt)
         total += dt
     return min(samples)
+
+
+def in_sequence_extra(traced: Traced, values: dict[str, torch.Tensor], sigs: list[Any],
+                      fastest: dict[Any, float]) -> dict[Any, float]:
+    """Per measured signature (``fastest``: its fastest call in a loop), the median over its
+    calls, in ``SEQUENCE_PASSES`` runs of the joint graph in order with every call timed once,
+    of what a call took beyond its fastest one (at least 0): the cost of running in sequence
+    as the runtime's program does (see the module docstring). CPU only (empty elsewhere)."""
+    if traced.device.type != "cpu" or not fastest:
+        return {}
+    calls: dict[Any, list[float]] = {}
+
+    def on_op(op_id: int, node: fx.Node, args: Any, kwargs: Any) -> Any:
+        fn = op_kernel(node, "cpu")
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        dt = time.perf_counter() - t0
+        calls.setdefault(sigs[op_id], []).append(dt)
+        return out
+
+    for _ in range(SEQUENCE_PASSES):
+        with preserved_rng(traced.device), torch.enable_grad():
+            run_joint(traced, values, keep=set(), on_op=on_op)
+    return {sig: max(0.0, statistics.median(calls[sig]) - t)
+            for sig, t in fastest.items() if sig in calls}
 
 
 def round_times(times: dict[Any, float], weights: dict[Any, int]) -> dict[Any, float]:
@@ -409,7 +450,11 @@ def annotate_costs(
         weights: dict[Any, int] = {}
         for sig in sigs:
             weights[sig] = weights.get(sig, 0) + 1
-        cache.update(round_times(fastest, weights))
+        extra = in_sequence_extra(traced, values, sigs, fastest)
+        if extra:
+            report.step_seconds = sum(extra.get(sig, 0.0) for sig in sigs) / len(sigs)
+        cache.update(round_times({sig: t + extra.get(sig, 0.0) for sig, t in fastest.items()},
+                                 weights))
         report.measure_seconds = time.perf_counter() - t1
     for op, sig in zip(ops, sigs):
         op.time = float(cache[sig])
@@ -419,5 +464,6 @@ def annotate_costs(
         "measured": report.measured,
         "estimated": report.estimated,
         "resized": report.resized,
+        "step_seconds": report.step_seconds,
     }
     return report

@@ -65,7 +65,7 @@ __all__ = [
 
 CACHE_ENV = "HROCKMATE_CACHE_DIR"
 #: Raise when what a cached entry means changes (planner or cost model behaviour).
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 TIMES_FORMAT = "hrockmate-op-times"
 DECISIONS_FORMAT = "hrockmate-decisions"
 EAGER_FORMAT = "hrockmate-eager-peak"

@@ -35,6 +35,12 @@ class RuntimeScheduleError(ValueError):
 
 _LITERAL_TYPES = (bool, int, str, type(None))
 
+#: Elementwise ops whose in-place sibling runs the same kernel over the same elements, which the
+#: code runs in place into a first argument nothing reads again (``_Compiler._in_place_reuse``).
+REUSES_FIRST_ARGUMENT = frozenset({
+    torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
+    torch.ops.aten.div.Tensor})
+
 
 @dataclass
 class _Segment:
@@ -257,6 +263,44 @@ class _Compiler:
                 return None
         return self._call(op_id, [], in_place=found[0])
 
+    def _in_place_reuse(self, op_id: int, pos: int, next_free: dict[int, list[int]],
+                        next_read: dict[int, list[int]], excluded: set[int]) -> str | None:
+        """The call computing op ``op_id`` at step ``pos`` into the storage of its first
+        argument (``add(a, b)`` as ``a.add_(b)``), where that is unobservable: the op is an
+        elementwise one of ``REUSES_FIRST_ARGUMENT``, ``a`` has the result's shape, strides
+        and dtype, owns its storage, is viewed by no tensor, is none of ``excluded`` (tensors
+        the code hands out, keeps or aliases beside the graph), and the schedule's next use of
+        it is its free (no later step reads the old value). Eager autograd accumulates a
+        gradient's terms so (``a.add_(b)`` into its input buffer); the traced backward's
+        out-of-place sums allocate a fresh tensor per term, memory the caches do not hold. The
+        values are the same kernel's; the memory is at most the schedule's (the result takes
+        ``a``'s storage instead of new storage). None otherwise."""
+        node = self.traced.op_nodes[op_id]
+        if node.target not in REUSES_FIRST_ARGUMENT or node.meta.get(RELAYOUT):
+            return None
+        if not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        out = self.graph.ops[op_id].outputs
+        if len(out) != 1 or self.graph.tensors[out[0]].alias_of is not None:
+            return None
+        a = self._tensor_of(node.args[0], node.name)
+        if a in excluded or self.graph.storage_root(a) != a:
+            return None
+        frees = next_free.get(a, [])
+        j = bisect.bisect_right(frees, pos)
+        if j == len(frees):
+            return None  # (never freed after this step: its value may be read at the end)
+        reads = next_read.get(a, [])
+        i = bisect.bisect_right(reads, pos)
+        if i < len(reads) and reads[i] < frees[j]:
+            return None
+        if not _same_layout(node.args[0], self.traced.tensor_nodes[out[0]]):
+            return None
+        found = in_place_kernel(node.target, self.traced.device.type)
+        if found is None or found[1] != (0,):
+            return None
+        return self._call(op_id, [], in_place=found[0])
+
     def _output_slots(self, op_id: int) -> list[tuple[int, int | None]]:
         """(tensor id, position in the op's tuple result or None) for each IR output."""
         node = self.traced.op_nodes[op_id]
@@ -361,6 +405,8 @@ class _Compiler:
         runs = [0] * g.num_ops
         calls: list[str | None] = []
         last_read: dict[int, int] = {}
+        reads_at: dict[int, list[int]] = {}  # tensor -> the steps reading it, in order
+        frees_at: dict[int, list[int]] = {}  # tensor -> the steps freeing it, in order
         aliased: dict[int, int] = {}  # step position -> the float mask its output aliases
         packed_needed: set[int] = set()  # float masks restored at least once from their bits
         # A float mask freed just before its restoration (only free steps and its own packing
@@ -397,6 +443,7 @@ class _Compiler:
                             f"'{g.tensors[t].name}', which is not alive at that point"
                         )
                     last_read[t] = pos
+                    reads_at.setdefault(t, []).append(pos)
                 runs[ident] += 1
                 for t in g.ops[ident].outputs:
                     alive[t] = True
@@ -414,6 +461,7 @@ class _Compiler:
                     )
                 calls.append(None)
                 alive[ident] = False
+                frees_at.setdefault(ident, []).append(pos)
                 if ident in float_masks:
                     freed_clean[ident] = pos
             else:
@@ -459,12 +507,21 @@ class _Compiler:
         skips = _Skips(self.skip_rules, g, self.steps, self.forward_len, len(rng_slot))
         aliased_masks_only = set(mask_of_pack.values()) - packed_needed
         dropped_at = {to: deferred_free_pos for deferred_free_pos, to in deferred_free.items()}
+        # Tensors an op may not overwrite in place although no step reads them again: what
+        # the code hands out (outputs, gradients), keeps beside the graph (sources, buffers'
+        # old and new values, stand-ins of skipped regions) or shares between two slots of E
+        # (float masks and their restorations).
+        not_reused = set(tr.output_ids) | set(grad_slot) | {int(t) for t in tr.sources}
+        not_reused |= set(update_target) | {o for _, o in update_target.values() if o is not None}
+        not_reused |= float_masks | set(skips.holds_of_source) | set(skips.rules.missing)
+        not_reused |= {t for k in mask_of_unpack for t in g.ops[k].outputs}
         # Second pass: emit code.
         extra_bytes = 0
         alive = list(preexisting)
         done = [0] * g.num_ops
         written_back: set[int] = set()
         viewed = {g.storage_root(t) for t in range(n_t) if g.tensors[t].alias_of is not None}
+        not_reused |= viewed
         fwd_body: list[str] = []
         chunk_bodies: list[list[str]] = [list(head_bwd)]
         pending: list[int] = []  # gradients stashed since the last cut
@@ -498,6 +555,10 @@ class _Compiler:
                 if in_place is not None:
                     call = in_place
                     written_back.update(t for t, _ in fresh if t in buffer_of_update)
+            if (call is calls[pos] and len(fresh) == 1 and fresh[0][1] is None and not skip
+                    and pos not in aliased and k not in skips.rules.unfed
+                    and k not in skips.rules.sums):
+                call = self._in_place_reuse(k, pos, frees_at, reads_at, not_reused) or call
             lines: list[str] = []
             if pos in aliased or mask_of_pack.get(k, -1) in aliased_masks_only:
                 # a compact mask's restoration while its float mask is alive: the same bits,
