@@ -216,16 +216,22 @@ class _Run:
     def add_recompute_all(self) -> None:
         # the last resort, built only when a fallback is wanted: on large graphs building and
         # simulating it takes time that a solve with a plan does not need
-        from hrockmate.ir.schedule import recompute_all_schedule
+        from hrockmate.ir.schedule import simulate
+        from hrockmate.planning.minima import recompute_all
 
         try:
-            rc = recompute_all_schedule(self.graph)
+            rc = recompute_all(self.graph)  # (kept: a refusal's least peak needs it too)
         except MemoryError as exc:  # TooLargeError: O(n^2) steps on a long chain
             if self.method == "recompute-all":
                 raise
             logger.info("no recompute-all fallback for '%s': %s", self.graph.name, exc)
         else:
-            self.spare("recompute-all", rc.steps, int(rc.forward_len))
+            # simulated as it is: its steps are plain pairs already, and copying its millions
+            # of steps on large graphs cost more than the simulation
+            res = simulate(self.graph, rc)
+            self.spares.append((Candidate(list(rc.steps), int(rc.forward_len), False,
+                                          {"method": self.method, "fallback": "recompute-all"}),
+                                int(res.peak_bytes), float(res.time)))
 
     def pick(self) -> tuple[Candidate | None, int]:
         return _pick(self.spares, self.budget, self.method, self.graph)
