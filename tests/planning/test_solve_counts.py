@@ -105,3 +105,50 @@ def test_a_budget_below_the_floor_runs_no_search(monkeypatch) -> None:
         hrockmate.solve_graph(graph, floor - 1, **HIER)
     assert info.value.why and info.value.min_bytes == floor
     assert searched == [] and computed == []
+
+
+def test_a_prepared_hierarchy_builds_its_low_peak_twin_once(monkeypatch) -> None:
+    """Solves given one prepared hierarchy (the runtime's, ``pareto``'s) that fall to the
+    low-peak model reuse the blocks it was built with the first time."""
+    from hrockmate.planning import policy
+    from hrockmate.planning.api import with_hierarchy
+
+    graph = training_graph(9, 2)
+    floor, _ = peak_lower_bound(graph)
+    options = with_hierarchy(graph, HIER)
+    h = options["hierarchy"]
+    built: list[bool] = []
+    real = policy.prepare
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        built.append(bool(kwargs.get("low_peak")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "prepare", counted)
+    refusals = []
+    for budget in (floor, floor + 1, floor + 2):
+        with pytest.raises(InfeasibleBudget) as info:
+            hrockmate.solve_graph(graph, budget, **options)
+        refusals.append(info.value.min_bytes)
+    assert built == [True]  # (the default model's blocks are the prepared ones)
+    assert len(h.low_peak_twins) == 1 and next(iter(h.low_peak_twins.values())).low_peak
+    assert len(set(refusals)) == 1
+
+
+def test_plans_of_the_low_peak_model_reuse_its_blocks(data_graphs, monkeypatch) -> None:
+    # the case of test_strategies' low-peak test: the CNN+BN log at 35% of store-all, below
+    # the least peak of the blocks' default options, greedy eviction taken out; the blocks
+    # solved again with the low-peak model plan it, the second time without solving them again
+    from hrockmate.planning import policy
+
+    monkeypatch.setattr(strategies, "greedy_eviction_schedule", lambda *a, **k: None)
+    g = hrockmate.Graph.load(data_graphs / "cnn_bn_oplog.json")
+    budget = int(0.35 * simulate(g, store_all_schedule(g)).peak_bytes)
+    h = hierarchy_mod.prepare(g, flat_ops=0, leaf_size=9, progress=False, time_limit=60)
+    built = _counting(monkeypatch, policy, "prepare")
+    plans = [hrockmate.solve_graph(g, budget, progress=False, exact_ops=0, hierarchy=h,
+                                   time_limit=60) for _ in range(2)]
+    assert len(built) == 1
+    for plan in plans:
+        assert plan.stats.get("low_peak") is True and not plan.stats.get("fallback")
+        assert simulate(g, plan.schedule).peak_bytes == plan.peak_bytes <= budget
