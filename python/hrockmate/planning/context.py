@@ -206,6 +206,9 @@ class SolveContext:
     # what the simple strategies reach at this budget, shared by the low-peak second try with
     # the first (a one-element list once computed; None: each try computes its own)
     simple_memo: list[Any] | None = field(default=None, compare=False)
+    # the default-model hierarchy whose low-peak twin this try builds: the twin is kept on it
+    # (``Hierarchy.low_peak_twins``) for later solves given that hierarchy
+    twin_of: Any = field(default=None, compare=False)
 
     def time_left(self) -> float | None:
         """Seconds left of the time limit (None: no limit)."""

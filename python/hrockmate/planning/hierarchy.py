@@ -344,6 +344,12 @@ class Hierarchy:
     lean: bool = False  # some blocks got fewer options to finish in time (``_Settings.lean``)
     low_peak: bool = False  # built with the low-peak model (``prepare``)
     leaf_size: int = LEAF_SIZE
+    # the same blocks built again with the low-peak model, by the settings they were built
+    # with (``policy.twin_key``): a solve given this hierarchy that falls to the low-peak
+    # model reuses them instead of solving every block again (the runtime keeps one prepared
+    # hierarchy for all its solves, and a refused budget is often followed by a build at the
+    # least budget named, which needs the low-peak model too)
+    low_peak_twins: dict[Any, "Hierarchy"] = field(default_factory=dict, repr=False)
 
     def solver_counts(self) -> dict[str, int]:
         """How many blocks each solver gave options to (``renamed``: copied from an equal

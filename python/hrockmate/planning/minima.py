@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hrockmate.ir.graph import Graph
-from hrockmate.ir.schedule import Step
+from hrockmate.ir.schedule import Step, simulate
 
 logger = logging.getLogger("hrockmate")
 
@@ -60,6 +60,27 @@ class LeastPeak:
 
 _cache: OrderedDict[tuple[Any, ...], LeastPeak] = OrderedDict()
 _lock = threading.Lock()
+#: recompute-all's schedule of the last graph asked for, by structure hash (it depends on
+#: nothing else): a search that finds nothing builds it as its last resort, and the least peak
+#: that the refusal then names needs it again; on graphs of thousands of ops it has millions
+#: of steps and took seconds to build each time
+_recompute_all: list[tuple[str, Any]] = []
+
+
+def recompute_all(graph: Graph) -> Any:
+    """``ir.schedule.recompute_all_schedule(graph)``, kept for the last graph asked (the same
+    ``Schedule`` object: callers must not change its steps). Raises its MemoryError on graphs
+    whose schedule would be too large."""
+    from hrockmate.ir.schedule import recompute_all_schedule
+
+    key = graph.structure_hash()
+    with _lock:
+        if _recompute_all and _recompute_all[0][0] == key:
+            return _recompute_all[0][1]
+    schedule = recompute_all_schedule(graph)
+    with _lock:
+        _recompute_all[:] = [(key, schedule)]
+    return schedule
 
 
 def _key(graph: Graph, flat_ops: int, hierarchies: Sequence[Any]) -> tuple[Any, ...]:
@@ -100,22 +121,25 @@ def least_peak_for_options(graph: Graph, options: dict[str, Any]) -> LeastPeak:
 
 
 def _compute(graph: Graph, flat_ops: int, hierarchies: Sequence[Any]) -> LeastPeak:
-    from hrockmate.ir.schedule import peak_lower_bound, recompute_all_schedule
+    from hrockmate.ir.schedule import Schedule, peak_lower_bound, store_all_schedule
     from hrockmate.planning import ilp
     from hrockmate.planning import strategies as reference
-    from hrockmate.planning.policy import lowest_peak_top, simulate_steps
+    from hrockmate.planning.policy import lowest_peak_top
 
     floor, why = peak_lower_bound(graph)
     found: list[tuple[int, float, str, list[Step], int, bool]] = []
+    arrays = graph.to_arrays()  # (once: every schedule below is simulated on it)
 
-    def add(label: str, steps: list[Step], fl: int, optimal: bool = False) -> None:
-        steps = [(str(k), int(i)) for k, i in steps]
-        peak, t = simulate_steps(graph, steps, int(fl))
-        found.append((peak, t, label, steps, int(fl), optimal))
+    def add(label: str, schedule: Schedule, optimal: bool = False) -> int:
+        # a Schedule's steps are (str, int) pairs already: on graphs of thousands of ops,
+        # recompute-all has millions of steps, and copying them cost more than simulating
+        res = simulate(graph, schedule, graph_arrays=arrays)
+        found.append((int(res.peak_bytes), float(res.time), label, schedule.steps,
+                      schedule.forward_len, optimal))
+        return len(found) - 1
 
     try:
-        rc = recompute_all_schedule(graph)
-        add("recompute-all", list(rc.steps), int(rc.forward_len))
+        add("recompute-all", recompute_all(graph))
     except MemoryError as exc:  # O(n^2) steps on a long chain
         logger.info("no recompute-all schedule for the least peak of '%s': %s", graph.name, exc)
     for label, selective in (("checkpoint", False), ("selective", True)):
@@ -123,32 +147,37 @@ def _compute(graph: Graph, flat_ops: int, hierarchies: Sequence[Any]) -> LeastPe
         if points:
             p = min(points, key=lambda p: (p.peak, p.time))
             assert p.steps is not None and p.forward_len is not None
-            add(label, p.steps, p.forward_len)
+            add(label, Schedule(p.steps, p.forward_len))
     layers = reference.layer_checkpoint_schedule(graph)
     if layers is not None:
-        add("per-layer checkpointing", *layers)
+        add("per-layer checkpointing", Schedule(*layers))
     # greedy eviction aimed at a ladder of budgets from the floor up: it gets stuck below
-    # what it can reach, and it takes milliseconds per budget
-    base = simulate_steps(graph, *_store_all(graph))[0]
+    # what it can reach, and it takes milliseconds per budget. Only peaks matter here, so the
+    # rungs are not refined (a refinement takes seconds on graphs of thousands of ops and
+    # changes times, not peaks); the one schedule that turns out the least peak is, below.
+    base = int(simulate(graph, store_all_schedule(graph), graph_arrays=arrays).peak_bytes)
+    greedy_rows: set[int] = set()
     for share in GREEDY_LADDER:
-        greedy = reference.greedy_eviction_schedule(graph, int(floor + share * (base - floor)),
-                                                    LEAST_PEAK_SECONDS)
+        greedy = _greedy_unrefined(graph, int(floor + share * (base - floor)), arrays)
         if greedy is not None:
-            add(f"greedy eviction at {share:.0%} above the floor", *greedy)
+            greedy_rows.add(add(f"greedy eviction at {share:.0%} above the floor", greedy))
     if graph.num_ops <= flat_ops:
         try:
             steps, fl, optimal, _ = reference.min_peak_checkmate(graph, LEAST_PEAK_SECONDS)
-            add("lowest-peak MILP", steps, fl, optimal)
+            add("lowest-peak MILP", Schedule(steps, fl), optimal)
         except (ilp.LevelInfeasible, ilp.LevelNoSolution) as exc:
             logger.info("no lowest-peak MILP schedule for '%s': %s", graph.name, exc)
     for h in hierarchies:
         try:
             steps, fl, _, _ = lowest_peak_top(h, LEAST_PEAK_SECONDS)
-            add(f"lowest-peak H-ILP (leaves of {h.leaf_size})", steps, fl)
+            add(f"lowest-peak H-ILP (leaves of {h.leaf_size})", Schedule(steps, fl))
         except (ilp.LevelInfeasible, ilp.LevelNoSolution) as exc:
             logger.info("no lowest-peak H-ILP schedule for '%s': %s", graph.name, exc)
     if not found:
         raise MemoryError(f"no schedule of '{graph.name}' could be built for its least peak")
+    least = min(range(len(found)), key=lambda k: (found[k][0], found[k][1]))
+    if least in greedy_rows:
+        _refine_in_place(graph, found, least)
     found.sort(key=lambda f: (f[0], f[1]))
     peak, _t, label, steps, fl, _optimal = found[0]
     if peak <= floor:
@@ -161,14 +190,42 @@ def _compute(graph: Graph, flat_ops: int, hierarchies: Sequence[Any]) -> LeastPe
                      tuple((p, t, lab, tuple(st), f) for p, t, lab, st, f, _ in found))
 
 
-def _store_all(graph: Graph) -> tuple[list[Step], int]:
-    from hrockmate.ir.schedule import store_all_schedule
+def _greedy_unrefined(graph: Graph, budget: int, arrays: dict[str, Any]) -> Any:
+    """Greedy eviction's schedule of least (peak, time) over the core's eviction scores,
+    as the core makes it (no refinement); None when every score gets stuck."""
+    from hrockmate import _native
+    from hrockmate.ir.schedule import Schedule, call_native
 
-    sched = store_all_schedule(graph)
-    return [(str(k), int(i)) for k, i in sched.steps], int(sched.forward_len)
+    best: tuple[int, float, Any] | None = None
+    for score in _native.EVICTION_SCORES:
+        made = call_native(_native.greedy_eviction, graph, arrays, budget_bytes=int(budget),
+                           time_limit=LEAST_PEAK_SECONDS, score=score)
+        if made is None:
+            continue
+        schedule = Schedule.from_arrays(*made)
+        res = simulate(graph, schedule, graph_arrays=arrays)
+        key = (int(res.peak_bytes), float(res.time))
+        if best is None or key < best[:2]:
+            best = (key[0], key[1], schedule)
+    return None if best is None else best[2]
+
+
+def _refine_in_place(graph: Graph, found: list[Any], row: int) -> None:
+    """Refine the schedule of ``found[row]`` within its own peak, so that the least peak stays
+    what the unrefined schedule reached and the schedule kept for it gets faster."""
+    import time as _time
+
+    from hrockmate.planning.refine import refine
+
+    peak, _t, label, steps, fl, optimal = found[row]
+    r = refine(graph, list(steps), fl, peak, deadline=_time.perf_counter() + LEAST_PEAK_SECONDS)
+    if r is not None and r.peak_bytes <= peak:
+        found[row] = (int(r.peak_bytes), float(r.time), label, list(r.steps), int(r.forward_len),
+                      optimal)
 
 
 def clear_cache() -> None:
     """Forget every least peak computed (for tests that change the strategies)."""
     with _lock:
         _cache.clear()
+        _recompute_all.clear()

@@ -216,16 +216,22 @@ class _Run:
     def add_recompute_all(self) -> None:
         # the last resort, built only when a fallback is wanted: on large graphs building and
         # simulating it takes time that a solve with a plan does not need
-        from hrockmate.ir.schedule import recompute_all_schedule
+        from hrockmate.ir.schedule import simulate
+        from hrockmate.planning.minima import recompute_all
 
         try:
-            rc = recompute_all_schedule(self.graph)
+            rc = recompute_all(self.graph)  # (kept: a refusal's least peak needs it too)
         except MemoryError as exc:  # TooLargeError: O(n^2) steps on a long chain
             if self.method == "recompute-all":
                 raise
             logger.info("no recompute-all fallback for '%s': %s", self.graph.name, exc)
         else:
-            self.spare("recompute-all", rc.steps, int(rc.forward_len))
+            # simulated as it is: its steps are plain pairs already, and copying its millions
+            # of steps on large graphs cost more than the simulation
+            res = simulate(self.graph, rc)
+            self.spares.append((Candidate(list(rc.steps), int(rc.forward_len), False,
+                                          {"method": self.method, "fallback": "recompute-all"}),
+                                int(res.peak_bytes), float(res.time)))
 
     def pick(self) -> tuple[Candidate | None, int]:
         return _pick(self.spares, self.budget, self.method, self.graph)
@@ -322,12 +328,16 @@ def _prepared(run: _Run, hierarchy: Hierarchy | None, near_store_all: bool
         return hierarchy
     ctx = run.ctx
     try:
-        return prepare(
+        built = prepare(
             run.graph, flat_ops=ctx.flat_ops, leaf_size=ctx.leaf_size,
             group_size=ctx.group_size, top_size=ctx.top_size, time_limit=ctx.time_left(),
             sub_time_limit=ctx.sub_time_limit, mip_rel_gap=ctx.mip_rel_gap,
             progress=ctx.progress, solvers=ctx.solvers, near_store_all=near_store_all,
             low_peak=ctx.low_peak)
+        if ctx.twin_of is not None and built.low_peak and not built.lean:
+            # (a lean twin, cut short by this solve's time, is not kept for solves with more)
+            ctx.twin_of.low_peak_twins[twin_key(ctx, near_store_all)] = built
+        return built
     except HierarchyTimeout as exc:
         if ctx.plan_in_hand:
             logger.info("the blocks of '%s' with leaves of %d ops were not all solved "
@@ -337,6 +347,13 @@ def _prepared(run: _Run, hierarchy: Hierarchy | None, near_store_all: bool
         logger.log(ctx.fallback_log_level, "%s; using the simple strategies "
                    "(raise time_limit to let the hierarchy finish)", exc)
         return None
+
+
+def twin_key(ctx: SolveContext, near_store_all: bool) -> tuple[Any, ...]:
+    """What a low-peak hierarchy built for ``ctx`` depends on besides the graph: the settings
+    ``_prepared`` passes to ``prepare``."""
+    return (ctx.flat_ops, ctx.leaf_size, ctx.group_size, ctx.top_size, ctx.sub_time_limit,
+            ctx.mip_rel_gap, tuple(sorted(dict(ctx.solvers).items())), near_store_all)
 
 
 def _hierarchy_stats(h: Hierarchy) -> dict[str, Any]:
@@ -440,10 +457,12 @@ def _hierarchical(run: _Run, hierarchy: Hierarchy | None) -> Found | None:
             # (``prepare(low_peak=True)``), blocks solved again within the time left
             logger.info("'%s' has no schedule within %d bytes with these blocks' options; "
                         "solving the blocks again with the low-peak model", graph.name, budget)
-            # (the leaf size of a hierarchy the caller prepared, not the default's)
-            return run_method(graph, run.method, budget, None,
-                              ctx.replace(leaf_size=h.leaf_size, low_peak=True, hierarchy=None,
-                                          simple_memo=run.simple_memo))
+            # (the leaf size of a hierarchy the caller prepared, not the default's; its
+            # low-peak twin where an earlier solve built one with these settings)
+            twin_ctx = ctx.replace(leaf_size=h.leaf_size, low_peak=True, hierarchy=None,
+                                   simple_memo=run.simple_memo, twin_of=h)
+            twin = h.low_peak_twins.get(twin_key(twin_ctx, near_store_all))
+            return run_method(graph, run.method, budget, twin, twin_ctx)
         if ctx.plan_in_hand:
             return None, 0
     except ilp.LevelNoSolution as exc:
