@@ -17,7 +17,7 @@ import torch
 import hrockmate
 from hrockmate import models
 from hrockmate.runtime import HRockmate
-from hrockmate.runtime.inductor import CompiledModeError
+from hrockmate.runtime.inductor import CompiledModeError, check_compiled_peak
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -68,7 +68,7 @@ def test_mlp_gradients_match_torch_compile_and_budget_holds() -> None:
     program = hmod._compiled_program("pieces")
     assert program.pieces, "compiled mode built no compiled piece"
     loss = _step(hmod, x, model)
-    assert all(p.fn is not None for p in program.pieces)  # every piece ran compiled
+    assert all(p.fn is not None for p in program.pieces)  # every piece runs compiled
 
     compiled_plain = torch.compile(plain)
     want_loss = _step(compiled_plain, x, plain)
@@ -83,6 +83,21 @@ def test_mlp_gradients_match_torch_compile_and_budget_holds() -> None:
     fns = [p.fn for p in program.pieces]
     step()
     assert [p.fn for p in program.pieces] == fns
+
+
+def test_construction_measures_the_compiled_peak_and_refuses_an_overshoot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = models.mlp(batch=64, d_in=16, hidden=64, n_layers=3)
+    hmod = HRockmate(model, x, budget=0.7, compile=True, loss_fn=_loss)
+    program = hmod._compiled_program("pieces")
+    assert all(p.fn is not None for p in program.pieces)  # compiled while built
+    assert 0 < hmod.measured_peak_bytes <= hmod.budget_bytes
+    assert all(p.grad is None for p in model.parameters())  # (the measuring runs left none)
+    # a budget below what the compiled program measures is refused, naming the fix
+    low = hmod.measured_peak_bytes - 1
+    monkeypatch.setattr(HRockmate, "budget_bytes", property(lambda self: low))
+    with pytest.raises(CompiledModeError, match=f"budget of {low} bytes.*compile=False"):
+        check_compiled_peak(hmod, x)
 
 
 def test_dropout_masks_agree_between_forward_and_recomputation() -> None:

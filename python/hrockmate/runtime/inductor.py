@@ -465,3 +465,54 @@ def compile_program(traced: Any, steps: Sequence[tuple[str, int]], forward_len: 
     program = builder.build()
     program.pieces = builder.pieces  # type: ignore[attr-defined]
     return program
+
+
+def check_compiled_peak(hmod: Any, sample: Any) -> int | None:
+    """Compile ``hmod``'s pieces by running one iteration on ``sample``, then measure the
+    peak of a second (``hrockmate.measure_peak_memory``: the budget's definition) and keep it
+    as ``hmod.measured_peak_bytes``; every state the two change (buffers, generators,
+    ``.grad``) is put back. Raises ``CompiledModeError`` when the peak exceeds the budget:
+    inductor's order or buffer reuse kept more alive than the plan, and a run over the budget
+    is never left to be found in training. None (nothing run) where running the model's
+    backward would act beyond the iteration (``capture.baseline.skip_reason``)."""
+    import torch.utils._pytree as pytree
+
+    from hrockmate.capture.baseline import _state_restored, skip_reason
+    from hrockmate.capture.joint import split_sample
+    from hrockmate.capture.memory import _backward_roots, measure_peak_memory
+
+    model = hmod.wrapped_model
+    if skip_reason(model) is not None or not model.training:
+        return None
+    args, kwargs = pytree.tree_map(
+        lambda x: x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad
+        else x, split_sample(sample))
+    inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    fresh = params + [x for x in inputs if x.requires_grad]
+
+    def step() -> list[torch.Tensor]:
+        roots = _backward_roots(hmod(*args, **kwargs), None)[1]
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+        return roots
+
+    with _state_restored(model, inputs), torch.enable_grad():
+        with _state_restored(model, inputs):
+            for t in fresh:
+                t.grad = None
+            step()  # (compiles every piece)
+        for t in fresh:
+            t.grad = None
+        peak = int(measure_peak_memory(step, params=params, device=hmod.traced.device).peak_bytes)
+    hmod.__dict__["measured_peak_bytes"] = peak
+    budget = hmod.budget_bytes
+    if budget is not None and peak > budget:
+        over = peak - budget
+        raise CompiledModeError(
+            f"the compiled program measured a peak of {peak} bytes on the sample, {over} bytes "
+            f"above the budget of {budget} bytes (the plan predicted "
+            f"{hmod.predicted_peak_bytes}): inductor kept more alive than the plan frees. Give "
+            f"a budget of {budget - over} bytes or less, or build HRockmate with compile=False "
+            "(eager mode keeps the predicted peak)")
+    return peak

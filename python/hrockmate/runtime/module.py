@@ -627,6 +627,10 @@ class HRockmate(nn.Module):
         self._build(sample)
         if distributed.should_agree():  # (every rank runs rank 0's plan)
             distributed.agree_on_plan(self)
+        if compile:  # (compiles the pieces now and measures the peak against the budget)
+            from hrockmate.runtime.inductor import check_compiled_peak
+
+            check_compiled_peak(self, sample)
 
     def _build(self, sample: Any, plan: Any = None, budget: Any = _ASKED,
                change: str | None = None, donors: Sequence[dict[str, Any]] = ()) -> None:
