@@ -97,6 +97,9 @@ class Program:
     #: slots of S after the generator states: per random decision, whether this call skips
     #: its region, and per tensor standing for a skipped one, that tensor while needed
     num_decision_slots: int = 0
+    #: schedule positions where backward chunks 1, 2, ... begin (chunk 0 begins at the end of
+    #: the forward segment); another executor of the same schedule cuts it there too
+    chunk_starts: list[int] = field(default_factory=list)
 
 
 def _tangents_reaching(graph: Any, sources: dict[int, tuple[str, Any]]) -> list[int]:
@@ -684,6 +687,7 @@ class _Compiler:
             param_tangents=param_tangents,
             input_tangents=input_tangents,
             num_decision_slots=skips.num_slots,
+            chunk_starts=sorted(cuts),
         )
 
     def _compact_masks(self) -> tuple[dict[int, int], dict[int, int]]:

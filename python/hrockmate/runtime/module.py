@@ -557,7 +557,7 @@ class HRockmate(nn.Module):
     """``model`` trained within ``budget``, with gradients identical to plain PyTorch.
 
     ``HRockmate(model, sample, budget=None, plan=None, cache=None, loss_fn=None, max_shapes=8,
-    strict_shapes=False, **solve_options)``
+    strict_shapes=False, compile=False, **solve_options)``
 
     - ``sample``: what the model is called with (a tensor, a tuple of positional arguments or a
       dict of keyword arguments); every later call must have the same structure, tensor
@@ -573,6 +573,9 @@ class HRockmate(nn.Module):
       directory, or ``False`` to plan afresh without reading or writing it.
     - ``solve_options``: passed to ``hrockmate.solve`` when a budget below the store-all peak
       needs a plan.
+    - ``compile``: ``True`` runs the schedule as inductor-compiled pieces
+      (``runtime.inductor``), with gradients within float tolerance of ``torch.compile`` of
+      the plain model instead of bitwise equal to eager PyTorch's (docs/runtime.md).
 
     ``parameters()``, ``named_parameters()``, ``buffers()`` and ``state_dict()`` are the original
     model's (same objects, same keys); other attributes fall through to the model, and
@@ -594,9 +597,12 @@ class HRockmate(nn.Module):
         loss_fn: Any = None,
         max_shapes: int = shapes.DEFAULT_MAX_SHAPES,
         strict_shapes: bool = False,
+        compile: bool = False,
         **solve_options: Any,
     ) -> None:
         super().__init__()
+        # (compiled mode: runtime.inductor; read by _compile for every program built)
+        self.__dict__["_hr_inductor"] = bool(compile)
         if not isinstance(model, nn.Module):
             raise TypeError(f"HRockmate needs a torch.nn.Module, got {type(model).__name__}")
         model = unwrap_compiled(model)
@@ -621,6 +627,10 @@ class HRockmate(nn.Module):
         self._build(sample)
         if distributed.should_agree():  # (every rank runs rank 0's plan)
             distributed.agree_on_plan(self)
+        if compile:  # (compiles the pieces now and measures the peak against the budget)
+            from hrockmate.runtime.inductor import check_compiled_peak
+
+            check_compiled_peak(self, sample)
 
     def _build(self, sample: Any, plan: Any = None, budget: Any = _ASKED,
                change: str | None = None, donors: Sequence[dict[str, Any]] = ()) -> None:
@@ -764,7 +774,7 @@ class HRockmate(nn.Module):
         return self.plan
 
     def _compile(self, schedule: Any) -> Program:
-        return compile_schedule(
+        program = compile_schedule(
             self.traced,
             schedule.steps,
             schedule.forward_len,
@@ -772,6 +782,13 @@ class HRockmate(nn.Module):
             self._hr_buffer_slot,
             self._hr_input_slot,
         )
+        if self.__dict__.get("_hr_inductor"):
+            from hrockmate.runtime.inductor import compile_program
+
+            program = compile_program(self.traced, schedule.steps, schedule.forward_len,
+                                      self._hr_param_slot, self._hr_buffer_slot,
+                                      self._hr_input_slot, program)
+        return program
 
     def _install(self, schedule: Any, plan: Any, predicted: int, program: Program) -> None:
         object.__setattr__(self, "_hr_plan", plan)

@@ -1,0 +1,543 @@
+"""Running a schedule as inductor-compiled code (``HRockmate(..., compile=True)``).
+
+The eager program (``compiler.compile_schedule``) runs one ATen call per compute step. Here
+the same schedule is cut into *pieces*: maximal runs of steps of one code segment (the forward
+segment or one backward chunk, cut where the eager program cuts them) without a random op.
+Each piece becomes one ``torch.fx`` graph of its compute steps in the schedule's order
+(recomputations included), whose inputs are the tensors alive at the piece's start that it
+reads and whose outputs are the tensors the schedule keeps alive past its end, the gradients
+it hands over and the buffer updates it writes back. The graph is decomposed with inductor's
+decomposition table and compiled by ``compile_fx_inner``, lazily at its first call, with the
+inputs of that call (a program belongs to one input shape).
+
+Memory: a compiled piece is called with the boxed convention: it receives a list holding the
+only references to the inputs the schedule frees within the piece (they are dropped from the
+environment ``E`` before the call), clears it, and releases each input after its last use, as
+it releases its intermediates; fused intermediates are never materialised. So within a piece
+the memory can only be lower than the schedule's, except where inductor's own order keeps a
+buffer longer: the peak is measured (``measured_peak_bytes``), not assumed.
+
+Random ops run eagerly between pieces, with the eager program's generator replay (the state
+saved at an op's first run, restored for each recomputation), so forward and recomputation
+draw the same masks, and in plain PyTorch's order. Buffer updates (BatchNorm's running
+statistics) are written back once, at the op's first run, after the piece that made them.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from hrockmate.ir.graph import PREEXISTING_ROLES as _PREEXISTING
+from hrockmate.runtime.compiler import (
+    Program,
+    RuntimeScheduleError,
+    _accumulate,
+    _Compiler,
+    _resolve_generator,
+    _Segment,
+    _state_nbytes,
+)
+
+__all__ = ["CompiledModeError", "compile_program"]
+
+
+class CompiledModeError(RuntimeScheduleError):
+    """A schedule or model that compiled mode cannot run; the message says why and that
+    ``compile=False`` (eager mode) runs it."""
+
+
+#: compiled pieces of this process by (graph code, input layouts): the blocks of a model are
+#: often the same graph, and a replan or another input shape meets the same pieces again
+_COMPILED: dict[tuple[Any, ...], Callable[[list[Any]], Any]] = {}
+
+
+_KEEP_ORDER = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
+
+
+def _layout_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device.type,
+                x.requires_grad)
+    return repr(x)
+
+
+class _Piece:
+    """One compiled run of steps: ``inputs`` read from ``E``, ``drop`` dropped from ``E``
+    before the call, results stored into ``E[stores[i]]`` from output ``store_out[i]``."""
+
+    __slots__ = ("gm", "inputs", "drop", "stores", "fn", "label", "steps", "compile_s")
+
+    def __init__(self, gm: torch.fx.GraphModule, inputs: list[int], drop: list[int],
+                 stores: list[tuple[int, int]], label: str, steps: int) -> None:
+        self.gm = gm
+        self.inputs = inputs
+        self.drop = drop
+        self.stores = stores
+        self.fn: Callable[[list[Any]], Any] | None = None
+        self.label = label
+        self.steps = steps
+        self.compile_s = 0.0
+
+    def compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
+        import time
+
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            decomposed = make_fx(self.gm, decomposition_table=select_decomp_table(),
+                                 tracing_mode="fake")(*args)
+            key = (decomposed.code, tuple(_layout_key(a) for a in args))
+            fn = _COMPILED.get(key)
+            if fn is None:
+                # the graph's order is the plan's, whose memory the budget was solved for:
+                # inductor's reorderings (for locality, or its own estimate of peak memory)
+                # move recomputations away from their uses and keep more alive at once
+                with torch._inductor.config.patch(_KEEP_ORDER):
+                    fn = compile_fx_inner(decomposed, list(args))
+                _COMPILED[key] = fn
+        self.compile_s = time.perf_counter() - t0
+        self.fn = fn
+        return fn
+
+
+def _run_piece(piece: _Piece, E: list[Any]) -> Any:
+    args = [E[t] for t in piece.inputs]
+    for t in piece.drop:
+        E[t] = None
+    fn = piece.fn if piece.fn is not None else piece.compile(args)
+    outs = fn(args)  # (boxed: it clears ``args``, so the dropped inputs die at their last use)
+    for t, i in piece.stores:
+        E[t] = outs[i]
+    return outs
+
+
+class _Stash:
+    """Hands gradient tensor ``t`` over into its slot (a clone where a gradient of another
+    slot shares its storage; accumulated where several traced gradients feed one slot)."""
+
+    __slots__ = ("into_params", "slot", "copy", "accumulate")
+
+    def __init__(self, slot: tuple[str, int], copy: bool, accumulate: bool) -> None:
+        self.into_params = slot[0] == "GP"
+        self.slot = slot[1]
+        self.copy = copy
+        self.accumulate = accumulate
+
+    def __call__(self, value: torch.Tensor, GP: list[Any], GX: list[Any]) -> None:
+        if self.copy:
+            value = value.clone()
+        target = GP if self.into_params else GX
+        if self.accumulate:
+            target[self.slot] = _accumulate(target[self.slot], value)
+        else:
+            target[self.slot] = value
+
+
+class _Builder:
+    def __init__(self, traced: Any, steps: Sequence[tuple[str, int]], forward_len: int,
+                 param_slot: dict[str, int], buffer_slot: dict[str, int],
+                 input_slot: dict[int, int], eager: Program) -> None:
+        self.c = _Compiler(traced, steps, forward_len, param_slot, buffer_slot, input_slot)
+        if self.c.skip_rules.regions:
+            raise CompiledModeError(
+                "the model decides at random whether to run parts of itself (LayerDrop, "
+                "stochastic depth skipping whole layers); compiled mode does not run such "
+                "decisions yet: build HRockmate with compile=False")
+        self.tr = traced
+        self.g = traced.graph
+        self.steps = self.c.steps
+        self.forward_len = int(forward_len)
+        self.param_slot, self.buffer_slot, self.input_slot = param_slot, buffer_slot, input_slot
+        self.eager = eager
+        self.pieces: list[_Piece] = []
+
+    # ---- what the schedule reads --------------------------------------------------------
+    def _reads(self, k: int) -> list[int]:
+        node = self.tr.op_nodes[k]
+        out: list[int] = []
+        torch.fx.node.map_arg((node.args, node.kwargs),
+                              lambda a: out.append(self.c._tensor_of(a, node.name)) or a)
+        return out
+
+    def build(self) -> Program:
+        g, tr, steps = self.g, self.tr, self.steps
+        n_t = g.num_tensors
+        grad_slot: dict[int, tuple[str, int]] = {}
+        for pname, tid in tr.param_grads.items():
+            grad_slot[tid] = ("GP", self.param_slot[pname])
+        for flat_idx, tid in tr.input_grads.items():
+            grad_slot[tid] = ("GX", self.input_slot[int(flat_idx)])
+        slot_uses: dict[tuple[str, int], int] = {}
+        for slot in grad_slot.values():
+            slot_uses[slot] = slot_uses.get(slot, 0) + 1
+        # (as the eager program: a storage that is the gradient of several slots is handed to
+        # the first as is and copied for the others, since autograd keeps what it is handed)
+        slots_of_root: dict[int, set[tuple[str, int]]] = {}
+        for t, slot in grad_slot.items():
+            slots_of_root.setdefault(g.storage_root(t), set()).add(slot)
+        shared_roots = {r for r, s in slots_of_root.items() if len(s) > 1}
+        handed_roots: set[int] = set()
+
+        def stash_of(t: int) -> _Stash:
+            root = g.storage_root(t)
+            copy = root in handed_roots
+            if root in shared_roots:
+                handed_roots.add(root)
+            slot = grad_slot[t]
+            return _Stash(slot, copy, slot_uses[slot] > 1)
+
+        buffer_tensor: dict[str, int] = {}
+        input_tensor: dict[int, int] = {}
+        head_fwd: list[tuple[int, str, Any]] = []
+        head_bwd: list[tuple[int, int]] = []
+        for tid, (kind, key) in tr.sources.items():
+            tid = int(tid)
+            if kind == "param":
+                head_fwd.append((tid, "P", self.param_slot[key]))
+            elif kind == "buffer":
+                head_fwd.append((tid, "B", self.buffer_slot[key]))
+                buffer_tensor[key] = tid
+            elif kind == "input":
+                head_fwd.append((tid, "X", self.input_slot[int(key)]))
+                input_tensor[int(key)] = tid
+            elif kind == "tangent":
+                head_bwd.append((tid, int(key)))
+            elif kind == "constant":
+                head_fwd.append((tid, "K", getattr(tr.gm, key)))
+        # written-back value -> (where it goes: "B"/"X", slot; tensor of the old value)
+        update_target: dict[int, tuple[str, int, int | None]] = {
+            tid: ("B", self.buffer_slot[b], buffer_tensor.get(b))
+            for b, tid in tr.buffer_updates.items()}
+        update_target.update({
+            tid: ("X", self.input_slot[leaf], input_tensor.get(leaf))
+            for leaf, tid in tr.input_updates.items()})
+
+        runs = [0] * g.num_ops
+        last_read: dict[int, int] = {}
+        for pos, (kind, k) in enumerate(steps):
+            if kind == "compute":
+                runs[k] += 1
+                for t in self._reads(k):
+                    last_read[t] = pos
+
+        # generators of the random ops that run again (their state is saved at the first run)
+        random_ops = {k for k in range(g.num_ops) if g.ops[k].random}
+        rng_slot: dict[int, int] = {}
+        generator: dict[int, torch.Generator] = {}
+        state_bytes = 0
+        for k in sorted(random_ops):
+            if runs[k] > 1:
+                generator[k] = _resolve_generator(tr.op_nodes[k])
+                rng_slot[k] = len(rng_slot)
+                state_bytes += _state_nbytes(generator[k])
+
+        bounds = [self.forward_len, *self.eager.chunk_starts, len(steps)]
+        if any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise RuntimeScheduleError("the backward chunks' cuts are not in the backward segment")
+        alive = [t.role in _PREEXISTING for t in g.tensors]
+        done = [0] * g.num_ops
+        written_back: set[int] = set()
+        segments = [(0, self.forward_len)] + list(zip(bounds, bounds[1:]))
+        bodies: list[list[Callable[..., None]]] = []
+        sources: list[list[str]] = []
+        for si, (start, end) in enumerate(segments):
+            body: list[Callable[..., None]] = []
+            source: list[str] = []
+            pos = start
+            while pos < end:
+                kind, k = steps[pos]
+                if kind == "compute" and k in random_ops:
+                    body.append(self._random_step(pos, k, alive, done, runs, rng_slot,
+                                                  generator))
+                    source.append(f"# step {pos}: random op {g.ops[k].name} (eager)")
+                    pos += 1
+                    continue
+                stop = pos
+                while stop < end and not (steps[stop][0] == "compute"
+                                          and steps[stop][1] in random_ops):
+                    stop += 1
+                action, text = self._piece(pos, stop, alive, done, grad_slot, stash_of,
+                                           update_target, written_back, last_read,
+                                           f"segment {si} steps {pos}-{stop - 1}")
+                body.append(action)
+                source.append(text)
+                pos = stop
+            if si == len(segments) - 1:
+                tail = [(t, stash_of(t)) for t in grad_slot if alive[t]]
+
+                def hand_tail(E: list[Any], B: Any, X: Any, S: Any, GP: Any, GX: Any,
+                              tail: list[tuple[int, _Stash]] = tail) -> None:
+                    for t, stash in tail:
+                        stash(E[t], GP, GX)
+                body.append(hand_tail)
+            bodies.append(body)
+            sources.append(source)
+
+        def forward_segment(P: list[Any], B: list[Any], X: list[Any], S: list[Any],
+                            body: list[Callable[..., None]] = bodies[0]) -> list[Any]:
+            E: list[Any] = [None] * n_t
+            for tid, kind, key in head_fwd:
+                E[tid] = (P[key] if kind == "P" else B[key] if kind == "B"
+                          else X[key] if kind == "X" else key)
+            for action in body:
+                action(E, B, X, S, None, None)
+            return E
+
+        def chunk_fn(body: list[Callable[..., None]], first: bool) -> Callable[..., None]:
+            def backward_chunk(E: list[Any], B: list[Any], T: Sequence[Any], S: list[Any],
+                               GP: list[Any], GX: list[Any]) -> None:
+                if first:
+                    for tid, key in head_bwd:
+                        E[tid] = T[key]
+                for action in body:
+                    action(E, B, None, S, GP, GX)
+            return backward_chunk
+
+        def text(i: int, lines: list[str]) -> str:
+            what = "forward segment" if i == 0 else f"backward chunk {i - 1}"
+            return f"# compiled {what}\n" + "\n".join(lines) + "\n"
+
+        return replace(
+            self.eager,
+            forward=_Segment(forward_segment, text(0, sources[0])),
+            chunks=[_Segment(chunk_fn(b, i == 0), text(i + 1, s))
+                    for i, (b, s) in enumerate(zip(bodies[1:], sources[1:]))],
+            num_rng_slots=len(rng_slot),
+            num_decision_slots=0,
+            # the eager program's extra bytes, and at most a saved generator state for every
+            # random op that runs again (the eager program saves one per chain of replays)
+            extra_bytes=self.eager.extra_bytes + state_bytes,
+            possible_extra_bytes=max(self.eager.possible_extra_bytes,
+                                     self.eager.extra_bytes + state_bytes),
+        )
+
+    # ---- one random op, eagerly ---------------------------------------------------------
+    def _random_step(self, pos: int, k: int, alive: list[bool], done: list[int],
+                     runs: list[int], rng_slot: dict[int, int],
+                     generator: dict[int, torch.Generator]) -> Callable[..., None]:
+        c = self.c
+        fresh = [(t, i) for t, i in c._output_slots(k) if not alive[t]]
+        call = c._call(k, [])
+        name = f"random_step_{pos}"
+        fn = c._exec(f"def {name}(E):\n    return {call}\n", name)
+        for t, _ in fresh:
+            alive[t] = True
+        first, last = done[k] == 0, done[k] == runs[k] - 1
+        done[k] += 1
+        gen, slot = generator.get(k), rng_slot.get(k)
+
+        def random_step(E: list[Any], B: Any, X: Any, S: list[Any], GP: Any, GX: Any) -> None:
+            if gen is None:
+                r = fn(E)
+            elif first:
+                S[slot] = gen.get_state()
+                r = fn(E)
+            else:  # a recomputation draws what the first run drew
+                current = gen.get_state()
+                gen.set_state(S[slot])
+                r = fn(E)
+                gen.set_state(current)
+                if last:
+                    S[slot] = None
+            for t, i in fresh:
+                E[t] = r if i is None else r[i]
+        return random_step
+
+    # ---- a compiled piece ---------------------------------------------------------------
+    def _piece(self, start: int, stop: int, alive: list[bool], done: list[int],
+               grad_slot: dict[int, tuple[str, int]], stash_of: Callable[[int], _Stash],
+               update_target: dict[int, tuple[str, int, int | None]], written_back: set[int],
+               last_read: dict[int, int], label: str) -> tuple[Callable[..., None], str]:
+        c, tr, steps = self.c, self.tr, self.steps
+        fxg = torch.fx.Graph()
+        value: dict[int, torch.fx.Node] = {}  # tensor -> its node, for those made or read here
+        made_here: set[int] = set()  # tensors whose node ``value`` holds was made here
+        inputs: list[int] = []
+        drop: list[int] = []  # tensors of E the piece frees (their references go with it)
+        outputs: list[torch.fx.Node] = []
+        out_index: dict[torch.fx.Node, int] = {}
+        # after the call, in step order: ("stash", stash, source, index) with source "pre"
+        # (a tensor of E taken before the call) or "out"; ("write", target, old, index)
+        after: list[tuple[Any, ...]] = []
+        pre: list[int] = []  # tensors of E held for a stash after the call
+        computes = 0
+
+        def output(node: torch.fx.Node) -> int:
+            i = out_index.get(node)
+            if i is None:
+                i = out_index[node] = len(outputs)
+                outputs.append(node)
+            return i
+
+        def read(a: torch.fx.Node, name: str) -> torch.fx.Node:
+            t = c._tensor_of(a, name)
+            node = value.get(t)
+            if node is None:
+                if not alive[t]:
+                    raise RuntimeScheduleError(
+                        f"{label}: op '{name}' reads tensor '{self.g.tensors[t].name}', which "
+                        "is not alive there")
+                node = fxg.placeholder(f"in{len(inputs)}")
+                value[t] = node
+                inputs.append(t)
+            return node
+
+        for pos in range(start, stop):
+            kind, ident = steps[pos]
+            if kind == "compute":
+                k = ident
+                computes += 1
+                src = tr.op_nodes[k]
+                args = torch.fx.node.map_arg(src.args, lambda a: read(a, src.name))
+                kwargs = torch.fx.node.map_arg(src.kwargs, lambda a: read(a, src.name))
+                node = fxg.call_function(src.target, args, kwargs)
+                for t, i in c._output_slots(k):
+                    if alive[t]:
+                        continue  # (made again while alive: the result is not used)
+                    value[t] = node if i is None else fxg.call_function(operator.getitem,
+                                                                         (node, i))
+                    made_here.add(t)
+                    alive[t] = True
+                    target = update_target.get(t)
+                    if target is not None and t not in written_back:
+                        written_back.add(t)
+                        after.append(("write", target, output(value[t])))
+                done[k] += 1
+                continue
+            t = ident
+            alive[t] = False
+            if t in made_here:
+                if t in grad_slot:
+                    after.append(("stash", stash_of(t), "out", output(value[t])))
+                made_here.discard(t)
+            else:  # a tensor of E at the piece's start
+                if t in grad_slot:
+                    after.append(("stash", stash_of(t), "pre", len(pre)))
+                    pre.append(t)
+                drop.append(t)
+            value.pop(t, None)
+        stores = [(t, output(value[t])) for t in sorted(made_here) if alive[t]]
+        last_pos = stop - 1
+        gm = None
+        if outputs:
+            fxg.output(tuple(outputs))
+            gm = torch.fx.GraphModule(tr.gm, fxg)
+        elif computes:
+            inputs = []  # (nothing it makes is kept: no need to run it)
+        piece = _Piece(gm, inputs, drop, stores, label, stop - start) if gm is not None else None
+        if piece is not None:
+            self.pieces.append(piece)
+        # write-backs whose buffer's old value a later step still reads keep a copy of it
+        keep_old = {id(a) for a in after if a[0] == "write" and a[1][2] is not None
+                    and last_read.get(a[1][2], -1) > last_pos}
+
+        def run(E: list[Any], B: list[Any], X: Any, S: Any, GP: Any, GX: Any) -> None:
+            held = [E[t] for t in pre]
+            if piece is not None:
+                outs = _run_piece(piece, E)
+            else:
+                outs = ()
+                for t in drop:
+                    E[t] = None
+            for a in after:
+                if a[0] == "stash":
+                    a[1](held[a[3]] if a[2] == "pre" else outs[a[3]], GP, GX)
+                else:
+                    (where, slot, old), i = a[1], a[2]
+                    if id(a) in keep_old:
+                        E[old] = E[old].clone()
+                    (B if where == "B" else X)[slot].copy_(outs[i])
+
+        head = f"# {label}: {computes} compute steps, inputs {inputs}, frees {drop}"
+        body = gm.code if gm is not None else "    (nothing to compute)\n"
+        return run, head + "\n" + body
+
+
+def compile_program(traced: Any, steps: Sequence[tuple[str, int]], forward_len: int,
+                    param_slot: dict[str, int], buffer_slot: dict[str, int],
+                    input_slot: dict[int, int], eager: Program) -> Program:
+    """The schedule's program with its segments run as inductor-compiled pieces (see the
+    module docstring); ``eager`` is ``compile_schedule``'s program of the same schedule, whose
+    chunk cuts, gradient hand-over and output layouts it keeps. Pieces compile at their first
+    call."""
+    builder = _Builder(traced, steps, forward_len, param_slot, buffer_slot, input_slot, eager)
+    program = builder.build()
+    program.pieces = builder.pieces  # type: ignore[attr-defined]
+    return program
+
+
+def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
+    """Compile ``hmod``'s pieces by running one iteration on ``sample``, then measure the
+    peak of a second (``hrockmate.measure_peak_memory``: the budget's definition) and keep it
+    as ``hmod.measured_peak_bytes``; every state the runs change (buffers, generators,
+    ``.grad``) is put back. Where the peak exceeds the budget (inductor's order kept more
+    alive than the plan frees), the plan is made again for a budget lowered by the excess
+    (``replan``), at most ``rounds`` times; ``CompiledModeError`` when it still exceeds it, so
+    that a run over the budget is never left to be found in training. None (nothing run)
+    where running the model's backward would act beyond the iteration
+    (``capture.baseline.skip_reason``) or the model is in eval mode."""
+    import torch.utils._pytree as pytree
+
+    from hrockmate.capture.baseline import _state_restored, skip_reason
+    from hrockmate.capture.joint import split_sample
+    from hrockmate.capture.memory import _backward_roots, measure_peak_memory
+    from hrockmate.ir.errors import InfeasibleBudget
+
+    model = hmod.wrapped_model
+    if skip_reason(model) is not None or not model.training:
+        return None
+    args, kwargs = pytree.tree_map(
+        lambda x: x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad
+        else x, split_sample(sample))
+    inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    fresh = params + [x for x in inputs if x.requires_grad]
+
+    def step() -> list[torch.Tensor]:
+        roots = _backward_roots(hmod(*args, **kwargs), None)[1]
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+        return roots
+
+    def measure() -> int:
+        with _state_restored(model, inputs), torch.enable_grad():
+            with _state_restored(model, inputs):
+                for t in fresh:
+                    t.grad = None
+                step()  # (compiles every piece)
+            for t in fresh:
+                t.grad = None
+            return int(measure_peak_memory(step, params=params,
+                                           device=hmod.traced.device).peak_bytes)
+
+    budget = hmod.budget_bytes
+    peak = measure()
+    why = ""
+    for _ in range(rounds if budget is not None else 0):
+        if peak <= budget:
+            break
+        target = hmod.budget_bytes - (peak - budget)
+        try:
+            hmod.replan(target, sample)
+        except InfeasibleBudget as exc:
+            why = f"; no plan fits {target} bytes ({exc})"
+            break
+        peak = measure()
+    hmod.__dict__["measured_peak_bytes"] = peak
+    if budget is not None and peak > budget:
+        over = peak - budget
+        raise CompiledModeError(
+            f"the compiled program measured a peak of {peak} bytes on the sample, {over} bytes "
+            f"above the budget of {budget} bytes (the plan predicted "
+            f"{hmod.predicted_peak_bytes}): inductor kept more alive than the plan frees{why}. "
+            "Give a larger budget, or build HRockmate with compile=False (eager mode keeps "
+            "the predicted peak)")
+    return peak

@@ -1,0 +1,178 @@
+"""Compiled mode (``HRockmate(..., compile=True)``): the schedule run as inductor-compiled pieces.
+
+The contract: gradients within float tolerance (float32 on CPU: rtol 1e-5, atol 1e-6) of
+``torch.compile`` of the plain model and of eager mode; random ops draw the same masks in
+forward and recomputation; buffers updated once; the measured peak within the budget. Models
+are tiny and the compiles few: each piece costs a C++ build on a cold inductor cache.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import hrockmate
+from hrockmate import models
+from hrockmate.runtime import HRockmate
+from hrockmate.runtime.inductor import CompiledModeError, check_compiled_peak
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _step(module: torch.nn.Module, sample: Any, model: torch.nn.Module,
+          zero: bool = True) -> Any:
+    if zero:
+        model.zero_grad(set_to_none=True)
+    args = sample if isinstance(sample, tuple) else (sample,)
+    out = module(*args)
+    loss = out if out.dim() == 0 else _loss(out)
+    loss.backward()
+    return loss.detach()
+
+
+def _random_ops_replayed(hmod: HRockmate) -> int:
+    graph = hmod.traced.graph
+    runs: dict[int, int] = {}
+    for kind, k in hmod.schedule.steps:
+        if kind == "compute" and graph.ops[k].random:
+            runs[k] = runs.get(k, 0) + 1
+    return sum(1 for r in runs.values() if r > 1)
+
+
+def test_mlp_gradients_match_torch_compile_and_budget_holds() -> None:
+    model, x = models.mlp(batch=64, d_in=16, hidden=64, n_layers=3)
+    plain = copy.deepcopy(model)
+    hmod = HRockmate(model, x, budget=0.7, compile=True, loss_fn=_loss)
+    assert hmod.recomputed_ops > 0  # (the plan recomputes: recomputations run compiled)
+    program = hmod._compiled_program("pieces")
+    assert program.pieces, "compiled mode built no compiled piece"
+    loss = _step(hmod, x, model)
+    assert all(p.fn is not None for p in program.pieces)  # every piece runs compiled
+
+    compiled_plain = torch.compile(plain)
+    want_loss = _step(compiled_plain, x, plain)
+    torch.testing.assert_close(loss, want_loss, rtol=RTOL, atol=ATOL)
+    _assert_close(_grads(model), _grads(plain))
+
+    def step() -> None:  # (the .grad tensors exist: the budget does not count them)
+        _step(hmod, x, model, zero=False)
+    measured = hrockmate.measure_peak_memory(step, params=list(model.parameters())).peak_bytes
+    assert measured <= hmod.budget_bytes, (measured, hmod.budget_bytes)
+    # the program's compiled pieces are not compiled again at later calls
+    fns = [p.fn for p in program.pieces]
+    step()
+    assert [p.fn for p in program.pieces] == fns
+
+
+def test_construction_measures_the_compiled_peak_and_refuses_an_overshoot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = models.mlp(batch=64, d_in=16, hidden=64, n_layers=3)
+    hmod = HRockmate(model, x, budget=0.7, compile=True, loss_fn=_loss)
+    program = hmod._compiled_program("pieces")
+    assert all(p.fn is not None for p in program.pieces)  # compiled while built
+    assert 0 < hmod.measured_peak_bytes <= hmod.budget_bytes
+    assert all(p.grad is None for p in model.parameters())  # (the measuring runs left none)
+    # a budget below what the compiled program measures, and which no replan reaches, is
+    # refused, naming the fix
+    low = hmod.measured_peak_bytes * 2 // 3
+    monkeypatch.setattr(HRockmate, "budget_bytes", property(lambda self: low))
+    with pytest.raises(CompiledModeError, match=f"budget of {low} bytes.*compile=False"):
+        check_compiled_peak(hmod, x)
+
+
+def test_dropout_masks_agree_between_forward_and_recomputation() -> None:
+    """Eager mode is bitwise plain PyTorch, dropout included: a recomputation drawing another
+    mask than the forward would change the gradients far beyond the tolerance."""
+    model, sample = models.gpt2_tiny(n_layer=1, n_embd=32, seq=32, batch=4, dropout=0.3)
+    eager_model = copy.deepcopy(model)
+    eager = HRockmate(eager_model, sample, budget=0.5)
+    assert _random_ops_replayed(eager) > 0, "the plan recomputes no dropout"
+    # (the same plan, given: this test is about the masks; budgets are test_mlp_...'s)
+    compiled = HRockmate(model, sample, plan=eager.schedule, compile=True)
+    for _ in range(2):  # (the second call runs compiled pieces already built)
+        state = torch.get_rng_state()
+        got = _step(compiled, sample, model)
+        after_compiled = torch.get_rng_state()
+        torch.set_rng_state(state)
+        want = _step(eager, sample, eager_model)
+        # the generator ends where plain PyTorch leaves it: each mask drawn once
+        assert torch.equal(after_compiled, torch.get_rng_state())
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        _assert_close(_grads(model), _grads(eager_model))
+
+
+def test_batchnorm_buffers_updated_once() -> None:
+    model, x = models.cnn_bn(batch=4, image=16, width=8, n_blocks=1)
+    eager_model = copy.deepcopy(model)
+    compiled = HRockmate(model, x, budget=0.85, compile=True)
+    eager = HRockmate(eager_model, x, plan=compiled.schedule)
+    assert compiled.recomputed_ops > 0
+    _step(compiled, x, model)
+    _step(eager, x, eager_model)
+    _assert_close(_grads(model), _grads(eager_model))
+    for (name, b), (_, e) in zip(model.named_buffers(), eager_model.named_buffers()):
+        # one momentum step from the initial statistics: a second write-back would differ
+        torch.testing.assert_close(b, e, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_another_input_shape_compiles_its_own_program() -> None:
+    model, x = models.mlp(batch=64, d_in=16, hidden=64, n_layers=3)
+    plain = copy.deepcopy(model)
+    hmod = HRockmate(model, x, budget=0.7, compile=True, loss_fn=_loss)
+    wider = torch.randn(96, 16, generator=torch.Generator().manual_seed(1))
+    for inp in (x, wider):
+        _step(hmod, inp, model)
+        _step(plain, inp, plain)
+        _assert_close(_grads(model), _grads(plain))
+    assert len(hmod.planned_shapes) == 2
+
+
+def test_eager_mode_stays_the_default() -> None:
+    model, x = models.mlp(batch=64, d_in=16, hidden=64, n_layers=3)
+    hmod = HRockmate(model, x, budget=0.7, loss_fn=_loss)
+    program = hmod._compiled_program("pieces")
+    assert not hasattr(program, "pieces")
+    assert "E[" in hmod.generated_code()  # (eager: one ATen call per step over E)
+    plain = copy.deepcopy(model)
+    _step(hmod, x, model)
+    _step(plain, x, plain)
+    for name, g in _grads(plain).items():  # bitwise, as eager mode promises
+        assert torch.equal(dict(model.named_parameters())[name].grad, g), name
+
+
+def test_random_decisions_are_refused_with_the_fix() -> None:
+    class LayerDrop(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            self.b = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            if not (self.training and torch.rand([]) < 0.5):  # skipped at random (LayerDrop)
+                x = x + torch.tanh(self.b(x))
+            return x.square().mean()
+
+    with pytest.raises(CompiledModeError, match="compile=False"):
+        HRockmate(LayerDrop(), torch.randn(4, 8), compile=True)
