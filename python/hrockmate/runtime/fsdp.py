@@ -38,6 +38,7 @@ naming the torch version when they are missing.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,8 @@ import torch.nn as nn
 
 from hrockmate.capture.layout import UnsupportedLayoutError
 
-__all__ = ["BlockDriver", "blocks_of", "driver_for", "is_fsdp_module", "sharded_blocks"]
+__all__ = ["BlockDriver", "StepBudgetError", "StepFit", "blocks_of", "driver_for",
+           "fit_step_budget", "is_fsdp_module", "set_extra_gathers", "sharded_blocks"]
 
 
 def _fsdp_types() -> tuple[Any, Any]:
@@ -117,7 +119,9 @@ class _Group:
 
 
 def _elem_size(p: Any) -> int:
-    dtype = getattr(p, "param_dtype", None) or p.orig_dtype
+    """Bytes per element of an FSDPParam's gathered parameter (``param_dtype`` is set by
+    FSDP2's lazy initialisation, at the root's first forward)."""
+    dtype = getattr(p, "param_dtype", None) or p.sharded_param.dtype
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -154,6 +158,7 @@ class _Plan:
     slot_group: dict[int, tuple[int, int]]  # parameter slot -> (group, its FSDPParam index)
     tensors_of_slot: dict[int, list[int]]  # parameter slot -> graph tensors standing for it
     gathers_per_iteration: int = 0
+    peak_with_gathered: int = 0
     #: per step, the unsharded bytes of the groups gathered there (model of what is held)
     gathered: list[int] = field(default_factory=list)
 
@@ -163,7 +168,7 @@ class BlockDriver:
     schedule (see the module's docstring); ``program`` is that schedule compiled with the
     driver's calls, its chunks handing only the non-block gradients to autograd."""
 
-    def __init__(self, hmod: nn.Module, groups: list[_Group]) -> None:
+    def __init__(self, hmod: nn.Module, groups: list[_Group], extra_gathers: int = 0) -> None:
         from hrockmate.runtime.compiler import StepHooks, compile_schedule
 
         self.groups = groups
@@ -208,40 +213,89 @@ class BlockDriver:
             if j in slot_group:
                 g = slot_group[j][0]
                 grad_done[g] = max(grad_done[g], freed_at.get(int(tid), end))
-        hooks = StepHooks(names={"_HR_FSDP": self})
-        gathered = [0] * (end + 1)
-        count = 0
+        from hrockmate.ir.schedule import Schedule, simulate
 
-        def hold(g: int, first: int, last: int) -> None:
-            for p in range(first, min(last, end) + 1):
-                gathered[p] += groups[g].unsharded_bytes
-
+        timeline = [int(x) for x in simulate(graph, Schedule(steps, fwd_len)).timeline]
+        timeline += [0] * (end + 1 - len(timeline))
+        # Per group, the step ranges it is gathered over ((first, last), both included; last
+        # == end: the end of the backward), and the backward's idle stretches between the
+        # clusters of its uses there (other groups' ops in between) that one more gather
+        # could free.
+        held: list[list[tuple[int, int]]] = []
+        idle: list[list[tuple[int, int]]] = []
+        post_at: list[int] = []  # per group: the step its post-backward follows (-1: none)
         for g, grp in enumerate(groups):
             fwd = [p for p in uses[g] if p < fwd_len]
             bwd = [p for p in uses[g] if p >= fwd_len]
-            kept = not grp.reshard_after_forward
-            if fwd:
-                hooks.before.setdefault(fwd[0], []).append(f"_HR_FSDP.gather({g}, E)")
-                count += 1
-                if not kept:
-                    hooks.after.setdefault(fwd[-1], []).append(f"_HR_FSDP.reshard({g})")
-                    hold(g, fwd[0], fwd[-1])
-            if bwd and (not fwd or not kept):
-                hooks.before.setdefault(bwd[0], []).append(f"_HR_FSDP.gather({g}, E)")
-                count += 1
+            # kept gathered from the forward into the backward (reshard_after_forward=False)
+            kept = bool(fwd) and not grp.reshard_after_forward
             last = max(bwd[-1] if bwd else -1, grad_done[g])
-            if last < 0 and fwd and kept:
+            if last < 0 and kept:
                 last = end  # (gathered in forward, unused after: resharded at the end)
-            if last >= 0:
-                call = f"_HR_FSDP.post_backward({g}, GP)"
-                if last >= end:
-                    hooks.end.append(call)
-                else:
-                    hooks.after.setdefault(last, []).append(call)
-                start = fwd[0] if kept and fwd else (bwd[0] if bwd else last)
-                hold(g, max(start, fwd_len) if not kept else start, last)
+            post_at.append(last)
+            ranges = []
+            if fwd and not kept:
+                ranges.append((fwd[0], fwd[-1]))
+            if kept:
+                ranges.append((fwd[0], last))
+            elif bwd:
+                ranges.append((bwd[0], last))
+            held.append(ranges)
+            gaps = []
+            if bwd and not kept:
+                others = sorted(p for h in range(len(groups)) if h != g for p in uses[h]
+                                if bwd[0] < p < bwd[-1])
+                for a, b in zip(bwd, bwd[1:]):
+                    i = bisect.bisect_right(others, a)
+                    if i < len(others) and others[i] < b:
+                        gaps.append((a, b))
+            idle.append(gaps)
+
+        def gathered_at() -> list[int]:
+            out = [0] * (end + 1)
+            for g, ranges in enumerate(held):
+                for first, last in ranges:
+                    for p in range(first, last + 1):
+                        out[p] += groups[g].unsharded_bytes
+            return out
+
+        gathered = gathered_at()
+        # One more gather per idle stretch that holds the step of the highest memory
+        # (activations and gathered blocks), the largest group first, at most extra_gathers.
+        for _ in range(max(0, int(extra_gathers))):
+            total = [a + b for a, b in zip(timeline, gathered)]
+            top = max(range(end + 1), key=total.__getitem__)
+            choice = max(((groups[g].unsharded_bytes, g, gap) for g, gaps in enumerate(idle)
+                          for gap in gaps if gap[0] < top < gap[1]), default=None)
+            if choice is None:
+                break
+            _, g, (a, b) = choice
+            idle[g].remove((a, b))
+            ranges = held[g]
+            k = next(i for i, (f, l) in enumerate(ranges) if f <= a and b <= l)
+            f, l = ranges[k]
+            ranges[k:k + 1] = [(f, a), (b, l)]
+            gathered = gathered_at()
+
+        hooks = StepHooks(names={"_HR_FSDP": self})
+        count = 0
+        for g, ranges in enumerate(held):
+            for first, last in ranges:
+                hooks.before.setdefault(first, []).append(f"_HR_FSDP.gather({g}, E)")
+                count += 1
+                if last != post_at[g]:
+                    hooks.after.setdefault(last, []).append(f"_HR_FSDP.reshard({g})")
+            last = post_at[g]
+            if last < 0:
+                continue  # (no backward use, no gradient: FSDP2's final callback is enough)
+            call = f"_HR_FSDP.post_backward({g}, GP)"
+            if last >= end:
+                hooks.end.append(call)
+            else:
+                hooks.after.setdefault(last, []).append(call)
         self.plan.gathers_per_iteration = count
         self.plan.gathered = gathered
+        self.plan.peak_with_gathered = max(a + b for a, b in zip(timeline, gathered))
         self.gathers = 0  # unshard calls made (all iterations)
         program = compile_schedule(traced, steps, fwd_len, hmod._hr_param_slot,
                                    hmod._hr_buffer_slot, hmod._hr_input_slot, hooks)
@@ -302,16 +356,143 @@ class BlockDriver:
         the driver holds there."""
         return list(self.plan.gathered)
 
+    @property
+    def peak_with_gathered_bytes(self) -> int:
+        """The schedule's simulated memory (the activations the budget bounds) plus the
+        gathered block parameters held at each step, at its highest: what the plan holds
+        beyond the sharded parameters and gradients, the root group's gathered parameters and
+        the runtime's extra bytes (``HRockmate.predicted_peak_bytes`` adds those)."""
+        return self.plan.peak_with_gathered
+
 
 def driver_for(hmod: nn.Module) -> BlockDriver | None:
     """The driver of ``hmod``'s per-block FSDP2 layout for the schedule in use, built at the
-    first call after the blocks were sharded or the schedule changed; None without sharded
-    blocks."""
+    first call after the blocks were sharded, the schedule changed or ``set_extra_gathers``;
+    None without sharded blocks."""
     held = hmod.__dict__.get("_hr_fsdp_driver")
     program = hmod.__dict__.get("_hr_program")
     if held is not None and held[0] is program:
         return held[1]
     groups = blocks_of(hmod)
-    driver = BlockDriver(hmod, groups) if groups else None
+    extra = hmod.__dict__.get("_hr_fsdp_extra_gathers", 0)
+    driver = BlockDriver(hmod, groups, extra) if groups else None
     hmod.__dict__["_hr_fsdp_driver"] = (program, driver)
     return driver
+
+
+def set_extra_gathers(hmod: nn.Module, extra: int) -> None:
+    """Let the driver gather blocks up to ``extra`` more times per iteration than once per
+    segment, to lower the step's peak: a plan that recomputes a block's op long before the
+    block's backward would otherwise hold the block gathered from there on. Each extra gather
+    frees a block over an idle stretch of its backward uses that holds the modelled peak
+    (activations plus gathered blocks). 0 (the default): at most two gathers per block and
+    iteration, as per-block ``torch.utils.checkpoint``. Set it to the same value on every rank
+    (the collectives must match)."""
+    hmod.__dict__["_hr_fsdp_extra_gathers"] = int(extra)
+    hmod.__dict__.pop("_hr_fsdp_driver", None)
+
+
+class StepBudgetError(ValueError):
+    """No plan fits the whole-step budget (``fit_step_budget``); the message says what the
+    step holds besides activations."""
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.numel()) * local.element_size()
+
+
+@dataclass
+class StepFit:
+    """What ``fit_step_budget`` planned for: the bytes of the step's parts (this rank's
+    sharded parameters and gradients, the root group's gathered parameters and its
+    reduce-scatter input, the largest block's reduce-scatter input) and the activation budget
+    the plan was made for; ``step_bytes`` is their modelled sum with the plan's activation and
+    gathered-block peak, at most the budget."""
+
+    step_budget: int
+    activation_budget: int
+    resident_bytes: int
+    peak_with_gathered_bytes: int
+    extra_bytes: int
+    rounds: int
+
+    @property
+    def step_bytes(self) -> int:
+        return self.resident_bytes + self.peak_with_gathered_bytes + self.extra_bytes
+
+
+def fit_step_budget(hmod: nn.Module, step_budget: int, sample: Any = None,
+                    rounds: int = 4) -> StepFit:
+    """Plan ``hmod`` (its blocks and itself already sharded with ``fully_shard``) so that the
+    whole step fits ``step_budget`` bytes: this rank's sharded parameters and gradients, the
+    root group's gathered parameters (held for the whole step) and reduce-scatter input, the
+    gathered blocks the plan holds at each step, the activations, and one block's
+    reduce-scatter input (FSDP2 copies a block's gradients into one buffer to reduce them).
+    The activation budget starts at what is left after the parts held all step and two
+    gathered blocks, and is lowered by the excess of the modelled step until it fits, at most
+    ``rounds`` plans. A collective call: every rank makes it, the smallest ``step_budget``
+    of the ranks is planned for, and every rank runs rank 0's plan
+    (``distributed.agree_on_plan``). ``sample``: the call's arguments, needed only where
+    op times were not measured yet (a module built for store-all). Raises
+    ``StepBudgetError`` when no plan fits."""
+    import torch.distributed as dist
+
+    from hrockmate.ir.errors import InfeasibleBudget
+    from hrockmate.runtime.distributed import agree_on_plan
+
+    grouped = dist.is_available() and dist.is_initialized()
+
+    def everyone(ok: bool) -> bool:
+        """Whether every rank's ``ok`` holds (so that all leave the loop together)."""
+        if not grouped:
+            return ok
+        box = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return int(box.item()) == 0
+
+    groups = blocks_of(hmod)
+    if not groups:
+        raise UnsupportedLayoutError(
+            "fit_step_budget: no block of the HRockmate module is sharded; call fully_shard "
+            "on each block, then on the HRockmate module, before fitting the step budget")
+    block_ids = {id(p.sharded_param) for grp in groups for p in grp.params}
+    sharded = sum(_local_bytes(p) for p in hmod.parameters())
+    root = sum(int(p.numel()) * p.element_size() for p in hmod.parameters()
+               if id(p) not in block_ids)
+    # sharded parameters and gradients, the root's gathered parameters and their gradients'
+    # reduce-scatter input
+    resident = 2 * sharded + 2 * root
+    if grouped:  # (shards of a last rank may be smaller; budgets the ranks measured differ)
+        box = torch.tensor([resident, -int(step_budget)], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        resident, step_budget = int(box[0].item()), -int(box[1].item())
+    largest = max(grp.unsharded_bytes for grp in groups)
+    activation = int(step_budget) - resident - 3 * largest
+    best: int | None = None  # the smallest modelled step of the plans made
+    for r in range(1, rounds + 1):
+        if activation <= 0:
+            break
+        try:
+            hmod.replan(activation, sample=sample)
+            planned = True
+        except InfeasibleBudget:
+            planned = False
+        if not everyone(planned):
+            break
+        agree_on_plan(hmod)
+        driver = driver_for(hmod)
+        assert driver is not None
+        fit = StepFit(int(step_budget), activation, resident, driver.peak_with_gathered_bytes,
+                      largest + hmod._hr_program.extra_bytes, r)
+        if fit.step_bytes <= step_budget:
+            return fit
+        best = fit.step_bytes if best is None else min(best, fit.step_bytes)
+        activation -= fit.step_bytes - int(step_budget)
+    raise StepBudgetError(
+        f"fit_step_budget: no plan fits a step of {int(step_budget)} bytes: this rank holds "
+        f"{resident} bytes all step (sharded parameters and gradients, the root group's "
+        f"gathered parameters and their reduce-scatter input) and the largest block gathers "
+        f"{largest} bytes"
+        + (f"; the plans made model steps of {best} bytes at the least" if best else "")
+        + "; raise the budget or shard over more ranks")
