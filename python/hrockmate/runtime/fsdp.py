@@ -20,7 +20,8 @@ ATen ops as straight-line code), so none of those hooks fire. Here the plan driv
   do fire: the root is the ``HRockmate`` module) finishes the iteration as usual.
 
 So each block is gathered at most twice per iteration (once per segment), as with per-block
-``torch.utils.checkpoint``, however the plan interleaves the block's recomputations.
+``torch.utils.checkpoint``, however the plan interleaves the block's recomputations;
+``set_extra_gathers`` allows more where they lower the modelled peak.
 
 The layout: build ``HRockmate`` on the unsharded model (tracing needs plain tensors), then
 ``fully_shard`` each block of the ``HRockmate`` module (its submodules are the model's) and the
@@ -29,7 +30,9 @@ The layout: build ``HRockmate`` on the unsharded model (tracing needs plain tens
 
 The schedule's memory counts activations only; ``BlockDriver.gathered_bytes`` gives, per
 schedule step, the bytes of gathered block parameters the driver holds there, and
-``HRockmate.fsdp_gathered_peak_bytes`` the activation timeline plus them at its highest.
+``BlockDriver.peak_with_gathered_bytes`` the activation timeline plus them at its highest.
+``fit_step_budget`` plans for a budget of the whole step (parameters, gradients, gathered
+blocks and activations).
 
 FSDP2's post-backward (``FSDPParamGroup.post_backward``) is private API; it and the few other
 private attributes read are reached in ``_Group`` only, which raises ``UnsupportedLayoutError``
@@ -117,6 +120,9 @@ class _Group:
     def unsharded_param(self, i: int) -> torch.Tensor:
         return self.params[i].unsharded_param
 
+    def is_unsharded(self) -> bool:
+        return bool(self.group.is_unsharded)
+
 
 def _elem_size(p: Any) -> int:
     """Bytes per element of an FSDPParam's gathered parameter (``param_dtype`` is set by
@@ -145,9 +151,15 @@ def blocks_of(hmod: nn.Module) -> list[_Group]:
             "sharding the blocks (torchtitan's layout), so that FSDP2's root hooks run")
     groups = []
     for _, mod in found:
-        state = mod._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", ()):
-            groups.append(_Group(mod, group))
+        try:
+            state_groups = list(mod._get_fsdp_state()._fsdp_param_groups)
+        except AttributeError as exc:
+            raise UnsupportedLayoutError(
+                f"HRockmate: FSDP2's internals changed in torch {torch.__version__} ({exc}); "
+                "per-block fully_shard under a plan reads each FSDP module's parameter "
+                "groups. Shard the whole HRockmate module instead (fully_shard(hmod) only)"
+            ) from exc
+        groups += [_Group(mod, group) for group in state_groups]
     return groups
 
 
@@ -197,8 +209,8 @@ class BlockDriver:
         self.plan = _Plan(slot_group, tensors_of_slot)
 
         def groups_read(op: int) -> set[int]:
-            return {group_of_tensor[r] for r in (graph.storage_root(t) for t in graph.ops[op].inputs)
-                    if r in group_of_tensor}
+            roots = (graph.storage_root(t) for t in graph.ops[op].inputs)
+            return {group_of_tensor[r] for r in roots if r in group_of_tensor}
 
         uses: list[list[int]] = [[] for _ in groups]  # per group: step positions using it
         for pos, (kind, k) in enumerate(steps):
@@ -309,7 +321,7 @@ class BlockDriver:
         """Unshard group ``g`` and point the graph's tensors of its parameters at the gathered
         ones (the same objects every time: FSDP2 refills their storage)."""
         grp = self.groups[g]
-        if not grp.group.is_unsharded:
+        if not grp.is_unsharded():
             self.gathers += 1
         grp.module.unshard()
         _, dtensor = _fsdp_types()
@@ -361,7 +373,7 @@ class BlockDriver:
         """The schedule's simulated memory (the activations the budget bounds) plus the
         gathered block parameters held at each step, at its highest: what the plan holds
         beyond the sharded parameters and gradients, the root group's gathered parameters and
-        the runtime's extra bytes (``HRockmate.predicted_peak_bytes`` adds those)."""
+        the runtime's extra bytes (``Program.extra_bytes``)."""
         return self.plan.peak_with_gathered
 
 
@@ -406,7 +418,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 class StepFit:
     """What ``fit_step_budget`` planned for: the bytes of the step's parts (this rank's
     sharded parameters and gradients, the root group's gathered parameters and its
-    reduce-scatter input, the largest block's reduce-scatter input) and the activation budget
+    reduce-scatter input; FSDP2's buffers and the runtime's extra bytes) and the activation budget
     the plan was made for; ``step_bytes`` is their modelled sum with the plan's activation and
     gathered-block peak, at most the budget."""
 
@@ -422,20 +434,19 @@ class StepFit:
         return self.resident_bytes + self.peak_with_gathered_bytes + self.extra_bytes
 
 
-def fit_step_budget(hmod: nn.Module, step_budget: int, sample: Any = None,
-                    rounds: int = 4) -> StepFit:
+def fit_step_budget(hmod: nn.Module, step_budget: int, rounds: int = 4) -> StepFit:
     """Plan ``hmod`` (its blocks and itself already sharded with ``fully_shard``) so that the
     whole step fits ``step_budget`` bytes: this rank's sharded parameters and gradients, the
     root group's gathered parameters (held for the whole step) and reduce-scatter input, the
-    gathered blocks the plan holds at each step, the activations, and one block's
-    reduce-scatter input (FSDP2 copies a block's gradients into one buffer to reduce them).
+    gathered blocks the plan holds at each step, the activations, and FSDP2's buffers at a
+    block boundary (a block's flat all-gather output, two blocks' reduce-scatter inputs).
     The activation budget starts at what is left after the parts held all step and two
     gathered blocks, and is lowered by the excess of the modelled step until it fits, at most
     ``rounds`` plans. A collective call: every rank makes it, the smallest ``step_budget``
     of the ranks is planned for, and every rank runs rank 0's plan
-    (``distributed.agree_on_plan``). ``sample``: the call's arguments, needed only where
-    op times were not measured yet (a module built for store-all). Raises
-    ``StepBudgetError`` when no plan fits."""
+    (``distributed.agree_on_plan``). The op times must have been measured before the blocks
+    were sharded (measuring runs the ops on the parameters): build ``HRockmate`` with a
+    budget below store-all. Raises ``StepBudgetError`` when no plan fits."""
     import torch.distributed as dist
 
     from hrockmate.ir.errors import InfeasibleBudget
@@ -451,6 +462,12 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, sample: Any = None,
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         return int(box.item()) == 0
 
+    if hmod.traced.graph.meta.get("cost_report", {}).get("mode") != "measure":
+        raise StepBudgetError(
+            "fit_step_budget: the module's op times were not measured (it was built for "
+            "store-all or with a fixed plan=), and measuring them now would run the ops on "
+            "sharded parameters; build HRockmate with a budget (budget=0.5, say) before "
+            "sharding, then fit the step budget")
     groups = blocks_of(hmod)
     if not groups:
         raise UnsupportedLayoutError(
@@ -468,13 +485,17 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, sample: Any = None,
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         resident, step_budget = int(box[0].item()), -int(box[1].item())
     largest = max(grp.unsharded_bytes for grp in groups)
-    activation = int(step_budget) - resident - 3 * largest
+    # FSDP2's own buffers at a block boundary: the flat all-gather output of the block being
+    # gathered (copied out into its parameters) and two blocks' reduce-scatter inputs (one
+    # kept in flight while the next is reduced)
+    buffers = 3 * largest
+    activation = int(step_budget) - resident - 2 * largest - buffers
     best: int | None = None  # the smallest modelled step of the plans made
     for r in range(1, rounds + 1):
         if activation <= 0:
             break
         try:
-            hmod.replan(activation, sample=sample)
+            hmod.replan(activation)
             planned = True
         except InfeasibleBudget:
             planned = False
@@ -484,7 +505,7 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, sample: Any = None,
         driver = driver_for(hmod)
         assert driver is not None
         fit = StepFit(int(step_budget), activation, resident, driver.peak_with_gathered_bytes,
-                      largest + hmod._hr_program.extra_bytes, r)
+                      buffers + hmod._hr_program.extra_bytes, r)
         if fit.step_bytes <= step_budget:
             return fit
         best = fit.step_bytes if best is None else min(best, fit.step_bytes)
