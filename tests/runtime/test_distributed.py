@@ -197,6 +197,7 @@ def _per_block_worker(rank: int, port: int) -> None:
                 fully_shard(layer, mesh=mesh)
         model(sample).sum().backward()  # (plain per-block FSDP2 trains)
         with pytest.raises(UnsupportedLayoutError, match=r"HRockmate cannot be built.*per block"
+                           r".*build HRockmate first.*then fully_shard\(hmod\)"
                            r".*DistributedDataParallel\(HRockmate.*fully_shard\(HRockmate"):
             HRockmate(model, sample)
         # tracing it directly is refused the same way, before tracing could break the
@@ -204,17 +205,21 @@ def _per_block_worker(rank: int, port: int) -> None:
         with pytest.raises(UnsupportedLayoutError, match="hrockmate cannot trace this model"):
             hrockmate.trace_model(model, sample)
         model(sample).sum().backward()
-        # wrapped, then sharded per block: refused at the first training call
+        # wrapped, then sharded per block without the HRockmate module as FSDP2's root:
+        # refused at the first training call, naming the root that is missing (with it, the
+        # layout trains: tests/runtime/test_fsdp_blocks.py)
         model, sample = models.mlp(batch=4, d_in=8, hidden=16, n_layers=2, d_out=4)
         hm = HRockmate(model, sample)
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
-        with pytest.raises(UnsupportedLayoutError, match=r"HRockmate was called.*per block"):
+        with pytest.raises(UnsupportedLayoutError,
+                           match=r"HRockmate was called.*HRockmate module is not.*fully_shard"
+                                 r"\(hmod\)"):
             hm(sample)
     finally:
         dist.destroy_process_group()
 
 
-def test_per_block_fsdp2_is_refused_naming_the_supported_layouts() -> None:
+def test_per_block_fsdp2_in_the_wrong_order_is_refused_naming_the_working_one() -> None:
     _spawn(_per_block_worker)

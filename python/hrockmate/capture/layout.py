@@ -1,7 +1,7 @@
-"""The model layouts hrockmate can trace and run: per-block FSDP2 (``fully_shard`` on
-submodules of the wrapped model) is refused, because the plan runs the whole model as one
-program that reads the parameters itself, so the blocks' hooks that gather their shards would
-never run (``hrockmate.runtime.distributed`` has the supported layouts)."""
+"""The model layouts hrockmate can trace: a model whose blocks FSDP2 has sharded
+(``fully_shard`` on submodules) is refused, because tracing needs plain tensors and would break
+the shards' state. Per-block FSDP2 runs when applied after ``HRockmate`` was built
+(``hrockmate.runtime.fsdp``; ``hrockmate.runtime.distributed`` has the supported layouts)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ __all__ = ["UnsupportedLayoutError", "check_layout"]
 
 
 class UnsupportedLayoutError(RuntimeError):
-    """The model is sharded in a way HRockmate does not run (per-block FSDP2)."""
+    """The model is sharded in a way HRockmate does not trace or run; the message names the
+    layouts that work."""
 
 
 def _sharded_parts(model: nn.Module, with_tensors: bool) -> list[str]:
@@ -38,16 +39,18 @@ def _sharded_parts(model: nn.Module, with_tensors: bool) -> list[str]:
 def check_layout(model: nn.Module, when: str, with_tensors: bool = True) -> None:
     """Raise ``UnsupportedLayoutError`` when ``model`` (the wrapped model) holds per-block
     FSDP2 shards; ``when`` starts the message. ``with_tensors``: also refuse DTensor
-    parameters (at a call they are unsharded already where the whole HRockmate module is
-    sharded, so they are blocks')."""
+    parameters."""
     parts = _sharded_parts(model, with_tensors)
     if not parts:
         return
     shown = ", ".join(parts[:3]) + (f" and {len(parts) - 3} more" if len(parts) > 3 else "")
     raise UnsupportedLayoutError(
         f"{when}: the wrapped model is sharded per block with FSDP2's fully_shard "
-        f"({shown}). hrockmate runs the whole model as one plan that reads the parameters "
-        "itself, so the blocks' hooks that gather their shards would never run. Supported "
-        "layouts: DistributedDataParallel(HRockmate(model, sample, budget)), or "
-        "fully_shard(HRockmate(model, sample, budget)) on the whole HRockmate module only "
-        "(build HRockmate on the unsharded model, then shard that module)")
+        f"({shown}). Tracing needs the unsharded parameters, so build HRockmate first and "
+        "shard afterwards: hmod = HRockmate(model, sample, budget); fully_shard(block) for "
+        "each block of hmod (its submodules are the model's), then fully_shard(hmod); the "
+        "plan then gathers, reshards and reduces the blocks itself (hrockmate.runtime.fsdp). "
+        "Also supported: DistributedDataParallel(HRockmate(model, sample, budget)) and "
+        "fully_shard(HRockmate(model, sample, budget)) on the whole module. A module with "
+        "sharded blocks is not traced again (another input shape, a changed model): call it "
+        "with the traced shapes")

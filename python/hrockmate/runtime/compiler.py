@@ -25,7 +25,7 @@ from hrockmate.ir.graph import PREEXISTING_ROLES as _PREEXISTING
 from hrockmate.ir.graph import gradient_seed_bytes  # noqa: F401  (the runtime counts it)
 from hrockmate.runtime.cuda_memory import allocator_slack_bytes
 
-__all__ = ["Program", "RuntimeScheduleError", "compile_schedule"]
+__all__ = ["Program", "RuntimeScheduleError", "StepHooks", "compile_schedule"]
 
 
 class RuntimeScheduleError(ValueError):
@@ -160,15 +160,17 @@ class _Compiler:
         param_slot: dict[str, int],
         buffer_slot: dict[str, int],
         input_slot: dict[int, int],
+        hooks: "StepHooks | None" = None,
     ) -> None:
         self.traced = traced
+        self.hooks = hooks if hooks is not None else StepHooks()
+        self.namespace: dict[str, Any] = dict(self.hooks.names)
         self.graph = traced.graph
         self.steps = [(str(k), int(i)) for k, i in steps]
         self.forward_len = int(forward_len)
         self.param_slot = param_slot
         self.buffer_slot = buffer_slot
         self.input_slot = input_slot
-        self.namespace: dict[str, Any] = {}
         #: the rules for the trace's random decisions (one description, also checked)
         self.skip_rules = SkipRules.of(traced, list(getattr(traced, "skippable", ()) or ()))
         self._consts: dict[int, str] = {}
@@ -535,17 +537,18 @@ class _Compiler:
                 pending = []
                 chunk_bodies.append([])
             out = fwd_body if pos < self.forward_len else chunk_bodies[-1]
+            out.extend(self.hooks.before.get(pos, ()))
             if kind == "free":
                 t = ident
                 alive[t] = False
                 out.extend(skips.freeing(t, pos))
                 skips.track(pos, (t,), alive)
-                if pos in deferred_free:
-                    continue  # dropped at its restoration's step instead
-                if t in grad_slot:
-                    out.append(stash(t))
-                    pending.append(t)
-                out.append(f"E[{t}] = None")
+                if pos not in deferred_free:  # (else dropped at its restoration's step)
+                    if t in grad_slot:
+                        out.append(stash(t))
+                        pending.append(t)
+                    out.append(f"E[{t}] = None")
+                out.extend(self.hooks.after.get(pos, ()))
                 continue
             k = ident
             fresh = [(t, i) for t, i in self._output_slots(k) if not alive[t]]
@@ -616,12 +619,14 @@ class _Compiler:
             skips.track(pos, [t for t, _ in fresh], alive)
             lines += skips.released(pos)
             out.extend(lines)
+            out.extend(self.hooks.after.get(pos, ()))
         tail = []
         for t in grad_slot:
             if alive[t]:
                 tail.append(stash(t))
                 pending.append(t)
         chunk_bodies[-1].extend(tail)
+        chunk_bodies[-1].extend(self.hooks.end)
         chunk_grads.append(pending)
 
         self.namespace["_acc"] = _accumulate
@@ -1043,6 +1048,21 @@ class _Skips:
                                     int(self._timeline[pos]) + extra - self._peak)
 
 
+@dataclass
+class StepHooks:
+    """Lines of code the generated segments run around schedule steps, besides the steps'
+    own (the per-block FSDP2 driver's gathers, reshards and gradient hand-overs:
+    ``runtime.fsdp``). ``before[pos]`` / ``after[pos]``: lines emitted just before / after step
+    ``pos``, in the segment of that step; ``end``: lines at the very end of the last backward
+    chunk, after the gradients still alive there are stashed. The lines may read ``E`` (both
+    segments), ``P`` (forward) and ``GP`` (backward) and call the objects in ``names``."""
+
+    before: dict[int, list[str]] = field(default_factory=dict)
+    after: dict[int, list[str]] = field(default_factory=dict)
+    end: list[str] = field(default_factory=list)
+    names: dict[str, Any] = field(default_factory=dict)
+
+
 def compile_schedule(
     traced: Any,
     steps: Sequence[tuple[str, int]],
@@ -1050,7 +1070,10 @@ def compile_schedule(
     param_slot: dict[str, int],
     buffer_slot: dict[str, int],
     input_slot: dict[int, int],
+    hooks: StepHooks | None = None,
 ) -> Program:
-    """Compile a schedule for a traced graph (see ``Program``)."""
-    return _Compiler(traced, steps, forward_len, param_slot, buffer_slot, input_slot).compile()
+    """Compile a schedule for a traced graph (see ``Program``); ``hooks``: code to run around
+    its steps (``StepHooks``)."""
+    return _Compiler(traced, steps, forward_len, param_slot, buffer_slot, input_slot,
+                     hooks).compile()
 

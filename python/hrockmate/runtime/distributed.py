@@ -12,11 +12,13 @@ for evaluation say). Plans made again inside a training call (a changed model, a
 of the inputs' values) are not exchanged, since ranks may make them at different calls;
 call ``agree_on_plan(hmod)`` on every rank afterwards to align them.
 
-Supported layouts: ``DistributedDataParallel(HRockmate(model, ...))`` and FSDP2's
-``fully_shard`` on the whole ``HRockmate`` module. ``fully_shard`` on submodules of the
-wrapped model (per-block FSDP2), before or after wrapping, is refused with
-``UnsupportedLayoutError``: the plan runs the whole model as one program that reads the
-parameters directly, so the blocks' hooks, which gather their sharded parameters, never run.
+Supported layouts: ``DistributedDataParallel(HRockmate(model, ...))``, FSDP2's
+``fully_shard`` on the whole ``HRockmate`` module, and per-block FSDP2 applied after wrapping:
+``fully_shard`` on each block of the ``HRockmate`` module, then on the module itself (the plan
+drives the blocks' gathers, reshards and reductions: ``hrockmate.runtime.fsdp``). Blocks
+sharded before wrapping are refused with ``UnsupportedLayoutError`` naming that order (tracing
+needs the unsharded parameters), and so are sharded blocks without ``fully_shard`` on the
+``HRockmate`` module (FSDP2's root hooks start and finish each iteration).
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ def first_call_check(hmod: nn.Module) -> None:
     module was built)."""
     if hmod.__dict__.get("_hr_layout_checked"):
         return
-    check_layout(hmod.__dict__["_hr_model"], "HRockmate was called", with_tensors=True)
+    from hrockmate.runtime import fsdp
+
+    if fsdp.sharded_blocks(hmod):
+        fsdp.blocks_of(hmod)  # (raises where the per-block layout cannot run under the plan)
+    else:
+        check_layout(hmod.__dict__["_hr_model"], "HRockmate was called", with_tensors=True)
     hmod.__dict__["_hr_layout_checked"] = True
 

@@ -71,7 +71,7 @@ from hrockmate.runtime.compiler import (
 )
 from hrockmate.runtime.cpu_memory import keep_freed_cpu_memory
 from hrockmate.runtime.cuda_memory import split_cuda_blocks
-from hrockmate.runtime import shapes
+from hrockmate.runtime import fsdp, shapes
 
 __all__ = ["FiniteAssumptionError", "HRockmate", "InputMismatchError", "ModelChangedError",
            "RuntimeScheduleError"]
@@ -902,6 +902,10 @@ class HRockmate(nn.Module):
             if differs is not None:
                 self._follow_values(args, kwargs, inputs, differs)
         program: Program = self._hr_program
+        if fsdp.is_fsdp_module(self):  # (per-block FSDP2: the plan drives the blocks)
+            driver = fsdp.driver_for(self)
+            if driver is not None:
+                program = driver.program
         params = [owner._parameters[attr] for owner, attr in self._hr_param_slots]
         if not any(t.requires_grad for t in params) and not any(t.requires_grad for t in inputs):
             return model(*args, **kwargs)  # nothing to differentiate: plain forward

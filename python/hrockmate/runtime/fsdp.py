@@ -1,0 +1,519 @@
+"""Per-block FSDP2 under one plan: the runtime gathers, reshards and reduces each block.
+
+The layout LLM trainers use (torchtitan's) is ``fully_shard`` on each transformer block and
+then on the root. FSDP2 gathers a block's parameters in the block's forward pre-hook, frees
+them in its post-hook, gathers them again before the block's backward and reduce-scatters the
+block's gradients after it. A plan does not call the blocks' ``forward`` (it runs the traced
+ATen ops as straight-line code), so none of those hooks fire. Here the plan drives them:
+
+- a block is the set of parameter slots one FSDP2 parameter group manages; an op uses the
+  block whose parameters (or views of them) it reads;
+- in the forward segment the block is gathered (``FSDPModule.unshard``) right before the first
+  op that uses it and resharded right after the last one (unless the block was sharded with
+  ``reshard_after_forward=False``, which keeps it gathered into the backward);
+- in the backward segment it is gathered once, before the first op using it there (a
+  recomputation of its forward ops or one of its backward ops), and kept gathered until the
+  last of them and the last of its gradients are done; then its gradients are handed to the
+  unsharded parameters' ``.grad`` and the group's post-backward runs, which reshards and
+  reduce-scatters them into the sharded parameters' ``.grad`` exactly as FSDP2 does after a
+  block's backward. The root's final callback (queued by the root module's own hooks, which
+  do fire: the root is the ``HRockmate`` module) finishes the iteration as usual.
+
+So each block is gathered at most twice per iteration (once per segment), as with per-block
+``torch.utils.checkpoint``, however the plan interleaves the block's recomputations;
+``set_extra_gathers`` allows more where they lower the modelled peak.
+
+The layout: build ``HRockmate`` on the unsharded model (tracing needs plain tensors), then
+``fully_shard`` each block of the ``HRockmate`` module (its submodules are the model's) and the
+``HRockmate`` module itself. The other order is refused by the constructor with an
+``UnsupportedLayoutError`` naming this one.
+
+The schedule's memory counts activations only; ``BlockDriver.gathered_bytes`` gives, per
+schedule step, the bytes of gathered block parameters the driver holds there, and
+``BlockDriver.peak_with_gathered_bytes`` the activation timeline plus them at its highest.
+``fit_step_budget`` plans for a budget of the whole step (parameters, gradients, gathered
+blocks and activations).
+
+FSDP2's post-backward (``FSDPParamGroup.post_backward``) is private API; it and the few other
+private attributes read are reached in ``_Group`` only, which raises ``UnsupportedLayoutError``
+naming the torch version when they are missing.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from hrockmate.capture.layout import UnsupportedLayoutError
+
+__all__ = ["BlockDriver", "StepBudgetError", "StepFit", "blocks_of", "driver_for",
+           "fit_step_budget", "is_fsdp_module", "set_extra_gathers", "sharded_blocks"]
+
+
+def _fsdp_types() -> tuple[Any, Any]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return (), ()
+    return FSDPModule, DTensor
+
+
+def is_fsdp_module(mod: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``mod``."""
+    fsdp_module, _ = _fsdp_types()
+    return bool(fsdp_module) and isinstance(mod, fsdp_module)
+
+
+def sharded_blocks(hmod: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the wrapped model's submodules that ``fully_shard`` was applied to
+    (the model itself included, named "")."""
+    fsdp_module, _ = _fsdp_types()
+    if not fsdp_module:
+        return []
+    model = hmod.__dict__["_hr_model"]
+    return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, fsdp_module)]
+
+
+class _Group:
+    """One FSDP2 parameter group of a block, and the private API used on it."""
+
+    def __init__(self, module: nn.Module, group: Any) -> None:
+        self.module = module
+        self.group = group
+        try:
+            self.params = list(group.fsdp_params)
+            self.post_backward_fn = group.post_backward
+            uses_other_mesh = bool(group._use_post_forward_mesh)
+            self.reshard_after_forward = bool(group._reshard_after_forward)
+            self.unsharded_bytes = sum(int(p._orig_size.numel()) * _elem_size(p)
+                                       for p in self.params)
+            self.owners = [[(p._module_info.module, p._module_info.param_name)]
+                           + list(zip(p._module_info.shared_modules,
+                                      p._module_info.shared_param_names))
+                           for p in self.params]
+        except AttributeError as exc:
+            raise UnsupportedLayoutError(
+                f"HRockmate: FSDP2's internals changed in torch {torch.__version__} ({exc}); "
+                "per-block fully_shard under a plan reads FSDPParamGroup.fsdp_params and "
+                "post_backward. Shard the whole HRockmate module instead "
+                "(fully_shard(hmod) only), or use the torch version this hrockmate supports"
+            ) from exc
+        cast = sorted({str(p.param_dtype) for p in self.params
+                       if getattr(p, "param_dtype", None) is not None})
+        if cast:
+            raise UnsupportedLayoutError(
+                f"HRockmate: a block is sharded with MixedPrecisionPolicy(param_dtype="
+                f"{', '.join(cast)}); the plan was traced with the parameters' own dtype, so its "
+                "ops would get parameters of another dtype. Shard the blocks without a "
+                "param_dtype, and train under torch.autocast (build HRockmate within the "
+                "autocast region) for low-precision compute")
+        if uses_other_mesh:
+            raise UnsupportedLayoutError(
+                "HRockmate: a block sharded with reshard_after_forward=<int> (resharding onto a "
+                "smaller mesh after forward) is not supported under a plan; use True or False")
+
+    def unsharded_param(self, i: int) -> torch.Tensor:
+        return self.params[i].unsharded_param
+
+    def is_unsharded(self) -> bool:
+        return bool(self.group.is_unsharded)
+
+
+def _elem_size(p: Any) -> int:
+    """Bytes per element of an FSDPParam's gathered parameter (``param_dtype`` is set by
+    FSDP2's lazy initialisation, at the root's first forward)."""
+    dtype = getattr(p, "param_dtype", None) or p.sharded_param.dtype
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def blocks_of(hmod: nn.Module) -> list[_Group]:
+    """The FSDP2 parameter groups of the sharded blocks of ``hmod``'s model, in module order;
+    raises ``UnsupportedLayoutError`` when the layout cannot run under a plan."""
+    fsdp_module, _ = _fsdp_types()
+    found = sharded_blocks(hmod)
+    if not found:
+        return []
+    names = [n or "the model itself" for n, _ in found]
+    if any(n == "" for n, _ in found):
+        raise UnsupportedLayoutError(
+            "HRockmate was called: the wrapped model itself was sharded with fully_shard; "
+            "shard the HRockmate module instead (fully_shard(hmod)), after sharding its blocks")
+    if not isinstance(hmod, fsdp_module):
+        raise UnsupportedLayoutError(
+            f"HRockmate was called: blocks of the wrapped model are sharded with fully_shard "
+            f"({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) but the HRockmate "
+            "module is not. Per-block FSDP2 needs a root: call fully_shard(hmod) after "
+            "sharding the blocks (torchtitan's layout), so that FSDP2's root hooks run")
+    groups = []
+    for _, mod in found:
+        try:
+            state_groups = list(mod._get_fsdp_state()._fsdp_param_groups)
+        except AttributeError as exc:
+            raise UnsupportedLayoutError(
+                f"HRockmate: FSDP2's internals changed in torch {torch.__version__} ({exc}); "
+                "per-block fully_shard under a plan reads each FSDP module's parameter "
+                "groups. Shard the whole HRockmate module instead (fully_shard(hmod) only)"
+            ) from exc
+        groups += [_Group(mod, group) for group in state_groups]
+    return groups
+
+
+@dataclass
+class _Plan:
+    """Where the driver's calls go in one schedule, and what it holds (``BlockDriver``)."""
+
+    slot_group: dict[int, tuple[int, int]]  # parameter slot -> (group, its FSDPParam index)
+    tensors_of_slot: dict[int, list[int]]  # parameter slot -> graph tensors standing for it
+    gathers_per_iteration: int = 0
+    peak_with_gathered: int = 0
+    #: per step, the unsharded bytes of the groups gathered there (model of what is held)
+    gathered: list[int] = field(default_factory=list)
+
+
+class BlockDriver:
+    """Drives FSDP2's per-block gathers, reshards and gradient reductions from one compiled
+    schedule (see the module's docstring); ``program`` is that schedule compiled with the
+    driver's calls, its chunks handing only the non-block gradients to autograd."""
+
+    def __init__(self, hmod: nn.Module, groups: list[_Group], extra_gathers: int = 0) -> None:
+        from hrockmate.runtime.compiler import StepHooks, compile_schedule
+
+        self.groups = groups
+        traced = hmod.traced
+        graph = traced.graph
+        schedule = hmod.schedule
+        steps = [(str(k), int(i)) for k, i in schedule.steps]
+        fwd_len = int(schedule.forward_len)
+        slots = hmod._hr_param_slots  # slot -> (owner module, attribute)
+        where: dict[tuple[int, str], tuple[int, int]] = {}
+        for g, grp in enumerate(groups):
+            for i, owners in enumerate(grp.owners):
+                for mod, attr in owners:
+                    where[(id(mod), attr)] = (g, i)
+        slot_group = {j: where[(id(mod), attr)] for j, (mod, attr) in enumerate(slots)
+                      if (id(mod), attr) in where}
+        tensors_of_slot: dict[int, list[int]] = {}
+        group_of_tensor: dict[int, int] = {}
+        for tid, (kind, key) in traced.sources.items():
+            if kind != "param":
+                continue
+            j = hmod._hr_param_slot[key]
+            if j in slot_group:
+                tensors_of_slot.setdefault(j, []).append(int(tid))
+                group_of_tensor[int(tid)] = slot_group[j][0]
+        self.plan = _Plan(slot_group, tensors_of_slot)
+
+        def groups_read(op: int) -> set[int]:
+            roots = (graph.storage_root(t) for t in graph.ops[op].inputs)
+            return {group_of_tensor[r] for r in roots if r in group_of_tensor}
+
+        uses: list[list[int]] = [[] for _ in groups]  # per group: step positions using it
+        for pos, (kind, k) in enumerate(steps):
+            if kind == "compute":
+                for g in groups_read(k):
+                    uses[g].append(pos)
+        end = len(steps)
+        grad_done: list[int] = [-1] * len(groups)  # per group: the step stashing its last grad
+        freed_at = {i: pos for pos, (kind, i) in enumerate(steps) if kind == "free"}
+        for name, tid in traced.param_grads.items():
+            j = hmod._hr_param_slot.get(name)
+            if j in slot_group:
+                g = slot_group[j][0]
+                grad_done[g] = max(grad_done[g], freed_at.get(int(tid), end))
+        from hrockmate.ir.schedule import Schedule, simulate
+
+        timeline = [int(x) for x in simulate(graph, Schedule(steps, fwd_len)).timeline]
+        timeline += [0] * (end + 1 - len(timeline))
+        # Per group, the step ranges it is gathered over ((first, last), both included; last
+        # == end: the end of the backward), and the backward's idle stretches between the
+        # clusters of its uses there (other groups' ops in between) that one more gather
+        # could free.
+        held: list[list[tuple[int, int]]] = []
+        idle: list[list[tuple[int, int]]] = []
+        post_at: list[int] = []  # per group: the step its post-backward follows (-1: none)
+        for g, grp in enumerate(groups):
+            fwd = [p for p in uses[g] if p < fwd_len]
+            bwd = [p for p in uses[g] if p >= fwd_len]
+            # kept gathered from the forward into the backward (reshard_after_forward=False)
+            kept = bool(fwd) and not grp.reshard_after_forward
+            last = max(bwd[-1] if bwd else -1, grad_done[g])
+            if last < 0 and kept:
+                last = end  # (gathered in forward, unused after: resharded at the end)
+            post_at.append(last)
+            ranges = []
+            if fwd and not kept:
+                ranges.append((fwd[0], fwd[-1]))
+            if kept:
+                ranges.append((fwd[0], last))
+            elif bwd:
+                ranges.append((bwd[0], last))
+            held.append(ranges)
+            gaps = []
+            if bwd and not kept:
+                others = sorted(p for h in range(len(groups)) if h != g for p in uses[h]
+                                if bwd[0] < p < bwd[-1])
+                for a, b in zip(bwd, bwd[1:]):
+                    i = bisect.bisect_right(others, a)
+                    if i < len(others) and others[i] < b:
+                        gaps.append((a, b))
+            idle.append(gaps)
+
+        def gathered_at() -> list[int]:
+            out = [0] * (end + 1)
+            for g, ranges in enumerate(held):
+                for first, last in ranges:
+                    for p in range(first, last + 1):
+                        out[p] += groups[g].unsharded_bytes
+            return out
+
+        gathered = gathered_at()
+        # One more gather per idle stretch that holds the step of the highest memory
+        # (activations and gathered blocks), the largest group first, at most extra_gathers.
+        for _ in range(max(0, int(extra_gathers))):
+            total = [a + b for a, b in zip(timeline, gathered)]
+            top = max(range(end + 1), key=total.__getitem__)
+            choice = max(((groups[g].unsharded_bytes, g, gap) for g, gaps in enumerate(idle)
+                          for gap in gaps if gap[0] < top < gap[1]), default=None)
+            if choice is None:
+                break
+            _, g, (a, b) = choice
+            idle[g].remove((a, b))
+            ranges = held[g]
+            k = next(i for i, (f, l) in enumerate(ranges) if f <= a and b <= l)
+            f, l = ranges[k]
+            ranges[k:k + 1] = [(f, a), (b, l)]
+            gathered = gathered_at()
+
+        hooks = StepHooks(names={"_HR_FSDP": self})
+        count = 0
+        for g, ranges in enumerate(held):
+            for first, last in ranges:
+                hooks.before.setdefault(first, []).append(f"_HR_FSDP.gather({g}, E)")
+                count += 1
+                if last != post_at[g]:
+                    hooks.after.setdefault(last, []).append(f"_HR_FSDP.reshard({g})")
+            last = post_at[g]
+            if last < 0:
+                continue  # (no backward use, no gradient: FSDP2's final callback is enough)
+            call = f"_HR_FSDP.post_backward({g}, GP)"
+            if last >= end:
+                hooks.end.append(call)
+            else:
+                hooks.after.setdefault(last, []).append(call)
+        self.plan.gathers_per_iteration = count
+        self.plan.gathered = gathered
+        self.plan.peak_with_gathered = max(a + b for a, b in zip(timeline, gathered))
+        self.gathers = 0  # unshard calls made (all iterations)
+        program = compile_schedule(traced, steps, fwd_len, hmod._hr_param_slot,
+                                   hmod._hr_buffer_slot, hmod._hr_input_slot, hooks)
+        # the block gradients reach FSDP2 through post_backward, not autograd
+        program.chunk_params = [[j for j in c if j not in slot_group]
+                                for c in program.chunk_params]
+        self.program = program
+
+    # ---- the calls the generated code makes ------------------------------------------------
+    def gather(self, g: int, E: list[Any]) -> None:
+        """Unshard group ``g`` and point the graph's tensors of its parameters at the gathered
+        ones (the same objects every time: FSDP2 refills their storage)."""
+        grp = self.groups[g]
+        if not grp.is_unsharded():
+            self.gathers += 1
+        grp.module.unshard()
+        _, dtensor = _fsdp_types()
+        for j, (gi, i) in self.plan.slot_group.items():
+            if gi != g:
+                continue
+            p = grp.unsharded_param(i)
+            if dtensor and isinstance(p, dtensor):
+                raise UnsupportedLayoutError(
+                    "HRockmate: a block's gathered parameter is a DTensor (FSDP2 combined with "
+                    "tensor parallelism); only data-parallel fully_shard is supported per block")
+            for t in self.plan.tensors_of_slot.get(j, ()):
+                E[t] = p
+
+    def reshard(self, g: int) -> None:
+        self.groups[g].module.reshard()
+
+    def post_backward(self, g: int, GP: list[Any]) -> None:
+        """Hand group ``g``'s finished gradients to its unsharded parameters' ``.grad`` and run
+        FSDP2's post-backward for it (reshard, reduce-scatter into the sharded ``.grad``)."""
+        grp = self.groups[g]
+        for j, (gi, i) in self.plan.slot_group.items():
+            if gi != g:
+                continue
+            grad = GP[j]
+            GP[j] = None
+            if grad is None:
+                continue
+            p = grp.unsharded_param(i)
+            if p.grad is None:
+                p.grad = grad
+            else:  # (gradient accumulation without reduction: set_requires_gradient_sync)
+                p.grad = p.grad + grad
+        grp.post_backward_fn()
+
+    # ---- what the driver holds -------------------------------------------------------------
+    @property
+    def gathers_per_iteration(self) -> int:
+        """Gathers one iteration makes (one per block per segment that uses it)."""
+        return self.plan.gathers_per_iteration
+
+    def gathered_bytes(self) -> list[int]:
+        """Per schedule step (and one more: the end), the bytes of gathered block parameters
+        the driver holds there."""
+        return list(self.plan.gathered)
+
+    @property
+    def peak_with_gathered_bytes(self) -> int:
+        """The schedule's simulated memory (the activations the budget bounds) plus the
+        gathered block parameters held at each step, at its highest: what the plan holds
+        beyond the sharded parameters and gradients, the root group's gathered parameters and
+        the runtime's extra bytes (``Program.extra_bytes``)."""
+        return self.plan.peak_with_gathered
+
+
+def driver_for(hmod: nn.Module) -> BlockDriver | None:
+    """The driver of ``hmod``'s per-block FSDP2 layout for the schedule in use, built at the
+    first call after the blocks were sharded, the schedule changed or ``set_extra_gathers``;
+    None without sharded blocks."""
+    held = hmod.__dict__.get("_hr_fsdp_driver")
+    program = hmod.__dict__.get("_hr_program")
+    if held is not None and held[0] is program:
+        return held[1]
+    groups = blocks_of(hmod)
+    extra = hmod.__dict__.get("_hr_fsdp_extra_gathers", 0)
+    driver = BlockDriver(hmod, groups, extra) if groups else None
+    hmod.__dict__["_hr_fsdp_driver"] = (program, driver)
+    return driver
+
+
+def set_extra_gathers(hmod: nn.Module, extra: int) -> None:
+    """Let the driver gather blocks up to ``extra`` more times per iteration than once per
+    segment, to lower the step's peak: a plan that recomputes a block's op long before the
+    block's backward would otherwise hold the block gathered from there on. Each extra gather
+    frees a block over an idle stretch of its backward uses that holds the modelled peak
+    (activations plus gathered blocks). 0 (the default): at most two gathers per block and
+    iteration, as per-block ``torch.utils.checkpoint``. Set it to the same value on every rank
+    (the collectives must match)."""
+    hmod.__dict__["_hr_fsdp_extra_gathers"] = int(extra)
+    hmod.__dict__.pop("_hr_fsdp_driver", None)
+
+
+class StepBudgetError(ValueError):
+    """No plan fits the whole-step budget (``fit_step_budget``); the message says what the
+    step holds besides activations."""
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.numel()) * local.element_size()
+
+
+@dataclass
+class StepFit:
+    """What ``fit_step_budget`` planned for: the bytes of the step's parts (this rank's
+    sharded parameters and gradients, the root group's gathered parameters and its
+    reduce-scatter input; FSDP2's buffers and the runtime's extra bytes) and the activation budget
+    the plan was made for; ``step_bytes`` is their modelled sum with the plan's activation and
+    gathered-block peak, at most the budget."""
+
+    step_budget: int
+    activation_budget: int
+    resident_bytes: int
+    peak_with_gathered_bytes: int
+    extra_bytes: int
+    rounds: int
+
+    @property
+    def step_bytes(self) -> int:
+        return self.resident_bytes + self.peak_with_gathered_bytes + self.extra_bytes
+
+
+def fit_step_budget(hmod: nn.Module, step_budget: int, rounds: int = 4) -> StepFit:
+    """Plan ``hmod`` (its blocks and itself already sharded with ``fully_shard``) so that the
+    whole step fits ``step_budget`` bytes: this rank's sharded parameters and gradients, the
+    root group's gathered parameters (held for the whole step) and reduce-scatter input, the
+    gathered blocks the plan holds at each step, the activations, and FSDP2's buffers at a
+    block boundary (a block's flat all-gather output, two blocks' reduce-scatter inputs).
+    The activation budget starts at what is left after the parts held all step and two
+    gathered blocks, and is lowered by the excess of the modelled step until it fits, at most
+    ``rounds`` plans. A collective call: every rank makes it, the smallest ``step_budget``
+    of the ranks is planned for, and every rank runs rank 0's plan
+    (``distributed.agree_on_plan``). The op times must have been measured before the blocks
+    were sharded (measuring runs the ops on the parameters): build ``HRockmate`` with a
+    budget below store-all. Raises ``StepBudgetError`` when no plan fits."""
+    import torch.distributed as dist
+
+    from hrockmate.ir.errors import InfeasibleBudget
+    from hrockmate.runtime.distributed import agree_on_plan
+
+    grouped = dist.is_available() and dist.is_initialized()
+
+    def everyone(ok: bool) -> bool:
+        """Whether every rank's ``ok`` holds (so that all leave the loop together)."""
+        if not grouped:
+            return ok
+        box = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return int(box.item()) == 0
+
+    if hmod.traced.graph.meta.get("cost_report", {}).get("mode") != "measure":
+        raise StepBudgetError(
+            "fit_step_budget: the module's op times were not measured (it was built for "
+            "store-all or with a fixed plan=), and measuring them now would run the ops on "
+            "sharded parameters; build HRockmate with a budget (budget=0.5, say) before "
+            "sharding, then fit the step budget")
+    groups = blocks_of(hmod)
+    if not groups:
+        raise UnsupportedLayoutError(
+            "fit_step_budget: no block of the HRockmate module is sharded; call fully_shard "
+            "on each block, then on the HRockmate module, before fitting the step budget")
+    block_ids = {id(p.sharded_param) for grp in groups for p in grp.params}
+    sharded = sum(_local_bytes(p) for p in hmod.parameters())
+    root = sum(int(p.numel()) * p.element_size() for p in hmod.parameters()
+               if id(p) not in block_ids)
+    # sharded parameters and gradients, the root's gathered parameters and their gradients'
+    # reduce-scatter input
+    resident = 2 * sharded + 2 * root
+    if grouped:  # (shards of a last rank may be smaller; budgets the ranks measured differ)
+        box = torch.tensor([resident, -int(step_budget)], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        resident, step_budget = int(box[0].item()), -int(box[1].item())
+    largest = max(grp.unsharded_bytes for grp in groups)
+    # FSDP2's own buffers at a block boundary: the flat all-gather output of the block being
+    # gathered (copied out into its parameters) and two blocks' reduce-scatter inputs (one
+    # kept in flight while the next is reduced)
+    buffers = 3 * largest
+    activation = int(step_budget) - resident - 2 * largest - buffers
+    best: int | None = None  # the smallest modelled step of the plans made
+    for r in range(1, rounds + 1):
+        if activation <= 0:
+            break
+        try:
+            hmod.replan(activation)
+            planned = True
+        except InfeasibleBudget:
+            planned = False
+        if not everyone(planned):
+            break
+        agree_on_plan(hmod)
+        driver = driver_for(hmod)
+        assert driver is not None
+        fit = StepFit(int(step_budget), activation, resident, driver.peak_with_gathered_bytes,
+                      buffers + hmod._hr_program.extra_bytes, r)
+        if fit.step_bytes <= step_budget:
+            return fit
+        best = fit.step_bytes if best is None else min(best, fit.step_bytes)
+        activation -= fit.step_bytes - int(step_budget)
+    raise StepBudgetError(
+        f"fit_step_budget: no plan fits a step of {int(step_budget)} bytes: this rank holds "
+        f"{resident} bytes all step (sharded parameters and gradients, the root group's "
+        f"gathered parameters and their reduce-scatter input) and the largest block gathers "
+        f"{largest} bytes"
+        + (f"; the plans made model steps of {best} bytes at the least" if best else "")
+        + "; raise the budget or shard over more ranks")
