@@ -328,3 +328,21 @@ def test_a_whole_step_budget_bounds_the_measured_step() -> None:
     """``fit_step_budget``: at 80% of plain per-block FSDP2's whole step (sharded parameters,
     gathered parameters, activations, gradients), the measured step fits."""
     _spawn(_step_budget_worker, 2)
+
+
+def test_compiled_mode_with_sharded_blocks_is_refused_naming_eager_mode(monkeypatch) -> None:
+    # The driver's gathers are lines of the eager program; a compiled module with sharded
+    # blocks must say so at its first call rather than run without gathering.
+    from hrockmate.capture.layout import UnsupportedLayoutError
+    from hrockmate.runtime import fsdp
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    hmod = HRockmate(model, torch.randn(4, 8), cache=False)
+    hmod.__dict__["_hr_inductor"] = True
+    monkeypatch.setattr(fsdp, "blocks_of", lambda m: [object()])
+    with pytest.raises(UnsupportedLayoutError, match="compile=False"):
+        fsdp.driver_for(hmod)
+    hmod.__dict__["_hr_inductor"] = False
+    hmod.__dict__.pop("_hr_fsdp_driver", None)
+    monkeypatch.setattr(fsdp, "blocks_of", lambda m: [])
+    assert fsdp.driver_for(hmod) is None

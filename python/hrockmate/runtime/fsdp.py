@@ -386,6 +386,12 @@ def driver_for(hmod: nn.Module) -> BlockDriver | None:
     if held is not None and held[0] is program:
         return held[1]
     groups = blocks_of(hmod)
+    if groups and hmod.__dict__.get("_hr_inductor"):
+        # the driver's hooks are lines of the eager program; compiled pieces have no place
+        # for an all-gather between two of their ops
+        raise UnsupportedLayoutError(
+            "per-block FSDP2 runs the plan's eager program: build the HRockmate module with "
+            "compile=False (the default) before sharding its blocks")
     extra = hmod.__dict__.get("_hr_fsdp_extra_gathers", 0)
     driver = BlockDriver(hmod, groups, extra) if groups else None
     hmod.__dict__["_hr_fsdp_driver"] = (program, driver)
