@@ -123,6 +123,13 @@ def block_checkpoint_schedule(
     """Per-block checkpointing with ``blocks`` contiguous blocks of the forward ops, also keeping
     the tensors ``keep_extra``."""
 
+def labelled_checkpoint_schedule(
+    label: NDArray[np.int64], keep_extra: NDArray[np.int64], **graph: _GraphArg
+) -> _ScheduleArrays:
+    """Per-block checkpointing with a block per run of forward ops of one ``label`` (one per op,
+    negative outside every checkpointed layer, ignored on backward ops); the outputs of the
+    unlabelled ops are kept besides ``keep_extra``."""
+
 def checkpoint_points(
     keep_extra: NDArray[np.int64],
     budget_bytes: int | None = None,
