@@ -96,7 +96,7 @@ def signed_forward(hmod: nn.Module) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if hmod.training and torch.is_grad_enabled():
             if not hmod.__dict__.get("_hr_layout_checked"):
-                from hrockmate.runtime.distributed import first_call_check
+                from hrockmate.runtime.fsdp import first_call_check
 
                 first_call_check(hmod)
             if kwargs:

@@ -60,29 +60,6 @@ class LeastPeak:
 
 _cache: OrderedDict[tuple[Any, ...], LeastPeak] = OrderedDict()
 _lock = threading.Lock()
-#: recompute-all's schedule of the last graph asked for, by structure hash (it depends on
-#: nothing else): a search that finds nothing builds it as its last resort, and the least peak
-#: that the refusal then names needs it again; on graphs of thousands of ops it has millions
-#: of steps and took seconds to build each time
-_recompute_all: list[tuple[str, Any]] = []
-
-
-def recompute_all(graph: Graph) -> Any:
-    """``ir.schedule.recompute_all_schedule(graph)``, kept for the last graph asked (the same
-    ``Schedule`` object: callers must not change its steps). Raises its MemoryError on graphs
-    whose schedule would be too large."""
-    from hrockmate.ir.schedule import recompute_all_schedule
-
-    key = graph.structure_hash()
-    with _lock:
-        if _recompute_all and _recompute_all[0][0] == key:
-            return _recompute_all[0][1]
-    schedule = recompute_all_schedule(graph)
-    with _lock:
-        _recompute_all[:] = [(key, schedule)]
-    return schedule
-
-
 def _key(graph: Graph, flat_ops: int, hierarchies: Sequence[Any]) -> tuple[Any, ...]:
     # the structure hash covers every size and storage rule a peak depends on; a prepared
     # hierarchy by its leaf size and memory model (the blocks it was built from)
@@ -139,7 +116,7 @@ def _compute(graph: Graph, flat_ops: int, hierarchies: Sequence[Any]) -> LeastPe
         return len(found) - 1
 
     try:
-        add("recompute-all", recompute_all(graph))
+        add("recompute-all", reference.recompute_all(graph))
     except MemoryError as exc:  # O(n^2) steps on a long chain
         logger.info("no recompute-all schedule for the least peak of '%s': %s", graph.name, exc)
     for label, selective in (("checkpoint", False), ("selective", True)):
@@ -226,6 +203,8 @@ def _refine_in_place(graph: Graph, found: list[Any], row: int) -> None:
 
 def clear_cache() -> None:
     """Forget every least peak computed (for tests that change the strategies)."""
+    from hrockmate.planning import strategies as reference
+
     with _lock:
         _cache.clear()
-        _recompute_all.clear()
+    reference.forget_recompute_all()

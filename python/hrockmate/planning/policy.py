@@ -217,10 +217,9 @@ class _Run:
         # the last resort, built only when a fallback is wanted: on large graphs building and
         # simulating it takes time that a solve with a plan does not need
         from hrockmate.ir.schedule import simulate
-        from hrockmate.planning.minima import recompute_all
 
         try:
-            rc = recompute_all(self.graph)  # (kept: a refusal's least peak needs it too)
+            rc = reference.recompute_all(self.graph)  # (kept: a refusal's least peak needs it too)
         except MemoryError as exc:  # TooLargeError: O(n^2) steps on a long chain
             if self.method == "recompute-all":
                 raise

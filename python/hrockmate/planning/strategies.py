@@ -27,6 +27,7 @@ validates every result with the simulator and picks among them with ``method=``:
 
 from __future__ import annotations
 
+import threading
 import time as _time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
@@ -63,6 +64,36 @@ _HEAVY_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "co
                         "conv1d", "conv2d", "conv3d", "cudnn_convolution"})
 _ATTENTION_STEMS = ("scaled_dot_product", "flash_attention", "efficient_attention",
                     "cudnn_attention")
+
+
+#: recompute-all's schedule of the last graph asked for, by structure hash (it depends on
+#: nothing else): a search that finds nothing builds it as its last resort, and the least peak
+#: that the refusal then names needs it again; on graphs of thousands of ops it has millions
+#: of steps and took seconds to build each time
+_recompute_all_lock = threading.Lock()
+_recompute_all: list[tuple[str, Any]] = []
+
+
+def recompute_all(graph: Graph) -> Any:
+    """``ir.schedule.recompute_all_schedule(graph)``, kept for the last graph asked (the same
+    ``Schedule`` object: callers must not change its steps). Raises its MemoryError on graphs
+    whose schedule would be too large."""
+    from hrockmate.ir.schedule import recompute_all_schedule
+
+    key = graph.structure_hash()
+    with _recompute_all_lock:
+        if _recompute_all and _recompute_all[0][0] == key:
+            return _recompute_all[0][1]
+    schedule = recompute_all_schedule(graph)
+    with _recompute_all_lock:
+        _recompute_all[:] = [(key, schedule)]
+    return schedule
+
+
+def forget_recompute_all() -> None:
+    """Drop the kept recompute-all schedule (``minima.clear_cache``)."""
+    with _recompute_all_lock:
+        _recompute_all.clear()
 
 
 def is_heavy_op(target: str) -> bool:

@@ -89,17 +89,3 @@ def should_agree() -> bool:
     """Whether the constructor exchanges plans (see the module's docstring)."""
     return not getattr(_local, "per_rank", False) and _group_size() > 1
 
-
-def first_call_check(hmod: nn.Module) -> None:
-    """The layout check at a module's first training call (FSDP2 may shard blocks after the
-    module was built)."""
-    if hmod.__dict__.get("_hr_layout_checked"):
-        return
-    from hrockmate.runtime import fsdp
-
-    if fsdp.sharded_blocks(hmod):
-        fsdp.blocks_of(hmod)  # (raises where the per-block layout cannot run under the plan)
-    else:
-        check_layout(hmod.__dict__["_hr_model"], "HRockmate was called", with_tensors=True)
-    hmod.__dict__["_hr_layout_checked"] = True
-

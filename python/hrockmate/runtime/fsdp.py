@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from hrockmate.capture.layout import UnsupportedLayoutError
+from hrockmate.capture.layout import UnsupportedLayoutError, check_layout
 
 __all__ = ["BlockDriver", "StepBudgetError", "StepFit", "blocks_of", "driver_for",
            "fit_step_budget", "is_fsdp_module", "set_extra_gathers", "sharded_blocks"]
@@ -523,3 +523,15 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, rounds: int = 4) -> StepF
         f"{largest} bytes"
         + (f"; the plans made model steps of {best} bytes at the least" if best else "")
         + "; raise the budget or shard over more ranks")
+
+
+def first_call_check(hmod: nn.Module) -> None:
+    """The layout check at a module's first training call (FSDP2 may shard blocks after the
+    module was built)."""
+    if hmod.__dict__.get("_hr_layout_checked"):
+        return
+    if sharded_blocks(hmod):
+        blocks_of(hmod)  # (raises where the per-block layout cannot run under the plan)
+    else:
+        check_layout(hmod.__dict__["_hr_model"], "HRockmate was called", with_tensors=True)
+    hmod.__dict__["_hr_layout_checked"] = True
