@@ -41,6 +41,7 @@ from hrockmate.runtime.compiler import (
     _resolve_generator,
     _Segment,
     _state_nbytes,
+    gradient_slots,
 )
 
 __all__ = ["CompiledModeError", "compile_program"]
@@ -170,29 +171,12 @@ class _Builder:
     def build(self) -> Program:
         g, tr, steps = self.g, self.tr, self.steps
         n_t = g.num_tensors
-        grad_slot: dict[int, tuple[str, int]] = {}
-        for pname, tid in tr.param_grads.items():
-            grad_slot[tid] = ("GP", self.param_slot[pname])
-        for flat_idx, tid in tr.input_grads.items():
-            grad_slot[tid] = ("GX", self.input_slot[int(flat_idx)])
-        slot_uses: dict[tuple[str, int], int] = {}
-        for slot in grad_slot.values():
-            slot_uses[slot] = slot_uses.get(slot, 0) + 1
-        # (as the eager program: a storage that is the gradient of several slots is handed to
-        # the first as is and copied for the others, since autograd keeps what it is handed)
-        slots_of_root: dict[int, set[tuple[str, int]]] = {}
-        for t, slot in grad_slot.items():
-            slots_of_root.setdefault(g.storage_root(t), set()).add(slot)
-        shared_roots = {r for r, s in slots_of_root.items() if len(s) > 1}
-        handed_roots: set[int] = set()
+        grad_slot, slot_uses, handed_copy = gradient_slots(tr, self.param_slot,
+                                                           self.input_slot)
 
         def stash_of(t: int) -> _Stash:
-            root = g.storage_root(t)
-            copy = root in handed_roots
-            if root in shared_roots:
-                handed_roots.add(root)
             slot = grad_slot[t]
-            return _Stash(slot, copy, slot_uses[slot] > 1)
+            return _Stash(slot, handed_copy(t), slot_uses[slot] > 1)
 
         buffer_tensor: dict[str, int] = {}
         input_tensor: dict[int, int] = {}
