@@ -18,6 +18,7 @@ fits is named. Writes ``benches/results/compiled.json`` (or ``--out``).
 
     python benches/compiled.py                       # demo GPT-2, budgets 100/50/30 %
     python benches/compiled.py --layers 2 --iters 5  # quicker
+    python benches/compiled.py --compiled-only       # torch.compile and compiled hrockmate only
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import copy
 import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -97,6 +99,8 @@ def main() -> None:
                     help="activation_memory_budget settings of the torch.compile peer")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compiled-only", action="store_true",
+                    help="only plain torch.compile and compiled hrockmate (no other peers)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).resolve().parent / "results" / "compiled.json")
     a = ap.parse_args()
@@ -141,18 +145,18 @@ def main() -> None:
     add("eager", m, m)
     m = copy.deepcopy(base)
     add("compile", m, torch.compile(m))
-    for i, f in enumerate(a.amb):
+    for i, f in enumerate([] if a.compiled_only else a.amb):
         m = _own_code(copy.deepcopy(base), f"amb{i}")
         add(f"compile+amb={f:g}", m, torch.compile(m),
             setup=functools.partial(torch._functorch.config.patch,
                                     activation_memory_budget=f), amb=f)
-    for sac in (False, True):
+    for sac in () if a.compiled_only else (False, True):
         m = _with_checkpoints(copy.deepcopy(base), sac)
         add("compile+sac" if sac else "compile+ckpt", m, torch.compile(m))
     budget_bytes: dict[float, int] = {}
     skipped: dict[str, str] = {}
     for b in a.budgets:
-        for compiled in (False, True):
+        for compiled in (True,) if a.compiled_only else (False, True):
             m = copy.deepcopy(base)
             name = f"hrockmate{'-compiled' if compiled else ''}@{b:g}"
             t0 = time.perf_counter()
@@ -167,12 +171,17 @@ def main() -> None:
             # fewer when its measured peak exceeded them, and reports those as budget_bytes)
             if not compiled:
                 budget_bytes[b] = int(h.budget_bytes) if h.budget_bytes else 0
+            elif b not in budget_bytes:  # (the fraction of plain eager's measured peak)
+                budget_bytes[b] = int(b * runners["eager"]["peak_bytes"]) if b < 1 else 0
+            costs = h.__dict__.get("compiled_costs") or {}
             add(name, m, h, budget=b, asked_budget_bytes=budget_bytes.get(b, 0),
                 budget_bytes=int(h.budget_bytes or 0), build_s=build,
                 solve_s=float(h.plan.stats.get("solve_seconds", 0.0) or 0.0),
                 predicted_peak_bytes=int(h.predicted_peak_bytes),
                 predicted_overhead=float(h.plan.overhead), method=h.plan.method,
-                recomputed_ops=int(h.recomputed_ops))
+                recomputed_ops=int(h.recomputed_ops), predicted_time_s=float(h.plan.time),
+                measured_peak_at_build=int(h.__dict__.get("measured_peak_bytes") or 0),
+                compiled_costs=costs)
             program = h._compiled_program("pieces")
             pieces = getattr(program, "pieces", None)
             if pieces is not None:
@@ -196,6 +205,23 @@ def main() -> None:
             asked = r["asked_budget_bytes"]
             row["fits"] = r["peak_bytes"] <= asked if asked else True
         rows[n] = row
+    # predicted against measured, compiled hrockmate: the plan's time over store-all's (both
+    # in compiled op times) against the step time over compiled store-all's, in points
+    ref = rows.get("hrockmate-compiled@1")
+    for n, row in rows.items():
+        if not n.startswith("hrockmate-compiled@") or ref is None:
+            continue
+        costs = row.get("compiled_costs") or {}
+        base_s = costs.get("compiled_op_s")
+        if base_s:
+            row["predicted_vs_store_all"] = row["predicted_time_s"] / base_s
+        elif n == "hrockmate-compiled@1":
+            row["predicted_vs_store_all"] = 1.0
+        row["measured_vs_store_all"] = row["step_ms"] / ref["step_ms"]
+        if "predicted_vs_store_all" in row:
+            row["time_error_points"] = 100 * (row["predicted_vs_store_all"]
+                                              - row["measured_vs_store_all"])
+        row["peak_error"] = row["predicted_peak_bytes"] / row["peak_bytes"] - 1
     best_amb = {}
     for b, limit in budget_bytes.items():
         fitting = [(rows[n]["step_ms"], n) for n in rows
@@ -208,6 +234,13 @@ def main() -> None:
               f"{row['peak_bytes'] / 2**20:10.2f}"
               f"{(bud / 2**20 if bud else float('nan')):11.2f}")
     print("fastest fitting activation_memory_budget per budget:", best_amb)
+    for n, row in rows.items():
+        if "measured_vs_store_all" in row:
+            print(f"{n:28} time vs store-all predicted "
+                  f"{row.get('predicted_vs_store_all', float('nan')):.3f} measured "
+                  f"{row['measured_vs_store_all']:.3f}; peak predicted "
+                  f"{row['predicted_peak_bytes'] / 2**20:.2f} MiB measured "
+                  f"{row['peak_bytes'] / 2**20:.2f} MiB ({100 * row['peak_error']:+.1f}%)")
     out = {
         "model": {"name": "demo GPT-2 (hrockmate.models.gpt2_tiny)", "layers": a.layers,
                   "width": a.width, "seq": a.seq, "batch": a.batch, "dropout": 0.1},
@@ -215,7 +248,10 @@ def main() -> None:
         "torch": torch.__version__, "machine": platform.machine(),
         "note": "median step times measured side by side, alternating, in one process; "
                 "compile_s is the first step less a steady one; peaks by "
-                "hrockmate.measure_peak_memory",
+                "hrockmate.measure_peak_memory; predicted_vs_store_all is the plan's time "
+                "over store-all's in compiled op times, measured_vs_store_all the step time "
+                "over compiled store-all's",
+        "load_average_1_5_15min": list(os.getloadavg()),
         "runners": rows, "not_run": skipped, "best_fitting_activation_memory_budget": best_amb,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,12 @@ def test_dropout_masks_agree_between_forward_and_recomputation() -> None:
     assert _random_ops_replayed(eager) > 0, "the plan recomputes no dropout"
     # (the same plan, given: this test is about the masks; budgets are test_mlp_...'s)
     compiled = HRockmate(model, sample, plan=eager.schedule, compile=True)
+    # a chain of replays saves one generator state, as in eager mode, not one per random op
+    got_program = compiled._compiled_program("its states")
+    want_program = eager._compiled_program("its states")
+    assert got_program.num_rng_slots == want_program.num_rng_slots
+    assert 0 < got_program.num_rng_slots <= _random_ops_replayed(eager)
+    assert got_program.extra_bytes == want_program.extra_bytes
     for _ in range(2):  # (the second call runs compiled pieces already built)
         state = torch.get_rng_state()
         got = _step(compiled, sample, model)
@@ -176,3 +182,58 @@ def test_random_decisions_are_refused_with_the_fix() -> None:
 
     with pytest.raises(CompiledModeError, match="compile=False"):
         HRockmate(LayerDrop(), torch.randn(4, 8), compile=True)
+
+
+def test_compiled_op_times_share_a_piece_time_by_kind() -> None:
+    """A library kernel (matmul) keeps its eager time; the rest of the piece's measured time
+    is the generated code's, shared among its other ops by their eager times; a piece faster
+    than its library kernels scales all of them; ops outside the pieces keep theirs."""
+    from types import SimpleNamespace as NS
+
+    from hrockmate.runtime.inductor import compiled_op_times
+
+    ops = [NS(target="aten.mm.default", time=4.0), NS(target="aten.add.Tensor", time=1.0),
+           NS(target="aten.gelu.default", time=3.0), NS(target="aten.view.default", time=0.0),
+           NS(target="aten.bernoulli.p", time=2.0), NS(target="aten.addmm.default", time=6.0),
+           NS(target="aten.mul.Tensor", time=2.0)]
+    graph = NS(ops=ops)
+    pieces = [NS(ops=[0, 1, 2, 3]), NS(ops=[5, 6])]
+    times = compiled_op_times(graph, pieces, [6.0, 3.0])
+    assert times[0] == 4.0  # (the matmul as eager)
+    assert times[1] == pytest.approx(0.5) and times[2] == pytest.approx(1.5)
+    assert times[3] == 0.0 and times[4] == 2.0  # (a view; the random op, run eagerly)
+    assert sum(times[k] for k in pieces[0].ops) == pytest.approx(6.0)
+    # the second piece took less than its matmul's eager time: both its ops scaled by 3/8
+    assert times[5] == pytest.approx(6.0 * 3 / 8) and times[6] == pytest.approx(2.0 * 3 / 8)
+    assert [op.time for op in ops] == [4.0, 1.0, 3.0, 0.0, 2.0, 6.0, 2.0]  # (not written)
+
+
+def test_plans_on_compiled_costs_within_budget_and_near_the_predicted_peak() -> None:
+    model, x = models.mlp(batch=64, d_in=16, hidden=64, n_layers=3)
+    plain = copy.deepcopy(model)
+    hmod = HRockmate(model, x, budget=0.7, compile=True, loss_fn=_loss)
+    costs = hmod.compiled_costs
+    assert costs["replanned"] and costs["pieces"] > 0 and costs["store_all_step_s"] > 0
+    graph = hmod.traced.graph
+    assert graph.meta["cost_report"]["source"] == "compiled"
+    # the graph's op times are the compiled ones the plan was made on
+    assert sum(op.time for op in graph.ops) == pytest.approx(costs["compiled_op_s"])
+    assert hmod.plan.method not in ("store-all", "given") and hmod.recomputed_ops > 0
+    from hrockmate.ir.schedule import simulate
+
+    assert hmod.plan.time == pytest.approx(simulate(graph, hmod.schedule).time)
+    assert 0 < hmod.measured_peak_bytes <= hmod.budget_bytes
+    assert abs(hmod.predicted_peak_bytes - hmod.measured_peak_bytes) \
+        <= 0.05 * hmod.measured_peak_bytes, (hmod.predicted_peak_bytes, hmod.measured_peak_bytes)
+    _step(hmod, x, model)
+    _step(torch.compile(plain), x, plain)
+    _assert_close(_grads(model), _grads(plain))
+
+
+def test_store_all_budget_measures_no_compiled_costs() -> None:
+    model, x = models.mlp(batch=16, d_in=8, hidden=16, n_layers=2)
+    hmod = HRockmate(model, x, budget=None, compile=True, loss_fn=_loss)
+    assert hmod.plan.method == "store-all"
+    assert "compiled_costs" not in hmod.__dict__
+    assert hmod.traced.graph.meta["cost_report"].get("source") != "compiled"
+

@@ -100,8 +100,11 @@ def plan_for_runtime(
     store = open_cache(cache)
     key = None
     if store is not None:
+        # (a plan made on compiled code's op times, runtime.inductor, is not eager mode's)
+        compiled = graph.meta.get("cost_report", {}).get("source") == "compiled"
         key = store.plan_key(graph, budget_bytes, {**options, "cost": cost},
-                             device_kind(traced.device), purpose="runtime")
+                             device_kind(traced.device),
+                             purpose="runtime-compiled" if compiled else "runtime")
         cached = store.load_plan(key, graph)
         if cached is not None:
             peak = int(simulate(graph, cached.schedule).peak_bytes)

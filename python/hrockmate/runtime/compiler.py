@@ -149,6 +149,50 @@ def _replay_generator(node: torch.fx.Node) -> torch.Generator | None:
         return None
 
 
+
+def gradient_slots(traced: Any, param_slot: dict[str, int], input_slot: dict[int, int]
+                   ) -> tuple[dict[int, tuple[str, int]], dict[tuple[str, int], int],
+                              Callable[[int], bool]]:
+    """Where each traced gradient goes, for the programs of both modes: ``(grad_slot,
+    slot_uses, handed_copy)``. ``grad_slot[t]`` is ``("GP", parameter slot)`` or ``("GX",
+    tensor-input slot)``; ``slot_uses[slot]`` counts the traced gradients feeding a slot (more
+    than one: they are accumulated); ``handed_copy(t)``, called once per gradient in the order
+    they are handed over, says whether ``t`` must be copied.
+
+    Gradients of different slots may share one storage (one traced tensor is the gradient of
+    both parameters of ``a + b``, and of both biases of oneDNN's LSTM layer). Autograd keeps
+    what it is handed as ``.grad``, so accumulating into one (the next backward,
+    ``clip_grad_norm_``) would change the other too; eager autograd copies such a gradient,
+    and so do the programs, for all but the first slot handed it."""
+    g = traced.graph
+    grad_slot: dict[int, tuple[str, int]] = {}
+    for pname, tid in traced.param_grads.items():
+        if pname not in param_slot:
+            raise RuntimeScheduleError(
+                f"the trace has a gradient for parameter '{pname}', which the model no "
+                "longer has; re-create HRockmate for the current model"
+            )
+        grad_slot[tid] = ("GP", param_slot[pname])
+    for flat_idx, tid in traced.input_grads.items():
+        grad_slot[tid] = ("GX", input_slot[int(flat_idx)])
+    slot_uses: dict[tuple[str, int], int] = {}
+    for slot in grad_slot.values():
+        slot_uses[slot] = slot_uses.get(slot, 0) + 1
+    slots_of_root: dict[int, set[tuple[str, int]]] = {}
+    for t, slot in grad_slot.items():
+        slots_of_root.setdefault(g.storage_root(t), set()).add(slot)
+    shared_roots = {r for r, slots in slots_of_root.items() if len(slots) > 1}
+    handed_roots: set[int] = set()
+
+    def handed_copy(t: int) -> bool:
+        root = g.storage_root(t)
+        copy = root in handed_roots
+        if root in shared_roots:
+            handed_roots.add(root)
+        return copy
+
+    return grad_slot, slot_uses, handed_copy
+
 class _Compiler:
     """Turns (traced graph, schedule) into the Python source of the two segments."""
 
@@ -335,36 +379,11 @@ class _Compiler:
         roles = [t.role for t in g.tensors]
         preexisting = [r in _PREEXISTING for r in roles]
 
-        # Where each gradient goes: ("GP", parameter slot) or ("GX", tensor-input slot).
-        grad_slot: dict[int, tuple[str, int]] = {}
-        for pname, tid in tr.param_grads.items():
-            if pname not in self.param_slot:
-                raise RuntimeScheduleError(
-                    f"the trace has a gradient for parameter '{pname}', which the model no "
-                    "longer has; re-create HRockmate for the current model"
-                )
-            grad_slot[tid] = ("GP", self.param_slot[pname])
-        for flat_idx, tid in tr.input_grads.items():
-            grad_slot[tid] = ("GX", self.input_slot[int(flat_idx)])
-        slot_uses: dict[tuple[str, int], int] = {}
-        for slot in grad_slot.values():
-            slot_uses[slot] = slot_uses.get(slot, 0) + 1
-        # Gradients of different slots may share one storage (one traced tensor is the gradient
-        # of both parameters of ``a + b``, and of both biases of oneDNN's LSTM layer). Autograd
-        # keeps what it is handed as ``.grad``, so accumulating into one (the next backward,
-        # ``clip_grad_norm_``) would change the other too; eager autograd copies such a
-        # gradient, and so does the code here, for all but the first slot handed it.
-        slots_of_root: dict[int, set[tuple[str, int]]] = {}
-        for t, slot in grad_slot.items():
-            slots_of_root.setdefault(g.storage_root(t), set()).add(slot)
-        shared_roots = {r for r, slots in slots_of_root.items() if len(slots) > 1}
-        handed_roots: set[int] = set()
+        grad_slot, slot_uses, handed_copy = gradient_slots(tr, self.param_slot,
+                                                           self.input_slot)
 
         def stash(t: int) -> str:
-            root = g.storage_root(t)
-            copy = root in handed_roots
-            if root in shared_roots:
-                handed_roots.add(root)
+            copy = handed_copy(t)
             return self._stash(t, grad_slot[t], slot_uses, copy, skips.may_be_missing(t))
         buffer_of_update = {tid: b for b, tid in tr.buffer_updates.items()}
         buffer_tensor: dict[str, int] = {}

@@ -26,6 +26,8 @@ statistics) are written back once, at the op's first run, after the piece that m
 from __future__ import annotations
 
 import operator
+import statistics
+import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -38,12 +40,14 @@ from hrockmate.runtime.compiler import (
     RuntimeScheduleError,
     _accumulate,
     _Compiler,
+    _replay_generator,
     _resolve_generator,
     _Segment,
     _state_nbytes,
+    gradient_slots,
 )
 
-__all__ = ["CompiledModeError", "compile_program"]
+__all__ = ["CompiledModeError", "compile_program", "compiled_op_times", "measure_compiled_costs"]
 
 
 class CompiledModeError(RuntimeScheduleError):
@@ -70,7 +74,7 @@ class _Piece:
     """One compiled run of steps: ``inputs`` read from ``E``, ``drop`` dropped from ``E``
     before the call, results stored into ``E[stores[i]]`` from output ``store_out[i]``."""
 
-    __slots__ = ("gm", "inputs", "drop", "stores", "fn", "label", "steps", "compile_s")
+    __slots__ = ("gm", "inputs", "drop", "stores", "fn", "label", "steps", "compile_s", "ops")
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list[int], drop: list[int],
                  stores: list[tuple[int, int]], label: str, steps: int) -> None:
@@ -82,10 +86,9 @@ class _Piece:
         self.label = label
         self.steps = steps
         self.compile_s = 0.0
+        self.ops: list[int] = []  # the ops it computes, once per compute step
 
     def compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
-        import time
-
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -108,12 +111,21 @@ class _Piece:
         return fn
 
 
+#: while compiled costs are measured (``measure_compiled_costs``): seconds of each call of a
+#: piece, by ``id(piece)``; None otherwise
+_PIECE_SECONDS: dict[int, list[float]] | None = None
+
+
 def _run_piece(piece: _Piece, E: list[Any]) -> Any:
     args = [E[t] for t in piece.inputs]
     for t in piece.drop:
         E[t] = None
     fn = piece.fn if piece.fn is not None else piece.compile(args)
+    timing = _PIECE_SECONDS
+    t0 = time.perf_counter() if timing is not None else 0.0
     outs = fn(args)  # (boxed: it clears ``args``, so the dropped inputs die at their last use)
+    if timing is not None:
+        timing.setdefault(id(piece), []).append(time.perf_counter() - t0)
     for t, i in piece.stores:
         E[t] = outs[i]
     return outs
@@ -139,6 +151,19 @@ class _Stash:
             target[self.slot] = _accumulate(target[self.slot], value)
         else:
             target[self.slot] = value
+
+
+class _Chains:
+    """The replays of random ops that follow their predecessor's (``chained``: their step
+    positions), those that a chained one follows (``goes_on``), and the current state of each
+    generator, held while a chain of replays runs."""
+
+    __slots__ = ("chained", "goes_on", "current")
+
+    def __init__(self, chained: set[int], goes_on: set[int], generators: int) -> None:
+        self.chained = chained
+        self.goes_on = goes_on
+        self.current: list[Any] = [None] * generators
 
 
 class _Builder:
@@ -170,29 +195,12 @@ class _Builder:
     def build(self) -> Program:
         g, tr, steps = self.g, self.tr, self.steps
         n_t = g.num_tensors
-        grad_slot: dict[int, tuple[str, int]] = {}
-        for pname, tid in tr.param_grads.items():
-            grad_slot[tid] = ("GP", self.param_slot[pname])
-        for flat_idx, tid in tr.input_grads.items():
-            grad_slot[tid] = ("GX", self.input_slot[int(flat_idx)])
-        slot_uses: dict[tuple[str, int], int] = {}
-        for slot in grad_slot.values():
-            slot_uses[slot] = slot_uses.get(slot, 0) + 1
-        # (as the eager program: a storage that is the gradient of several slots is handed to
-        # the first as is and copied for the others, since autograd keeps what it is handed)
-        slots_of_root: dict[int, set[tuple[str, int]]] = {}
-        for t, slot in grad_slot.items():
-            slots_of_root.setdefault(g.storage_root(t), set()).add(slot)
-        shared_roots = {r for r, s in slots_of_root.items() if len(s) > 1}
-        handed_roots: set[int] = set()
+        grad_slot, slot_uses, handed_copy = gradient_slots(tr, self.param_slot,
+                                                           self.input_slot)
 
         def stash_of(t: int) -> _Stash:
-            root = g.storage_root(t)
-            copy = root in handed_roots
-            if root in shared_roots:
-                handed_roots.add(root)
             slot = grad_slot[t]
-            return _Stash(slot, copy, slot_uses[slot] > 1)
+            return _Stash(slot, handed_copy(t), slot_uses[slot] > 1)
 
         buffer_tensor: dict[str, int] = {}
         input_tensor: dict[int, int] = {}
@@ -228,16 +236,31 @@ class _Builder:
                 for t in self._reads(k):
                     last_read[t] = pos
 
-        # generators of the random ops that run again (their state is saved at the first run)
+        # Generators of the random ops, and which replays need a saved state: as the eager
+        # program, a replay right after the replay of the op that drew before it from the same
+        # generator finds the generator where the forward left it, so a chain of replays saves
+        # one state (at its head's first run) instead of one per random op; the current state
+        # is held from the chain's first replay to its last. The eager program's extra bytes
+        # count these states where they are held.
         random_ops = {k for k in range(g.num_ops) if g.ops[k].random}
-        rng_slot: dict[int, int] = {}
         generator: dict[int, torch.Generator] = {}
-        state_bytes = 0
+        gens: list[torch.Generator] = []
+        gen_index: dict[int, int] = {}
         for k in sorted(random_ops):
+            gen = (_resolve_generator(tr.op_nodes[k]) if runs[k] > 1
+                   else _replay_generator(tr.op_nodes[k]))
+            if gen is None:
+                continue
             if runs[k] > 1:
-                generator[k] = _resolve_generator(tr.op_nodes[k])
-                rng_slot[k] = len(rng_slot)
-                state_bytes += _state_nbytes(generator[k])
+                generator[k] = gen
+            j = next((i for i, other in enumerate(gens) if other is gen), len(gens))
+            if j == len(gens):
+                gens.append(gen)
+            gen_index[k] = j
+        _, _, chained, goes_on, heads = self.c._replay_chains(
+            grad_slot, sorted(random_ops), gen_index, [_state_nbytes(gen) for gen in gens])
+        rng_slot = {k: r for r, k in enumerate(heads)}
+        chain = _Chains(chained, goes_on, len(gens))
 
         bounds = [self.forward_len, *self.eager.chunk_starts, len(steps)]
         if any(b < a for a, b in zip(bounds, bounds[1:])):
@@ -256,7 +279,7 @@ class _Builder:
                 kind, k = steps[pos]
                 if kind == "compute" and k in random_ops:
                     body.append(self._random_step(pos, k, alive, done, runs, rng_slot,
-                                                  generator))
+                                                  generator, chain, gen_index))
                     source.append(f"# step {pos}: random op {g.ops[k].name} (eager)")
                     pos += 1
                     continue
@@ -312,17 +335,13 @@ class _Builder:
                     for i, (b, s) in enumerate(zip(bodies[1:], sources[1:]))],
             num_rng_slots=len(rng_slot),
             num_decision_slots=0,
-            # the eager program's extra bytes, and at most a saved generator state for every
-            # random op that runs again (the eager program saves one per chain of replays)
-            extra_bytes=self.eager.extra_bytes + state_bytes,
-            possible_extra_bytes=max(self.eager.possible_extra_bytes,
-                                     self.eager.extra_bytes + state_bytes),
         )
 
     # ---- one random op, eagerly ---------------------------------------------------------
     def _random_step(self, pos: int, k: int, alive: list[bool], done: list[int],
                      runs: list[int], rng_slot: dict[int, int],
-                     generator: dict[int, torch.Generator]) -> Callable[..., None]:
+                     generator: dict[int, torch.Generator], chain: "_Chains",
+                     gen_index: dict[int, int]) -> Callable[..., None]:
         c = self.c
         fresh = [(t, i) for t, i in c._output_slots(k) if not alive[t]]
         call = c._call(k, [])
@@ -333,19 +352,25 @@ class _Builder:
         first, last = done[k] == 0, done[k] == runs[k] - 1
         done[k] += 1
         gen, slot = generator.get(k), rng_slot.get(k)
+        held, j = chain.current, gen_index.get(k, 0)
+        head, ends = pos not in chain.chained, pos not in chain.goes_on
 
         def random_step(E: list[Any], B: Any, X: Any, S: list[Any], GP: Any, GX: Any) -> None:
             if gen is None:
                 r = fn(E)
             elif first:
-                S[slot] = gen.get_state()
+                if slot is not None:  # (the head of a chain of replays)
+                    S[slot] = gen.get_state()
                 r = fn(E)
             else:  # a recomputation draws what the first run drew
-                current = gen.get_state()
-                gen.set_state(S[slot])
+                if head:
+                    held[j] = gen.get_state()
+                    gen.set_state(S[slot])
                 r = fn(E)
-                gen.set_state(current)
-                if last:
+                if ends:
+                    gen.set_state(held[j])
+                    held[j] = None
+                if slot is not None and last:
                     S[slot] = None
             for t, i in fresh:
                 E[t] = r if i is None else r[i]
@@ -369,6 +394,7 @@ class _Builder:
         after: list[tuple[Any, ...]] = []
         pre: list[int] = []  # tensors of E held for a stash after the call
         computes = 0
+        ops: list[int] = []
 
         def output(node: torch.fx.Node) -> int:
             i = out_index.get(node)
@@ -395,6 +421,7 @@ class _Builder:
             if kind == "compute":
                 k = ident
                 computes += 1
+                ops.append(k)
                 src = tr.op_nodes[k]
                 args = torch.fx.node.map_arg(src.args, lambda a: read(a, src.name))
                 kwargs = torch.fx.node.map_arg(src.kwargs, lambda a: read(a, src.name))
@@ -434,6 +461,7 @@ class _Builder:
             inputs = []  # (nothing it makes is kept: no need to run it)
         piece = _Piece(gm, inputs, drop, stores, label, stop - start) if gm is not None else None
         if piece is not None:
+            piece.ops = ops
             self.pieces.append(piece)
         # write-backs whose buffer's old value a later step still reads keep a copy of it
         keep_old = {id(a) for a in after if a[0] == "write" and a[1][2] is not None
@@ -474,22 +502,65 @@ def compile_program(traced: Any, steps: Sequence[tuple[str, int]], forward_len: 
     return program
 
 
-def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
-    """Compile ``hmod``'s pieces by running one iteration on ``sample``, then measure the
-    peak of a second (``hrockmate.measure_peak_memory``: the budget's definition) and keep it
-    as ``hmod.measured_peak_bytes``; every state the runs change (buffers, generators,
-    ``.grad``) is put back. Where the peak exceeds the budget (inductor's order kept more
-    alive than the plan frees), the plan is made again for a budget lowered by the excess
-    (``replan``), at most ``rounds`` times; ``CompiledModeError`` when it still exceeds it, so
-    that a run over the budget is never left to be found in training. None (nothing run)
-    where running the model's backward would act beyond the iteration
-    (``capture.baseline.skip_reason``) or the model is in eval mode."""
+#: ATen ops that inductor calls as library kernels (matmuls, convolutions, attention) rather
+#: than generating code for: compiled, they run the kernel eager mode runs
+_LIBRARY_KERNELS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
+                    "_scaled_dot_product_flash_attention_for_cpu",
+                    "_scaled_dot_product_flash_attention_for_cpu_backward",
+                    "_scaled_dot_product_efficient_attention",
+                    "_scaled_dot_product_efficient_attention_backward",
+                    "_scaled_dot_product_flash_attention",
+                    "_scaled_dot_product_flash_attention_backward",
+                    "_scaled_dot_product_cudnn_attention",
+                    "_scaled_dot_product_cudnn_attention_backward")
+
+
+def _library_kernel(target: str) -> bool:
+    parts = target.split(".")
+    return len(parts) >= 2 and parts[0] == "aten" and parts[1] in _LIBRARY_KERNELS
+
+
+def compiled_op_times(graph: Any, pieces: Sequence[Any], seconds: Sequence[float]
+                      ) -> list[float]:
+    """Each op's time as compiled code, from the measured ``seconds`` of ``pieces`` of the
+    store-all program (each op computed once, in the piece of its segment): a library kernel
+    (``_LIBRARY_KERNELS``) keeps its eager time; what is left of the piece's time is the fused
+    generated code's, shared among the piece's other ops by their eager times. A pointwise op
+    fused into a neighbour's kernel gets the small share it adds to that kernel, which is what
+    recomputing it inside a piece costs. Where the library kernels alone took longer than the
+    piece (the compiled call was faster), every op of the piece is scaled alike. Ops outside
+    the pieces (random ops, run eagerly) keep their eager times."""
+    times = [float(op.time) for op in graph.ops]
+    for piece, measured in zip(pieces, seconds):
+        library = sum(times[k] for k in piece.ops if _library_kernel(graph.ops[k].target))
+        generated = sum(times[k] for k in piece.ops
+                        if not _library_kernel(graph.ops[k].target))
+        if generated > 0 and measured >= library:
+            scale_lib, scale_gen = 1.0, (measured - library) / generated
+        elif library + generated > 0:
+            scale_lib = scale_gen = measured / (library + generated)
+        else:
+            continue  # (views only: nothing to share the call's time among)
+        new = {k: times[k] * (scale_lib if _library_kernel(graph.ops[k].target) else scale_gen)
+               for k in piece.ops}
+        for k, t in new.items():
+            times[k] = t
+    return times
+
+
+def _iteration(hmod: Any, sample: Any) -> tuple[Callable[[], list[torch.Tensor]],
+                                                 Callable[[], Any], list[torch.Tensor]] | None:
+    """(step, restored, params) for training iterations of ``hmod`` on ``sample``: ``step()``
+    runs one; ``with restored():`` puts back every state it changes (buffers, generators,
+    inputs) and clears the ``.grad`` of what it differentiates before. None where running the
+    model's backward would act beyond the iteration or the model is in eval mode."""
+    import contextlib
+
     import torch.utils._pytree as pytree
 
     from hrockmate.capture.baseline import _state_restored, skip_reason
     from hrockmate.capture.joint import split_sample
-    from hrockmate.capture.memory import _backward_roots, measure_peak_memory
-    from hrockmate.ir.errors import InfeasibleBudget
+    from hrockmate.capture.memory import _backward_roots
 
     model = hmod.wrapped_model
     if skip_reason(model) is not None or not model.training:
@@ -507,14 +578,115 @@ def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
             torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
         return roots
 
-    def measure() -> int:
+    @contextlib.contextmanager
+    def restored() -> Any:
         with _state_restored(model, inputs), torch.enable_grad():
-            with _state_restored(model, inputs):
-                for t in fresh:
-                    t.grad = None
-                step()  # (compiles every piece)
             for t in fresh:
                 t.grad = None
+            yield
+        for t in fresh:
+            t.grad = None
+
+    return step, restored, params
+
+
+def measure_compiled_costs(hmod: Any, sample: Any, rounds: int = 3) -> dict[str, Any] | None:
+    """Plan ``hmod`` on compiled op times: run the store-all schedule compiled (``rounds``
+    timed iterations after one that compiles its pieces, every state put back), time each
+    piece, set the graph's op times to ``compiled_op_times`` of the median times, and plan
+    again for the module's budget (``replan``). Returns what was measured (also kept as
+    ``hmod.compiled_costs``); None (nothing done) where the module runs store-all or a given
+    plan, or cannot run an iteration here (``_iteration``)."""
+    global _PIECE_SECONDS
+    from hrockmate.ir.errors import InfeasibleBudget
+    from hrockmate.ir.schedule import simulate, store_all_schedule
+
+    budget = hmod.budget_bytes
+    if budget is None or hmod.plan.method in ("store-all", "given"):
+        return None
+    run = _iteration(hmod, sample)
+    if run is None:
+        return None
+    step, restored, _ = run
+    graph = hmod.traced.graph
+    store_all = store_all_schedule(graph)
+    program = hmod._compile(store_all)
+    pieces = list(program.pieces)  # type: ignore[attr-defined]
+    old = (hmod.schedule, hmod.plan, hmod.predicted_peak_bytes,
+           hmod._compiled_program("pieces"))
+    hmod._install(store_all, old[1], int(simulate(graph, store_all).peak_bytes), program)
+    steps_s: list[float] = []
+    try:
+        with restored():
+            step()  # (compiles every piece)
+        _PIECE_SECONDS = {}
+        for _ in range(rounds):
+            with restored():
+                t0 = time.perf_counter()
+                step()
+                steps_s.append(time.perf_counter() - t0)
+        measured = {k: statistics.median(v) for k, v in _PIECE_SECONDS.items()}
+    finally:
+        _PIECE_SECONDS = None
+        hmod._install(old[0], old[1], old[2] - old[3].extra_bytes, old[3])
+    seconds = [measured.get(id(p), 0.0) for p in pieces]
+    eager_s = sum(float(op.time) for op in graph.ops)
+    times = compiled_op_times(graph, pieces, seconds)
+    report = {
+        "store_all_step_s": statistics.median(steps_s),
+        "pieces": len(pieces),
+        "pieces_s": sum(seconds),
+        "eager_op_s": eager_s,
+        "compiled_op_s": sum(times),
+    }
+    eager_times = [float(op.time) for op in graph.ops]
+    cost_report = dict(graph.meta.get("cost_report") or {})
+    for op, t in zip(graph.ops, times):
+        op.time = t
+    # (a plan of compiled costs is cached apart from one of eager costs: planning.entry)
+    graph.meta["cost_report"] = {**cost_report, "mode": "measure", "source": "compiled"}
+    hmod.__dict__["_hr_prepared"].clear()  # (block options were chosen on eager times)
+    try:
+        hmod.replan(budget, sample)
+    except InfeasibleBudget:  # (the eager-cost plan fits: keep it, and its times)
+        for op, t in zip(graph.ops, eager_times):
+            op.time = t
+        graph.meta["cost_report"] = cost_report
+        hmod.__dict__["_hr_prepared"].clear()
+        report["replanned"] = False
+    else:
+        report["replanned"] = True
+    hmod.__dict__["compiled_costs"] = report
+    return report
+
+
+#: how often ``check_compiled_peak`` halves the lowering of a budget no plan fits
+HALVINGS = 2
+
+
+def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
+    """Compile ``hmod``'s pieces by running one iteration on ``sample``, then measure the
+    peak of a second (``hrockmate.measure_peak_memory``: the budget's definition) and keep it
+    as ``hmod.measured_peak_bytes``; every state the runs change (buffers, generators,
+    ``.grad``) is put back. Where the peak exceeds the budget (inductor's order kept more
+    alive than the plan frees), the plan is made again for a budget lowered by the excess, or
+    by half or a quarter of it where no plan fits that (``replan``), at most ``rounds``
+    times; ``CompiledModeError`` when it still exceeds it, so
+    that a run over the budget is never left to be found in training. None (nothing run)
+    where running the model's backward would act beyond the iteration
+    (``capture.baseline.skip_reason``) or the model is in eval mode."""
+    from hrockmate.capture.memory import measure_peak_memory
+    from hrockmate.ir.errors import InfeasibleBudget
+
+    run = _iteration(hmod, sample)
+    if run is None:
+        return None
+    step, restored, params = run
+
+    def measure() -> int:
+        with restored():
+            step()  # (compiles every piece)
+        with restored():
             return int(measure_peak_memory(step, params=params,
                                            device=hmod.traced.device).peak_bytes)
 
@@ -524,11 +696,22 @@ def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
     for _ in range(rounds if budget is not None else 0):
         if peak <= budget:
             break
-        target = hmod.budget_bytes - (peak - budget)
-        try:
-            hmod.replan(target, sample)
-        except InfeasibleBudget as exc:
-            why = f"; no plan fits {target} bytes ({exc})"
+        # the plan's budget lowered by the excess; where no plan fits that, by half as much
+        # (the excess is inductor's and is not the same for every plan: a plan solved for
+        # less than the plan in use may well fit)
+        current = hmod.budget_bytes
+        over = peak - budget
+        for _ in range(HALVINGS + 1):
+            target = current - over
+            try:
+                hmod.replan(target, sample)
+            except InfeasibleBudget as exc:
+                why = f"; no plan fits {target} bytes ({exc})"
+                over //= 2
+                continue
+            why = ""
+            break
+        else:
             break
         peak = measure()
     hmod.__dict__["measured_peak_bytes"] = peak

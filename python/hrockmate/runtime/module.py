@@ -627,9 +627,11 @@ class HRockmate(nn.Module):
         self._build(sample)
         if distributed.should_agree():  # (every rank runs rank 0's plan)
             distributed.agree_on_plan(self)
-        if compile:  # (compiles the pieces now and measures the peak against the budget)
-            from hrockmate.runtime.inductor import check_compiled_peak
+        if compile:  # (plans on compiled op times, compiles the pieces now and measures the
+            # peak against the budget)
+            from hrockmate.runtime.inductor import check_compiled_peak, measure_compiled_costs
 
+            measure_compiled_costs(self, sample)
             check_compiled_peak(self, sample)
 
     def _build(self, sample: Any, plan: Any = None, budget: Any = _ASKED,
