@@ -25,6 +25,7 @@ statistics) are written back once, at the op's first run, after the piece that m
 
 from __future__ import annotations
 
+import logging
 import operator
 import statistics
 import time
@@ -49,6 +50,8 @@ from hrockmate.runtime.compiler import (
 
 __all__ = ["CompiledModeError", "compile_program", "compiled_op_times", "measure_compiled_costs"]
 
+
+logger = logging.getLogger("hrockmate.runtime.inductor")
 
 class CompiledModeError(RuntimeScheduleError):
     """A schedule or model that compiled mode cannot run; the message says why and that
@@ -641,6 +644,7 @@ def measure_compiled_costs(hmod: Any, sample: Any, rounds: int = 3) -> dict[str,
     }
     eager_times = [float(op.time) for op in graph.ops]
     cost_report = dict(graph.meta.get("cost_report") or {})
+    hmod.__dict__["_hr_eager_costs"] = (eager_times, cost_report)
     for op, t in zip(graph.ops, times):
         op.time = t
     # (a plan of compiled costs is cached apart from one of eager costs: planning.entry)
@@ -724,3 +728,41 @@ def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
             "Give a larger budget, or build HRockmate with compile=False (eager mode keeps "
             "the predicted peak)")
     return peak
+
+
+def restore_eager_costs(hmod: Any) -> bool:
+    """Put back the op times ``measure_compiled_costs`` replaced (the trace's eager ones); True
+    where there were any to put back."""
+    saved = hmod.__dict__.pop("_hr_eager_costs", None)
+    report = hmod.__dict__.get("compiled_costs")
+    if saved is None or not (report and report.get("replanned")):
+        return False
+    graph = hmod.traced.graph
+    for op, t in zip(graph.ops, saved[0]):
+        op.time = t
+    graph.meta["cost_report"] = saved[1]
+    hmod.__dict__["_hr_prepared"].clear()
+    report["replanned"] = False
+    return True
+
+
+def build_compiled(hmod: Any, sample: Any) -> None:
+    """What ``compile=True`` adds to construction: plan on compiled op times
+    (``measure_compiled_costs``), then compile the pieces and measure the peak
+    (``check_compiled_peak``). Where the plan made on compiled times cannot be brought within
+    the budget, the plan on eager times is tried as well before refusing: the two plans order
+    their frees differently, and inductor may keep one's buffers alive longer than the
+    other's."""
+    budget = hmod.budget_bytes
+    measure_compiled_costs(hmod, sample)
+    try:
+        check_compiled_peak(hmod, sample)
+    except CompiledModeError as first:
+        if not restore_eager_costs(hmod):
+            raise
+        logger.info("the plan on compiled op times measured over the budget (%s); trying the "
+                    "plan on eager op times", first)
+        hmod.replan(budget, sample)
+        check_compiled_peak(hmod, sample)
+    finally:
+        hmod.__dict__.pop("_hr_eager_costs", None)

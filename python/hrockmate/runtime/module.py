@@ -629,10 +629,9 @@ class HRockmate(nn.Module):
             distributed.agree_on_plan(self)
         if compile:  # (plans on compiled op times, compiles the pieces now and measures the
             # peak against the budget)
-            from hrockmate.runtime.inductor import check_compiled_peak, measure_compiled_costs
+            from hrockmate.runtime.inductor import build_compiled
 
-            measure_compiled_costs(self, sample)
-            check_compiled_peak(self, sample)
+            build_compiled(self, sample)
 
     def _build(self, sample: Any, plan: Any = None, budget: Any = _ASKED,
                change: str | None = None, donors: Sequence[dict[str, Any]] = ()) -> None:
