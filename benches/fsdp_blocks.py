@@ -11,9 +11,12 @@ same initial model, all in one process, in turn:
 - ``plain``: per-block FSDP2 as torchtitan applies it;
 - ``checkpointed``: the same, with transformers' per-block checkpointing (non-reentrant);
 - ``hrockmate``: ``HRockmate(model, sample, budget)`` built on the unsharded model, then its
-  blocks and the module sharded (the plan drives the blocks: ``hrockmate.runtime.fsdp``);
+  blocks and the module sharded (the plan drives the blocks: ``hrockmate.runtime.fsdp``; its
+  first call plans again with the gathered blocks charged, ``plan_with_blocks``);
 - ``hrockmate_extra_gathers``: the same plan, the driver allowed one more gather per block
   (``set_extra_gathers``) where that lowers the modelled peak;
+- ``hrockmate_prefetch``: the same plan, each block's all-gather issued ahead
+  (``set_prefetch``);
 - ``hrockmate_whole``: the same plan with ``fully_shard(hmod)`` on the whole module only
   (every parameter gathered for the whole step);
 - ``hrockmate_step_budget``: planned by ``fit_step_budget`` for ``--step-budget`` (80%) of
@@ -83,7 +86,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
 
     import hrockmate
     from hrockmate.capture.memory import measure_peak_memory
-    from hrockmate.runtime.fsdp import driver_for, fit_step_budget, set_extra_gathers
+    from hrockmate.runtime.fsdp import (driver_for, fit_step_budget, set_extra_gathers,
+                                        set_prefetch)
 
     mesh = init_device_mesh("cpu", (args.world,))
     count = [0]
@@ -109,6 +113,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
                                         loss_fn="loss", cache=False)
             extra = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), plan=hm.plan,
                                         loss_fn="loss", cache=False)
+            ahead = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), plan=hm.plan,
+                                        loss_fn="loss", cache=False)
             # (built with a budget: fit_step_budget plans again on the op times measured here)
             fitted = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), budget=args.budget,
                                          loss_fn="loss", cache=False)
@@ -116,7 +122,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
             checkpointed.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
             runs = {"plain": model, "checkpointed": checkpointed, "hrockmate": hm,
-                    "hrockmate_extra_gathers": extra, "hrockmate_whole": whole,
+                    "hrockmate_extra_gathers": extra, "hrockmate_prefetch": ahead,
+                    "hrockmate_whole": whole,
                     "hrockmate_step_budget": fitted}
             for name, m in runs.items():
                 if name != "hrockmate_whole":
@@ -124,10 +131,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
                         fully_shard(b, mesh=mesh)
                 fully_shard(m, mesh=mesh)
             set_extra_gathers(extra, len(blocks_of(model)))
+            set_prefetch(ahead)
             batch = _batch(rank + 1)
             grads: dict[str, list[torch.Tensor]] = {}
             fit = None
             for name, m in runs.items():
+                if name in ("hrockmate_extra_gathers", "hrockmate_prefetch"):
+                    # (the plan hrockmate's first call made with the gathered blocks charged)
+                    m.use_plan(hm.plan)
                 if name == "hrockmate_step_budget":  # (plain's whole step is measured by now)
                     step_budget = int(args.step_budget * layouts["plain"]["whole_step_bytes"])
                     fit = fit_step_budget(m, step_budget)
@@ -172,6 +183,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
                 "driver_peak_with_gathered_bytes": driver.peak_with_gathered_bytes,
                 "extra_gathers_driver_peak_with_gathered_bytes":
                     driver_for(extra).peak_with_gathered_bytes,
+                "prefetch_driver_peak_with_gathered_bytes":
+                    driver_for(ahead).peak_with_gathered_bytes,
+                "plan_charges_gathered_blocks": "_hr_fsdp_charged" in hm.__dict__,
                 "step_budget_fraction_of_plain_whole_step": args.step_budget,
                 "step_budget": dataclasses.asdict(fit) if fit is not None else None,
                 "layouts": layouts,

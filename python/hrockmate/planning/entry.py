@@ -16,7 +16,12 @@ from typing import Any, Callable, Protocol
 class CompiledProgram(Protocol):
     """What planning reads of a compiled schedule: the bytes the runtime keeps beside the
     graph's tensors (generator states, old buffer values, the allocator's slack), and the most
-    a plan's runtime bytes may exceed store-all's."""
+    a plan's runtime bytes may exceed store-all's.
+
+    ``extra_bytes`` is the one place where memory the graph does not hold enters planning: it
+    is per schedule, so a runtime that holds bytes depending on where the schedule puts its
+    ops (per-block FSDP2's gathered parameters: ``hrockmate.runtime.fsdp``) gives what they
+    add to that schedule's peak, and the rounds below fit the plan with them."""
 
     extra_bytes: int
     possible_extra_bytes: int

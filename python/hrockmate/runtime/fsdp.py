@@ -21,15 +21,23 @@ ATen ops as straight-line code), so none of those hooks fire. Here the plan driv
 
 So each block is gathered at most twice per iteration (once per segment), as with per-block
 ``torch.utils.checkpoint``, however the plan interleaves the block's recomputations;
-``set_extra_gathers`` allows more where they lower the modelled peak.
+``set_extra_gathers`` allows more where they lower the modelled peak. ``set_prefetch``
+issues each gather ahead (asynchronously, where the block gathered before it in that segment
+is gathered) and waits for it before the block's first op.
+
+The plan knows the gathered blocks: ``place`` gives, for any schedule, where the driver's
+calls go and the gathered bytes it holds at each step, and ``plan_with_blocks`` (made by the
+first training call for a module the solver planned for a budget) plans again with what the
+gathered blocks add beyond the largest one counted as the runtime's extra bytes of each
+schedule tried (``gathered_excess_bytes``), which planning fits into the budget.
 
 The layout: build ``HRockmate`` on the unsharded model (tracing needs plain tensors), then
 ``fully_shard`` each block of the ``HRockmate`` module (its submodules are the model's) and the
 ``HRockmate`` module itself. The other order is refused by the constructor with an
 ``UnsupportedLayoutError`` naming this one.
 
-The schedule's memory counts activations only; ``BlockDriver.gathered_bytes`` gives, per
-schedule step, the bytes of gathered block parameters the driver holds there, and
+The schedule's simulated memory counts activations only; ``BlockDriver.gathered_bytes`` gives,
+per schedule step, the bytes of gathered block parameters the driver holds there, and
 ``BlockDriver.peak_with_gathered_bytes`` the activation timeline plus them at its highest.
 ``fit_step_budget`` plans for a budget of the whole step (parameters, gradients, gathered
 blocks and activations).
@@ -51,7 +59,8 @@ import torch.nn as nn
 from hrockmate.capture.layout import UnsupportedLayoutError, check_layout
 
 __all__ = ["BlockDriver", "StepBudgetError", "StepFit", "blocks_of", "driver_for",
-           "fit_step_budget", "is_fsdp_module", "set_extra_gathers", "sharded_blocks"]
+           "fit_step_budget", "gathered_excess_bytes", "is_fsdp_module", "place",
+           "plan_with_blocks", "set_extra_gathers", "set_prefetch", "sharded_blocks"]
 
 
 def _fsdp_types() -> tuple[Any, Any]:
@@ -175,125 +184,180 @@ class _Plan:
     gathered: list[int] = field(default_factory=list)
 
 
+def _slots(hmod: nn.Module, groups: list[_Group]
+           ) -> tuple[dict[int, tuple[int, int]], dict[int, list[int]], dict[int, int]]:
+    """(parameter slot -> (group, FSDPParam index), slot -> graph tensors standing for it,
+    graph tensor -> group) of ``hmod``'s traced graph."""
+    slots = hmod._hr_param_slots  # slot -> (owner module, attribute)
+    where: dict[tuple[int, str], tuple[int, int]] = {}
+    for g, grp in enumerate(groups):
+        for i, owners in enumerate(grp.owners):
+            for mod, attr in owners:
+                where[(id(mod), attr)] = (g, i)
+    slot_group = {j: where[(id(mod), attr)] for j, (mod, attr) in enumerate(slots)
+                  if (id(mod), attr) in where}
+    tensors_of_slot: dict[int, list[int]] = {}
+    group_of_tensor: dict[int, int] = {}
+    for tid, (kind, key) in hmod.traced.sources.items():
+        if kind != "param":
+            continue
+        j = hmod._hr_param_slot[key]
+        if j in slot_group:
+            tensors_of_slot.setdefault(j, []).append(int(tid))
+            group_of_tensor[int(tid)] = slot_group[j][0]
+    return slot_group, tensors_of_slot, group_of_tensor
+
+
+@dataclass
+class _Placement:
+    """Where one schedule's gathers, reshards and post-backwards go (``place``)."""
+
+    #: per group, the step ranges it is gathered over ((first, last), both included; last ==
+    #: the number of steps: the end of the backward)
+    held: list[list[tuple[int, int]]]
+    post_at: list[int]  # per group: the step its post-backward follows (-1: none)
+    gathered: list[int]  # per step (and the end), the unsharded bytes of the groups held
+    timeline: list[int]  # per step (and the end), the schedule's simulated memory
+    #: (group, its range) -> the step before which that range's gather is issued ahead of its
+    #: first use (where the group gathered before it in that segment is), and that use
+    prefetch_at: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def peak_with_gathered(self) -> int:
+        return max(a + b for a, b in zip(self.timeline, self.gathered))
+
+
+def place(hmod: nn.Module, groups: list[_Group], steps: list[tuple[str, int]], fwd_len: int,
+          extra_gathers: int = 0, prefetch: bool = False) -> _Placement:
+    """The driver's gathers for a schedule of ``hmod``'s graph and the memory they hold (see
+    the module's docstring); ``prefetch``: each group's gather is issued when the group used
+    before it in that segment is gathered, as FSDP2's forward and backward prefetch do, and
+    it is held from there."""
+    graph = hmod.traced.graph
+    slot_group, _, group_of_tensor = _slots(hmod, groups)
+
+    def groups_read(op: int) -> set[int]:
+        roots = (graph.storage_root(t) for t in graph.ops[op].inputs)
+        return {group_of_tensor[r] for r in roots if r in group_of_tensor}
+
+    uses: list[list[int]] = [[] for _ in groups]  # per group: step positions using it
+    for pos, (kind, k) in enumerate(steps):
+        if kind == "compute":
+            for g in groups_read(k):
+                uses[g].append(pos)
+    end = len(steps)
+    grad_done: list[int] = [-1] * len(groups)  # per group: the step stashing its last grad
+    freed_at = {i: pos for pos, (kind, i) in enumerate(steps) if kind == "free"}
+    for name, tid in hmod.traced.param_grads.items():
+        j = hmod._hr_param_slot.get(name)
+        if j in slot_group:
+            g = slot_group[j][0]
+            grad_done[g] = max(grad_done[g], freed_at.get(int(tid), end))
+    from hrockmate.ir.schedule import Schedule, simulate
+
+    timeline = [int(x) for x in simulate(graph, Schedule(steps, fwd_len)).timeline]
+    timeline += [0] * (end + 1 - len(timeline))
+    # the backward's idle stretches between the clusters of a group's uses there (other
+    # groups' ops in between) that one more gather could free
+    held: list[list[tuple[int, int]]] = []
+    idle: list[list[tuple[int, int]]] = []
+    post_at: list[int] = []
+    for g, grp in enumerate(groups):
+        fwd = [p for p in uses[g] if p < fwd_len]
+        bwd = [p for p in uses[g] if p >= fwd_len]
+        # kept gathered from the forward into the backward (reshard_after_forward=False)
+        kept = bool(fwd) and not grp.reshard_after_forward
+        last = max(bwd[-1] if bwd else -1, grad_done[g])
+        if last < 0 and kept:
+            last = end  # (gathered in forward, unused after: resharded at the end)
+        post_at.append(last)
+        ranges = []
+        if fwd and not kept:
+            ranges.append((fwd[0], fwd[-1]))
+        if kept:
+            ranges.append((fwd[0], last))
+        elif bwd:
+            ranges.append((bwd[0], last))
+        held.append(ranges)
+        gaps = []
+        if bwd and not kept:
+            others = sorted(p for h in range(len(groups)) if h != g for p in uses[h]
+                            if bwd[0] < p < bwd[-1])
+            for a, b in zip(bwd, bwd[1:]):
+                i = bisect.bisect_right(others, a)
+                if i < len(others) and others[i] < b:
+                    gaps.append((a, b))
+        idle.append(gaps)
+
+    def gathered_at() -> list[int]:
+        out = [0] * (end + 1)
+        for g, ranges in enumerate(held):
+            for first, last in ranges:
+                for p in range(first, last + 1):
+                    out[p] += groups[g].unsharded_bytes
+        return out
+
+    gathered = gathered_at()
+    # One more gather per idle stretch that holds the step of the highest memory
+    # (activations and gathered blocks), the largest group first, at most extra_gathers.
+    for _ in range(max(0, int(extra_gathers))):
+        total = [a + b for a, b in zip(timeline, gathered)]
+        top = max(range(end + 1), key=total.__getitem__)
+        choice = max(((groups[g].unsharded_bytes, g, gap) for g, gaps in enumerate(idle)
+                      for gap in gaps if gap[0] < top < gap[1]), default=None)
+        if choice is None:
+            break
+        _, g, (a, b) = choice
+        idle[g].remove((a, b))
+        ranges = held[g]
+        k = next(i for i, (f, l) in enumerate(ranges) if f <= a and b <= l)
+        f, l = ranges[k]
+        ranges[k:k + 1] = [(f, a), (b, l)]
+        gathered = gathered_at()
+    prefetch_at: dict[tuple[int, int], int] = {}
+    if prefetch:
+        # Per segment, the gathers in the order they are made: each is issued when the one
+        # before it is made (and is held from there), so its all-gather runs while the
+        # previous group computes.
+        for lo, hi in ((0, fwd_len), (fwd_len, end + 1)):
+            starts = sorted((first, g, k) for g, ranges in enumerate(held)
+                            for k, (first, _) in enumerate(ranges) if lo <= first < hi)
+            for (before, _, _), (first, g, k) in zip(starts, starts[1:]):
+                if before < first:
+                    prefetch_at[(g, k)] = (before, first)
+                    held[g][k] = (before, held[g][k][1])
+        gathered = gathered_at()
+    return _Placement(held, post_at, gathered, timeline, prefetch_at)
+
+
 class BlockDriver:
     """Drives FSDP2's per-block gathers, reshards and gradient reductions from one compiled
     schedule (see the module's docstring); ``program`` is that schedule compiled with the
     driver's calls, its chunks handing only the non-block gradients to autograd."""
 
-    def __init__(self, hmod: nn.Module, groups: list[_Group], extra_gathers: int = 0) -> None:
+    def __init__(self, hmod: nn.Module, groups: list[_Group], extra_gathers: int = 0,
+                 prefetch: bool = False) -> None:
         from hrockmate.runtime.compiler import StepHooks, compile_schedule
 
         self.groups = groups
         traced = hmod.traced
-        graph = traced.graph
         schedule = hmod.schedule
         steps = [(str(k), int(i)) for k, i in schedule.steps]
         fwd_len = int(schedule.forward_len)
-        slots = hmod._hr_param_slots  # slot -> (owner module, attribute)
-        where: dict[tuple[int, str], tuple[int, int]] = {}
-        for g, grp in enumerate(groups):
-            for i, owners in enumerate(grp.owners):
-                for mod, attr in owners:
-                    where[(id(mod), attr)] = (g, i)
-        slot_group = {j: where[(id(mod), attr)] for j, (mod, attr) in enumerate(slots)
-                      if (id(mod), attr) in where}
-        tensors_of_slot: dict[int, list[int]] = {}
-        group_of_tensor: dict[int, int] = {}
-        for tid, (kind, key) in traced.sources.items():
-            if kind != "param":
-                continue
-            j = hmod._hr_param_slot[key]
-            if j in slot_group:
-                tensors_of_slot.setdefault(j, []).append(int(tid))
-                group_of_tensor[int(tid)] = slot_group[j][0]
-        self.plan = _Plan(slot_group, tensors_of_slot)
-
-        def groups_read(op: int) -> set[int]:
-            roots = (graph.storage_root(t) for t in graph.ops[op].inputs)
-            return {group_of_tensor[r] for r in roots if r in group_of_tensor}
-
-        uses: list[list[int]] = [[] for _ in groups]  # per group: step positions using it
-        for pos, (kind, k) in enumerate(steps):
-            if kind == "compute":
-                for g in groups_read(k):
-                    uses[g].append(pos)
         end = len(steps)
-        grad_done: list[int] = [-1] * len(groups)  # per group: the step stashing its last grad
-        freed_at = {i: pos for pos, (kind, i) in enumerate(steps) if kind == "free"}
-        for name, tid in traced.param_grads.items():
-            j = hmod._hr_param_slot.get(name)
-            if j in slot_group:
-                g = slot_group[j][0]
-                grad_done[g] = max(grad_done[g], freed_at.get(int(tid), end))
-        from hrockmate.ir.schedule import Schedule, simulate
-
-        timeline = [int(x) for x in simulate(graph, Schedule(steps, fwd_len)).timeline]
-        timeline += [0] * (end + 1 - len(timeline))
-        # Per group, the step ranges it is gathered over ((first, last), both included; last
-        # == end: the end of the backward), and the backward's idle stretches between the
-        # clusters of its uses there (other groups' ops in between) that one more gather
-        # could free.
-        held: list[list[tuple[int, int]]] = []
-        idle: list[list[tuple[int, int]]] = []
-        post_at: list[int] = []  # per group: the step its post-backward follows (-1: none)
-        for g, grp in enumerate(groups):
-            fwd = [p for p in uses[g] if p < fwd_len]
-            bwd = [p for p in uses[g] if p >= fwd_len]
-            # kept gathered from the forward into the backward (reshard_after_forward=False)
-            kept = bool(fwd) and not grp.reshard_after_forward
-            last = max(bwd[-1] if bwd else -1, grad_done[g])
-            if last < 0 and kept:
-                last = end  # (gathered in forward, unused after: resharded at the end)
-            post_at.append(last)
-            ranges = []
-            if fwd and not kept:
-                ranges.append((fwd[0], fwd[-1]))
-            if kept:
-                ranges.append((fwd[0], last))
-            elif bwd:
-                ranges.append((bwd[0], last))
-            held.append(ranges)
-            gaps = []
-            if bwd and not kept:
-                others = sorted(p for h in range(len(groups)) if h != g for p in uses[h]
-                                if bwd[0] < p < bwd[-1])
-                for a, b in zip(bwd, bwd[1:]):
-                    i = bisect.bisect_right(others, a)
-                    if i < len(others) and others[i] < b:
-                        gaps.append((a, b))
-            idle.append(gaps)
-
-        def gathered_at() -> list[int]:
-            out = [0] * (end + 1)
-            for g, ranges in enumerate(held):
-                for first, last in ranges:
-                    for p in range(first, last + 1):
-                        out[p] += groups[g].unsharded_bytes
-            return out
-
-        gathered = gathered_at()
-        # One more gather per idle stretch that holds the step of the highest memory
-        # (activations and gathered blocks), the largest group first, at most extra_gathers.
-        for _ in range(max(0, int(extra_gathers))):
-            total = [a + b for a, b in zip(timeline, gathered)]
-            top = max(range(end + 1), key=total.__getitem__)
-            choice = max(((groups[g].unsharded_bytes, g, gap) for g, gaps in enumerate(idle)
-                          for gap in gaps if gap[0] < top < gap[1]), default=None)
-            if choice is None:
-                break
-            _, g, (a, b) = choice
-            idle[g].remove((a, b))
-            ranges = held[g]
-            k = next(i for i, (f, l) in enumerate(ranges) if f <= a and b <= l)
-            f, l = ranges[k]
-            ranges[k:k + 1] = [(f, a), (b, l)]
-            gathered = gathered_at()
-
+        slot_group, tensors_of_slot, _ = _slots(hmod, groups)
+        self.plan = _Plan(slot_group, tensors_of_slot)
+        placed = place(hmod, groups, steps, fwd_len, extra_gathers, prefetch)
+        self.placement = placed  # (where the calls go and what they hold)
+        held, post_at, gathered = placed.held, placed.post_at, placed.gathered
         hooks = StepHooks(names={"_HR_FSDP": self})
         count = 0
         for g, ranges in enumerate(held):
-            for first, last in ranges:
-                hooks.before.setdefault(first, []).append(f"_HR_FSDP.gather({g}, E)")
+            for k, (first, last) in enumerate(ranges):
+                # (a prefetched range is held from where its gather is issued; the gather is
+                # waited for and installed before the first use)
+                use = placed.prefetch_at.get((g, k), (first, first))[1]
+                hooks.before.setdefault(use, []).append(f"_HR_FSDP.gather({g}, E)")
                 count += 1
                 if last != post_at[g]:
                     hooks.after.setdefault(last, []).append(f"_HR_FSDP.reshard({g})")
@@ -305,10 +369,14 @@ class BlockDriver:
                 hooks.end.append(call)
             else:
                 hooks.after.setdefault(last, []).append(call)
+        # issued after the gathers made at the same step (the block computing first)
+        for (g, _), (ahead, _) in sorted(placed.prefetch_at.items(), key=lambda kv: kv[1]):
+            hooks.before.setdefault(ahead, []).append(f"_HR_FSDP.prefetch({g})")
         self.plan.gathers_per_iteration = count
         self.plan.gathered = gathered
-        self.plan.peak_with_gathered = max(a + b for a, b in zip(timeline, gathered))
-        self.gathers = 0  # unshard calls made (all iterations)
+        self.plan.peak_with_gathered = placed.peak_with_gathered
+        self.gathers = 0  # all-gathers issued (all iterations)
+        self.pending: dict[int, Any] = {}  # group -> the handle of its prefetched all-gather
         program = compile_schedule(traced, steps, fwd_len, hmod._hr_param_slot,
                                    hmod._hr_buffer_slot, hmod._hr_input_slot, hooks)
         # the block gradients reach FSDP2 through post_backward, not autograd
@@ -321,9 +389,12 @@ class BlockDriver:
         """Unshard group ``g`` and point the graph's tensors of its parameters at the gathered
         ones (the same objects every time: FSDP2 refills their storage)."""
         grp = self.groups[g]
-        if not grp.is_unsharded():
+        pending = self.pending.pop(g, None)
+        if pending is not None:
+            pending.wait()  # (issued by ``prefetch``, counted there)
+        elif not grp.is_unsharded():
             self.gathers += 1
-        grp.module.unshard()
+        grp.module.unshard()  # (a no-op where it is gathered already)
         _, dtensor = _fsdp_types()
         for j, (gi, i) in self.plan.slot_group.items():
             if gi != g:
@@ -335,6 +406,14 @@ class BlockDriver:
                     "tensor parallelism); only data-parallel fully_shard is supported per block")
             for t in self.plan.tensors_of_slot.get(j, ()):
                 E[t] = p
+
+    def prefetch(self, g: int) -> None:
+        """Issue group ``g``'s all-gather without waiting for it (``gather`` waits)."""
+        grp = self.groups[g]
+        if grp.is_unsharded() or g in self.pending:
+            return
+        self.gathers += 1
+        self.pending[g] = grp.module.unshard(async_op=True)
 
     def reshard(self, g: int) -> None:
         self.groups[g].module.reshard()
@@ -379,8 +458,11 @@ class BlockDriver:
 
 def driver_for(hmod: nn.Module) -> BlockDriver | None:
     """The driver of ``hmod``'s per-block FSDP2 layout for the schedule in use, built at the
-    first call after the blocks were sharded, the schedule changed or ``set_extra_gathers``;
-    None without sharded blocks."""
+    first call after the blocks were sharded, the schedule changed, ``set_extra_gathers`` or
+    ``set_prefetch``; None without sharded blocks. At the first call with sharded blocks of a
+    module planned by the solver for a budget, the module is planned again with the gathered
+    blocks charged (``plan_with_blocks``): a collective call then, as every rank's first
+    training call is."""
     held = hmod.__dict__.get("_hr_fsdp_driver")
     program = hmod.__dict__.get("_hr_program")
     if held is not None and held[0] is program:
@@ -392,10 +474,18 @@ def driver_for(hmod: nn.Module) -> BlockDriver | None:
         raise UnsupportedLayoutError(
             "per-block FSDP2 runs the plan's eager program: build the HRockmate module with "
             "compile=False (the default) before sharding its blocks")
-    extra = hmod.__dict__.get("_hr_fsdp_extra_gathers", 0)
-    driver = BlockDriver(hmod, groups, extra) if groups else None
+    if groups and _planned_without_blocks(hmod):
+        plan_with_blocks(hmod, groups=groups, strict=False)
+        program = hmod.__dict__.get("_hr_program")
+    extra, prefetch = _settings(hmod)
+    driver = BlockDriver(hmod, groups, extra, prefetch) if groups else None
     hmod.__dict__["_hr_fsdp_driver"] = (program, driver)
     return driver
+
+
+def _settings(hmod: nn.Module) -> tuple[int, bool]:
+    return (int(hmod.__dict__.get("_hr_fsdp_extra_gathers", 0)),
+            bool(hmod.__dict__.get("_hr_fsdp_prefetch", False)))
 
 
 def set_extra_gathers(hmod: nn.Module, extra: int) -> None:
@@ -410,9 +500,117 @@ def set_extra_gathers(hmod: nn.Module, extra: int) -> None:
     hmod.__dict__.pop("_hr_fsdp_driver", None)
 
 
+def set_prefetch(hmod: nn.Module, on: bool = True) -> None:
+    """Issue each block's all-gather ahead, when the block gathered before it in that segment
+    (forward or backward) is gathered, as FSDP2's forward and backward prefetch do, so that
+    the all-gather runs while that block computes; the block is waited for before its first
+    op. The all-gathers are the same ones, earlier: two blocks are gathered at once where one
+    was, which the modelled memory (``BlockDriver.gathered_bytes``, and the charge of
+    ``plan_with_blocks``) counts. Set it to the same value on every rank, before the first
+    call (or call ``plan_with_blocks`` again after: the plan was charged without it)."""
+    hmod.__dict__["_hr_fsdp_prefetch"] = bool(on)
+    hmod.__dict__.pop("_hr_fsdp_driver", None)
+
+
+def _planned_without_blocks(hmod: nn.Module) -> bool:
+    """Whether the plan in use was solved for a budget with the gathered blocks not charged
+    (a fixed plan, store-all or a given schedule is run as it is)."""
+    request = hmod._hr_request
+    plan = hmod.__dict__.get("_hr_plan")
+    return (request.budget is not None and request.plan is None and plan is not None
+            and plan.method not in ("store-all", "given", "")
+            and "_hr_fsdp_charged" not in hmod.__dict__
+            and hmod.traced.graph.meta.get("cost_report", {}).get("mode") == "measure")
+
+
+def gathered_excess_bytes(hmod: nn.Module, steps: Any, forward_len: int) -> int:
+    """What the gathered blocks add to a schedule's simulated peak once charged
+    (``plan_with_blocks``): the highest of its memory plus, at each step, the gathered blocks
+    beyond the largest one, less its highest memory alone; 0 for a module not charged. One
+    block is not charged: every op of a block runs with that block gathered, under plain
+    per-block FSDP2 as under any plan, and the budget (a fraction of the unsharded model's
+    activation peak) never counted parameters; what a plan holds beyond that (a block kept
+    gathered from an early recomputation to its backward, a prefetched one) is what it
+    trades against activations. The module's compile step adds this to the program's
+    ``extra_bytes``, the bytes planning adds to a schedule's peak before comparing it with
+    the budget (``hrockmate.planning.entry``), so the rounds that fit a plan count them."""
+    groups = hmod.__dict__.get("_hr_fsdp_charged")
+    if not groups:
+        return 0
+    extra, prefetch = _settings(hmod)
+    placed = place(hmod, groups, [(str(k), int(i)) for k, i in steps], int(forward_len),
+                   extra, prefetch)
+    free = max(grp.unsharded_bytes for grp in groups)
+    top = max(a + max(0, b - free) for a, b in zip(placed.timeline, placed.gathered))
+    return top - max(placed.timeline)
+
+
+def _everyone(ok: bool) -> bool:
+    """Whether every rank's ``ok`` holds (so that all leave a loop together)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    box = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item()) == 0
+
+
+def plan_with_blocks(hmod: nn.Module, budget: Any = None, *, groups: list[_Group] | None = None,
+                     strict: bool = True) -> Any:
+    """Plan ``hmod`` (its blocks and itself sharded with ``fully_shard``) again for ``budget``
+    (None: the budget it was built for) with the gathered blocks charged: the schedule's
+    memory plus the unsharded bytes of the blocks the driver holds gathered at each step,
+    beyond the largest block (``gathered_excess_bytes``), must fit the budget, so a plan that recomputes a block's op outside the block's own use (where
+    the block is not gathered anyway) pays for holding the block from there, and one placed
+    where the block is gathered pays nothing. The charge stays: later ``replan`` calls count
+    the gathered blocks too. The first training call does this by itself for a module the
+    solver planned for a budget. A collective call (every rank makes it; every rank runs rank
+    0's plan after). Where no plan fits: raises ``StepBudgetError`` (``strict``) or keeps the
+    plan in use and logs a warning. Returns the ``Plan`` in use."""
+    import logging
+
+    from hrockmate.ir.errors import InfeasibleBudget
+    from hrockmate.runtime.distributed import agree_on_plan
+
+    groups = blocks_of(hmod) if groups is None else groups
+    if not groups:
+        raise UnsupportedLayoutError(
+            "plan_with_blocks: no block of the HRockmate module is sharded; call fully_shard "
+            "on each block, then on the HRockmate module, first")
+    if hmod.traced.graph.meta.get("cost_report", {}).get("mode") != "measure":
+        raise StepBudgetError(
+            "plan_with_blocks: the module's op times were not measured (it was built for "
+            "store-all or with a fixed plan=), and measuring them now would run the ops on "
+            "sharded parameters; build HRockmate with a budget (budget=0.5, say) before "
+            "sharding")
+    hmod.__dict__["_hr_fsdp_charged"] = groups
+    hmod.__dict__.pop("_hr_fsdp_driver", None)
+    budget = hmod._hr_request.budget if budget is None else budget
+    failed: InfeasibleBudget | None = None
+    try:
+        hmod.replan(budget)
+    except InfeasibleBudget as exc:
+        failed = exc
+    if not _everyone(failed is None):
+        why = str(failed) if failed is not None else "another rank found none"
+        if strict:
+            raise StepBudgetError(
+                f"plan_with_blocks: no plan fits the budget with the gathered blocks charged on "
+                f"every rank ({why}); raise the budget or shard over more ranks")
+        logging.getLogger("hrockmate").warning(
+            "HRockmate: no plan fits the budget with the gathered blocks charged on every "
+            "rank (%s); running the plan made without them, whose gathered blocks come on top "
+            "of the budget. Raise the budget, or call "
+            "hrockmate.runtime.fsdp.plan_with_blocks(hmod, budget) on every rank", why)
+    agree_on_plan(hmod)
+    hmod.__dict__.pop("_hr_fsdp_driver", None)
+    return hmod.plan
+
+
 class StepBudgetError(ValueError):
-    """No plan fits the whole-step budget (``fit_step_budget``); the message says what the
-    step holds besides activations."""
+    """No plan fits the budget with the step's other parts counted (``fit_step_budget``: the
+    whole step; ``plan_with_blocks``: the gathered blocks); the message says what they are."""
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -446,8 +644,8 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, rounds: int = 4) -> StepF
     root group's gathered parameters (held for the whole step) and reduce-scatter input, the
     gathered blocks the plan holds at each step, the activations, and FSDP2's buffers at a
     block boundary (a block's flat all-gather output, two blocks' reduce-scatter inputs).
-    The activation budget starts at what is left after the parts held all step and two
-    gathered blocks, and is lowered by the excess of the modelled step until it fits, at most
+    The plans charge the gathered blocks (``plan_with_blocks``); the activation budget starts
+    at what is left after the parts held all step and one gathered block, and is lowered by the excess of the modelled step until it fits, at most
     ``rounds`` plans. A collective call: every rank makes it, the smallest ``step_budget``
     of the ranks is planned for, and every rank runs rank 0's plan
     (``distributed.agree_on_plan``). The op times must have been measured before the blocks
@@ -459,14 +657,6 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, rounds: int = 4) -> StepF
     from hrockmate.runtime.distributed import agree_on_plan
 
     grouped = dist.is_available() and dist.is_initialized()
-
-    def everyone(ok: bool) -> bool:
-        """Whether every rank's ``ok`` holds (so that all leave the loop together)."""
-        if not grouped:
-            return ok
-        box = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return int(box.item()) == 0
 
     if hmod.traced.graph.meta.get("cost_report", {}).get("mode") != "measure":
         raise StepBudgetError(
@@ -495,7 +685,10 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, rounds: int = 4) -> StepF
     # gathered (copied out into its parameters) and two blocks' reduce-scatter inputs (one
     # kept in flight while the next is reduced)
     buffers = 3 * largest
-    activation = int(step_budget) - resident - 2 * largest - buffers
+    # (the plans charge the gathered blocks beyond the largest: the activation budget covers
+    # them, and the largest is set aside)
+    hmod.__dict__["_hr_fsdp_charged"] = groups
+    activation = int(step_budget) - resident - largest - buffers
     best: int | None = None  # the smallest modelled step of the plans made
     for r in range(1, rounds + 1):
         if activation <= 0:
@@ -505,13 +698,13 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, rounds: int = 4) -> StepF
             planned = True
         except InfeasibleBudget:
             planned = False
-        if not everyone(planned):
+        if not _everyone(planned):
             break
         agree_on_plan(hmod)
         driver = driver_for(hmod)
         assert driver is not None
         fit = StepFit(int(step_budget), activation, resident, driver.peak_with_gathered_bytes,
-                      buffers + hmod._hr_program.extra_bytes, r)
+                      buffers + driver.program.extra_bytes, r)
         if fit.step_bytes <= step_budget:
             return fit
         best = fit.step_bytes if best is None else min(best, fit.step_bytes)

@@ -789,6 +789,11 @@ class HRockmate(nn.Module):
             program = compile_program(self.traced, schedule.steps, schedule.forward_len,
                                       self._hr_param_slot, self._hr_buffer_slot,
                                       self._hr_input_slot, program)
+        # per-block FSDP2 with the gathered blocks charged (fsdp.plan_with_blocks): the bytes
+        # they add to this schedule's peak are bytes the runtime keeps beside the graph's
+        # tensors, which planning fits into the budget with the rest
+        program.extra_bytes += fsdp.gathered_excess_bytes(self, schedule.steps,
+                                                          schedule.forward_len)
         return program
 
     def _install(self, schedule: Any, plan: Any, predicted: int, program: Program) -> None:
