@@ -1,11 +1,14 @@
 """HRockmate against transformers' own gradient checkpointing, at that checkpointing's peak.
 
     OMP_NUM_THREADS=1 python benches/hf_checkpointing.py            # writes the JSON below
+    OMP_NUM_THREADS=1 python benches/hf_checkpointing.py --defaults  # library defaults
     python benches/hf_checkpointing.py --layers 2 --seq 64 --rounds 2   # a quick look
 
 An HF GPT-2 built from a config (no weights downloaded, dropout off, ``use_cache=False`` as
-``gradient_checkpointing_enable`` sets it in training) runs one training step (forward and
-backward on one batch) in each configuration:
+``gradient_checkpointing_enable`` sets it in training; with ``--defaults``, transformers'
+defaults instead: dropout 0.1 and ``use_cache`` left at its default, ``True``, which gives
+2,076 traced ops at the default sizes) runs one training step (forward and backward on one
+batch) in each configuration:
 
 - ``plain``: the model as it is;
 - ``hf``: ``gradient_checkpointing_enable()`` (non-reentrant), every ``GPT2Block`` checkpointed;
@@ -13,15 +16,20 @@ backward on one batch) in each configuration:
   peak ``hf`` measured, and ``hrockmate-layers@hf``: the same with ``method="layers"``
   (per-layer checkpointing alone, planned by hrockmate); with the output dropped, both are
   built with ``drop_outputs=True`` (the caller lets go of the logits as the forward returns),
-  and ``hrockmate-with-cache@hf`` is the same model at transformers' default
-  ``use_cache=True``, whose cache of keys and values the caller drops with the logits;
+  and ``hrockmate-with-cache@hf`` is the same model returning its cache of keys and values
+  (``use_cache=True`` in the batch: the caller's choice, which keeps the cache; HRockmate
+  given a budget otherwise traces a transformers model without it, as transformers'
+  checkpointing trains it), which the caller drops with the logits;
 
 each with the output held through backward (``out = model(**b); out.loss.backward()``) and
 with it dropped first (``model(**b).loss.backward()``; the logits freed before backward).
 The HRockmate budgets are ``hf``'s peak in the same mode. Peaks are measured with
 ``hrockmate.measure_peak_memory`` (activations, parameters' gradients excluded); step times
 are medians of rounds in which the configurations run in turn (alternating), so that the
-ratios to ``plain`` are measured side by side. Writes ``benches/results/hf_checkpointing.json``.
+ratios to ``plain`` are measured side by side. Gradients are compared bitwise with plain's
+from the same seed (dropout draws the same masks). Writes
+``benches/results/hf_checkpointing.json`` (``hf_checkpointing_defaults.json`` with
+``--defaults``).
 """
 
 from __future__ import annotations
@@ -40,13 +48,15 @@ from typing import Any, Callable
 import torch
 
 
-def _model(layers: int, embd: int, heads: int, seq: int, vocab: int) -> Any:
+def _model(layers: int, embd: int, heads: int, seq: int, vocab: int, defaults: bool) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
+    # (transformers' defaults: dropout 0.1 everywhere, use_cache=True)
+    off = {} if defaults else {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                               "use_cache": False}
     cfg = GPT2Config(n_layer=layers, n_embd=embd, n_head=heads, vocab_size=vocab,
-                     n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     use_cache=False, bos_token_id=0, eos_token_id=0)
+                     n_positions=seq, bos_token_id=0, eos_token_id=0, **off)
     model = GPT2LMHeadModel(cfg)
     model.train()
     return model
@@ -96,9 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"
-                                             / "hf_checkpointing.json"))
+    parser.add_argument("--defaults", action="store_true",
+                        help="the model at transformers' defaults (dropout 0.1, use_cache)")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = str(Path(__file__).parent / "results" / (
+            "hf_checkpointing_defaults.json" if args.defaults else "hf_checkpointing.json"))
     os.environ.setdefault("HROCKMATE_CACHE_DIR", "off")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from hrockmate import HRockmate
@@ -106,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from hrockmate.planning.dropped import dropped_peak, planning_graph
     from hrockmate.planning.strategies import layer_checkpoint_schedule
 
-    base = _model(args.layers, args.embd, args.heads, args.seq, args.vocab)
+    base = _model(args.layers, args.embd, args.heads, args.seq, args.vocab, args.defaults)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -117,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict[str, Any] = {"benchmark": "hf_checkpointing"}
     rows: dict[str, dict[str, Any]] = {}
-    models: dict[str, tuple[Any, bool]] = {}
+    models: dict[str, tuple[Any, bool, dict[str, Any]]] = {}
     for hold in (True, False):
         mode = "held" if hold else "dropped"
-        models[f"plain/{mode}"] = (plain, hold)
-        models[f"hf/{mode}"] = (hf, hold)
+        models[f"plain/{mode}"] = (plain, hold, batch)
+        models[f"hf/{mode}"] = (hf, hold, batch)
         budget = _peak(hf, batch, hold)
         # (dropping the output, the caller says so: drop_outputs=True plans without it)
         drop = {} if hold else {"drop_outputs": True}
@@ -135,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"building {name} at {budget} bytes", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             model = copy.deepcopy(base)
-            model.config.use_cache = use_cache
+            own = batch
+            if args.defaults:  # (the cache kept where the caller asks for it)
+                own = {**batch, "use_cache": True} if use_cache else batch
+            else:
+                model.config.use_cache = use_cache
             try:
-                hm = HRockmate(model, batch, budget=budget, loss_fn="loss", cache=False,
+                hm = HRockmate(model, own, budget=budget, loss_fn="loss", cache=False,
                                **options)
             except Exception as exc:  # noqa: BLE001 - a refusal is a result here
                 rows[name] = {"budget_bytes": budget, "error": f"{type(exc).__name__}: {exc}"}
@@ -163,21 +181,23 @@ def main(argv: list[str] | None = None) -> int:
                 "hierarchy_plan_time_ratio": (
                     round(plan.stats["hierarchy_plan_time"] / plan.baseline_time, 4)
                     if plan.stats.get("hierarchy_plan_time") else None),
-                "recomputed_ops": hm.recomputed_ops,
+                "recomputed_ops": hm.recomputed_ops, "traced_ops": graph.num_ops,
+                "use_cache_turned_off": bool(graph.meta.get("use_cache_turned_off")),
+                "dropped_outputs": plan.stats.get("dropped_outputs", 0),
                 "layers_same_times": {"peak_bytes": int(layers_sim.peak_bytes),
                                       "time_ratio": round(layers_sim.time / plan.baseline_time,
                                                           4)},
             }
-            models[name] = (hm, hold)
+            models[name] = (hm, hold, own)
 
-    peaks = {name: _peak(m, batch, hold) for name, (m, hold) in models.items()}
+    peaks = {name: _peak(m, b, hold) for name, (m, hold, b) in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
-    for name, (m, hold) in models.items():  # (warm-up)
-        _step(m, batch, hold)()
+    for name, (m, hold, b) in models.items():  # (warm-up)
+        _step(m, b, hold)()
         m.zero_grad(set_to_none=True)
     for _ in range(args.rounds):
-        for name, (m, hold) in models.items():
-            step = _step(m, batch, hold)
+        for name, (m, hold, b) in models.items():
+            step = _step(m, b, hold)
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 step()
@@ -185,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
                 m.zero_grad(set_to_none=True)
     # bitwise: one step of each HRockmate against plain's
     ref = copy.deepcopy(base)
+    torch.manual_seed(11)  # (dropout draws the same masks in each)
     ref(**batch).loss.backward()
     bitwise = {}
-    for name, (m, hold) in models.items():
+    for name, (m, hold, b) in models.items():
         if not name.startswith("hrockmate"):
             continue
-        _step(m, batch, hold)()
+        torch.manual_seed(11)
+        _step(m, b, hold)()
         bitwise[name] = all(torch.equal(p.grad, q.grad) for p, q in
                             zip(m.wrapped_model.parameters(), ref.parameters()))
         m.zero_grad(set_to_none=True)
@@ -202,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                  "threads": torch.get_num_threads()},
         "model": {"family": "transformers GPT2LMHeadModel", "layers": args.layers,
                   "embd": args.embd, "heads": args.heads, "seq": args.seq,
-                  "batch": args.batch, "vocab": args.vocab, "use_cache": False},
+                  "batch": args.batch, "vocab": args.vocab,
+                  "dropout": base.config.resid_pdrop, "use_cache": base.config.use_cache},
         "hrockmate": rows,
         "measured_peak_bytes": peaks,
         "peak_ratio_to_plain": {k: round(v / peaks["plain/" + k.split("/")[1]], 4)

@@ -176,7 +176,7 @@ def _dropping_outputs(model: Any, sample: Any, traced: Any, budget_bytes: int,
     program = compile_fn(store_all)
     if budget_bytes >= base.peak_bytes + program.extra_bytes:
         made = describe(graph, store_all, base, base, budget_bytes, "store-all")
-        made.stats["dropped_outputs"] = len(drop)
+        made.stats.update(dropped_outputs=len(drop), dropped_output_ids=list(drop))
         return store_all, made, int(base.peak_bytes), program
 
     def compile_traced(schedule: Any) -> Any:
@@ -205,7 +205,8 @@ def _dropping_outputs(model: Any, sample: Any, traced: Any, budget_bytes: int,
             plan = dataclasses.replace(
                 made, graph_hash=graph.structure_hash(), steps=list(schedule.steps),
                 forward_len=int(schedule.forward_len), peak_bytes=int(sim.peak_bytes),
-                time=float(sim.time), stats={**made.stats, "dropped_outputs": len(drop)})
+                time=float(sim.time), stats={**made.stats, "dropped_outputs": len(drop),
+                                          "dropped_output_ids": list(drop)})
             return schedule, plan, int(sim.peak_bytes), program
         reached.append(int(sim.peak_bytes) + program.extra_bytes)
         target -= over

@@ -38,6 +38,7 @@ rebuilds the trace and code at the first training call.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -55,6 +56,7 @@ from hrockmate.capture.kernels import autocast_off, autocast_state, describe_aut
 from hrockmate.capture.joint import TensorLeaf, rebuild_output
 from hrockmate.capture.randomness import replay_python_draws
 from hrockmate.capture.values import FiniteAssumptionError
+from hrockmate.planning.dropped import saved_positions
 from hrockmate.planning.entry import (  # noqa: F401  (the runtime's names for them)
     MAX_ROUNDS,
     POSSIBLE_RESERVE_SHARE,
@@ -120,7 +122,7 @@ class _IterationState:
         saved_outputs: Sequence[int] = (),
     ) -> None:
         self.program = program
-        self.saved_outputs = saved_outputs  # (positions among the outputs: _outputs_read_back)
+        self.saved_outputs = saved_outputs  # (positions among the outputs: dropped.saved_positions)
         self.params = params
         self.buffers = buffers
         self.inputs = inputs
@@ -655,8 +657,18 @@ class HRockmate(nn.Module):
         # "estimate" also measures each op's workspace, which the predicted peak includes.
         from hrockmate.planning.cache import open_cache
 
-        traced = trace_model(model, sample, loss_fn=request.loss_fn, cost="estimate",
-                             decisions_cache=open_cache(request.cache))
+        from hrockmate.integrations.transformers import training_without_cache
+
+        # a budget or a plan checkpoints: a transformers model then trains without its cache
+        # of keys and values, as with transformers' own gradient checkpointing
+        checkpointed = ((request.budget if budget is _ASKED else budget) is not None
+                        or (request.plan if plan is None else plan) is not None)
+        with (training_without_cache(model, sample) if checkpointed
+              else contextlib.nullcontext(False)) as cache_off:
+            traced = trace_model(model, sample, loss_fn=request.loss_fn, cost="estimate",
+                                 decisions_cache=open_cache(request.cache))
+        if cache_off:
+            traced.graph.meta["use_cache_turned_off"] = True
         _warn_of_captured_tensors(request.loss_fn, traced)
         object.__setattr__(self, "_hr_traced", traced)
         self.__dict__["_hr_variants"] = []  # (paths of other input values: of the old trace)
@@ -800,8 +812,11 @@ class HRockmate(nn.Module):
         object.__setattr__(self, "_hr_plan", plan)
         object.__setattr__(self, "_hr_schedule", schedule)
         object.__setattr__(self, "_hr_program", program)
-        object.__setattr__(self, "_hr_saved_outputs",
-                           _outputs_read_back(self.traced.graph, schedule, program.output_ids))
+        # (the outputs a drop_outputs plan says the caller lets go of are saved only where a
+        # later step reads them themselves: hrockmate.planning.dropped.saved_positions)
+        object.__setattr__(self, "_hr_saved_outputs", saved_positions(
+            self.traced.graph, schedule, program.output_ids,
+            plan.stats.get("dropped_output_ids", ()) if plan is not None else ()))
         # The simulator's peak plus what the runtime keeps beyond the graph's tensors.
         self.predicted_peak_bytes: int = predicted + program.extra_bytes
 
@@ -1195,16 +1210,6 @@ def _output_views(traced: Any) -> list[tuple[int, int]]:
         if root != t and j is not None and k not in with_tangent:
             views.append((k, j))
     return views
-
-
-def _outputs_read_back(graph: Any, schedule: Any, output_ids: Sequence[int]) -> list[int]:
-    """Positions of the outputs whose storage a step after the forward segment reads (the
-    output itself, or a view or detached alias of it, such as softmax's result)."""
-    read: set[int] = set()
-    for kind, k in schedule.steps[schedule.forward_len:]:
-        if kind == "compute":
-            read.update(graph.storage_root(t) for t in graph.ops[k].inputs)
-    return [j for j, t in enumerate(output_ids) if graph.storage_root(t) in read]
 
 
 def _rebuild_outputs(template: list[Any], spec: Any, outs: Sequence[torch.Tensor]) -> Any:
