@@ -115,13 +115,16 @@ def _inductor_compile(gm: torch.fx.GraphModule, args: list[Any]) -> Callable[[li
 
     fake = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
     with torch.no_grad(), tracing(TracingContext(fake)):
+        # (fake inputs, as AOTAutograd hands them over: the cache keys a real tensor by its
+        # values, which differ from one run to the next, and copies them to hash them)
+        example = [fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
-                             tracing_mode="fake")(*args)
+                             tracing_mode="fake")(*example)
         # the graph's order is the plan's, whose memory the budget was solved for:
         # inductor's reorderings (for locality, or its own estimate of peak memory)
         # move recomputations away from their uses and keep more alive at once
         with torch._inductor.config.patch(_KEEP_ORDER):
-            return compile_fx_inner(decomposed, list(args))
+            return compile_fx_inner(decomposed, example)
 
 
 def _run_piece(piece: _Piece, E: list[Any]) -> Any:
