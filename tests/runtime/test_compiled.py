@@ -237,3 +237,91 @@ def test_store_all_budget_measures_no_compiled_costs() -> None:
     assert "compiled_costs" not in hmod.__dict__
     assert hmod.traced.graph.meta["cost_report"].get("source") != "compiled"
 
+_REBUILD = """
+import json, sys
+import torch
+import hrockmate.capture.costs, hrockmate.planning.api
+from hrockmate import models
+from hrockmate.runtime import HRockmate
+from torch._dynamo.utils import counters
+
+torch.set_num_threads(1)
+if sys.argv[1] == "again":  # (a rebuild neither measures op times nor solves)
+    def refuse(*args, **kwargs):
+        raise AssertionError("the graph was solved again")
+    measure = hrockmate.capture.costs.annotate_costs
+    def no_measure(*args, mode="measure", **kwargs):
+        assert mode != "measure", "op times were measured again"
+        return measure(*args, mode=mode, **kwargs)
+    hrockmate.planning.api.solve_graph = refuse
+    hrockmate.capture.costs.annotate_costs = no_measure
+model, x = models.mlp(batch=64, d_in=16, hidden=64, n_layers=3)
+hmod = HRockmate(model, x, budget=0.7, compile=True, progress=False,
+                 loss_fn=lambda out: out.square().mean())
+pieces = hmod._compiled_program("pieces").pieces
+print(json.dumps({"pieces": len(pieces), "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"],
+                  "bypasses": counters["inductor"]["fxgraph_cache_bypass"],
+                  "plan": hmod.plan.stats.get("cache"), "peak": hmod.measured_peak_bytes,
+                  "budget": hmod.budget_bytes}))
+"""
+
+
+def _build_in_a_process(tmp_path: Any, what: str) -> dict[str, Any]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HROCKMATE_CACHE_DIR": str(tmp_path / "plans"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out = subprocess.run([sys.executable, "-c", _REBUILD, what], capture_output=True,
+                         text=True, env=env, timeout=900, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_rebuild_in_a_fresh_process_reuses_the_plan_and_the_compiled_pieces(
+        tmp_path: Any) -> None:
+    first = _build_in_a_process(tmp_path, "first")
+    assert first["pieces"] > 0
+    assert first["bypasses"] == 0  # (every piece can be cached)
+    assert first["misses"] >= 1  # (identical pieces compile once: misses <= pieces)
+    again = _build_in_a_process(tmp_path, "again")
+    # the plan from the plan cache, every piece's code from inductor's FX graph cache
+    assert again["plan"] == "hit"
+    assert again["misses"] == 0 and again["bypasses"] == 0
+    assert again["pieces"] == first["pieces"]
+    assert 1 <= again["hits"] <= first["hits"] + first["misses"]
+    assert again["peak"] == first["peak"] and again["budget"] == first["budget"]
+
+
+def test_a_rebuild_plans_at_once_for_the_budget_an_earlier_build_ended_at(
+        tmp_path: Any) -> None:
+    from hrockmate.planning.cache import PlanCacheWarning, device_kind, open_cache
+
+    model, x = models.mlp(batch=64, d_in=16, hidden=64, n_layers=3)
+    first = HRockmate(copy.deepcopy(model), x, budget=0.7, compile=True, loss_fn=_loss,
+                      cache=tmp_path, progress=False)
+    assert first.compile_stats["replans"] == 0  # (it fits: nothing recorded to replan for)
+    assert first.compile_stats["measuring_runs"] == 2
+    assert first.compile_stats["pieces"] == len(first._compiled_program("p").pieces)
+    # as if the first build had measured over its budget and planned again for less
+    store = open_cache(tmp_path)
+    asked = first.budget_bytes
+    lowered = (first.predicted_peak_bytes + asked) // 2 - 1024
+    key = store.compiled_key(first.traced.graph, asked, first._hr_request.solve_options,
+                             device_kind(first.traced.device))
+    store.save_compiled_budget(key, lowered)
+    again = HRockmate(copy.deepcopy(model), x, budget=0.7, compile=True, loss_fn=_loss,
+                      cache=tmp_path, progress=False)
+    assert again.budget_bytes == lowered  # (planned for the recorded budget, not measured over)
+    assert again.compile_stats["replans"] == 1
+    assert again.compile_stats["measuring_runs"] == 2  # (measured once: it fits)
+    assert again.measured_peak_bytes <= lowered
+    # an entry that is not a budget below the asked one is ignored with a warning
+    store.save_compiled_budget(key, asked + 1)
+    with pytest.warns(PlanCacheWarning, match="planned_bytes"):
+        third = HRockmate(copy.deepcopy(model), x, budget=0.7, compile=True, loss_fn=_loss,
+                          cache=tmp_path, progress=False)
+    assert third.budget_bytes == asked and third.compile_stats["replans"] == 0

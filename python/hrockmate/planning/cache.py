@@ -22,6 +22,13 @@ What:
   build of the same version is not reused.
 - ``eager/<key>.json``: plain PyTorch's measured peak for one iteration (the reference of a
   fractional budget, ``capture.baseline``), keyed as op times are.
+- ``compiled/<key>.json``: the budget compiled mode (``HRockmate(..., compile=True)``) planned
+  for in the end, where the compiled program of the asked budget's plan measured over it
+  and was planned again for less (``runtime.inductor.check_compiled_peak``), keyed by the
+  graph's structure hash, the asked budget, the solve options, the device kind and the
+  versions of hrockmate, torch and the planner: a rebuild plans for that budget at once. The
+  compiled code itself is inductor's to cache (its FX graph cache, under
+  ``$TORCHINDUCTOR_CACHE_DIR``).
 - ``decisions/<key>.json``: what each random decision of a model (LayerDrop) leaves out of
   its graph, keyed by the graph as traced, the model's files where it reads the decisions and
   the version of the rules (``capture.decisions.cache_key``): a later start needs none of the
@@ -69,6 +76,7 @@ CACHE_VERSION = 2
 TIMES_FORMAT = "hrockmate-op-times"
 DECISIONS_FORMAT = "hrockmate-decisions"
 EAGER_FORMAT = "hrockmate-eager-peak"
+COMPILED_FORMAT = "hrockmate-compiled-budget"
 _OFF = frozenset({"off", "0", "false", "no", "none"})
 #: Solve options that do not change the plan.
 _NOT_IN_KEY = frozenset({"progress"})
@@ -263,6 +271,49 @@ class PlanCache:
             write_atomic(path, json.dumps(data))
         except OSError as exc:
             _warn(f"cannot write eager-peak cache entry {path}: {exc.strerror or exc}")
+
+    # ---- compiled mode's budget ----------------------------------------------------------
+    def compiled_key(self, graph: "Graph", budget_bytes: int, options: Mapping[str, Any],
+                     device: str) -> str | None:
+        """The key of compiled mode's record for ``graph`` asked for ``budget_bytes``; None
+        where the options cannot be part of a key."""
+        plan_key = self.plan_key(graph, budget_bytes, options, device, purpose="compiled")
+        if plan_key is None:
+            return None
+        import torch
+
+        return _digest({"plan": plan_key, "torch": torch.__version__, "what": "compiled"})
+
+    def load_compiled_budget(self, key: str | None, asked_bytes: int) -> int | None:
+        """The budget (bytes, below ``asked_bytes``) compiled mode last planned for under
+        ``key``; None when there is no readable entry."""
+        if key is None:
+            return None
+        path = self.directory / "compiled" / f"{key}.json"
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != COMPILED_FORMAT:
+                raise ValueError("not a compiled-mode entry")
+            planned = data["planned_bytes"]
+            if isinstance(planned, bool) or not isinstance(planned, int) or not (
+                    0 < planned <= asked_bytes):
+                raise ValueError(f"planned_bytes must be a whole number in 1..{asked_bytes}")
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            _warn(f"ignoring compiled-mode cache entry {path}: {exc}")
+            return None
+        return planned
+
+    def save_compiled_budget(self, key: str | None, planned_bytes: int) -> None:
+        if key is None:
+            return
+        path = self.directory / "compiled" / f"{key}.json"
+        try:
+            write_atomic(path, json.dumps({"format": COMPILED_FORMAT,
+                                           "planned_bytes": int(planned_bytes)}))
+        except OSError as exc:
+            _warn(f"cannot write compiled-mode cache entry {path}: {exc.strerror or exc}")
 
     # ---- random decisions -----------------------------------------------------------------
     def load_decisions(self, key: str, parse: Callable[[Any], Any]) -> Any:

@@ -92,26 +92,45 @@ class _Piece:
         self.ops: list[int] = []  # the ops it computes, once per compute step
 
     def compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         t0 = time.perf_counter()
-        with torch.no_grad():
-            decomposed = make_fx(self.gm, decomposition_table=select_decomp_table(),
-                                 tracing_mode="fake")(*args)
-            key = (decomposed.code, tuple(_layout_key(a) for a in args))
-            fn = _COMPILED.get(key)
-            if fn is None:
-                # the graph's order is the plan's, whose memory the budget was solved for:
-                # inductor's reorderings (for locality, or its own estimate of peak memory)
-                # move recomputations away from their uses and keep more alive at once
-                with torch._inductor.config.patch(_KEEP_ORDER):
-                    fn = compile_fx_inner(decomposed, list(args))
-                _COMPILED[key] = fn
+        # (the piece's own code names its ops and constants: identical pieces share it, so
+        # a second one skips decomposing as well as compiling)
+        key = (self.gm.code, tuple(_layout_key(a) for a in args))
+        fn = _COMPILED.get(key)
+        if fn is None:
+            fn = _COMPILED[key] = _inductor_compile(self.gm, args)
         self.compile_s = time.perf_counter() - t0
         self.fn = fn
         return fn
+
+
+def _inductor_compile(gm: torch.fx.GraphModule, args: list[Any]) -> Callable[[list[Any]], Any]:
+    """``gm`` decomposed and compiled by inductor for inputs like ``args``.
+
+    Both run under a tracing context whose fake mode has a shape environment: inductor's FX
+    graph cache keys and guards compiled graphs by it and bypasses graphs compiled without
+    one, so that only under it does a rebuild in a fresh process load the compiled code from
+    the on-disk cache instead of generating and building it again. (The shapes stay static:
+    a program belongs to one input shape.)"""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    with torch.no_grad(), tracing(TracingContext(fake)):
+        # (fake inputs, as AOTAutograd hands them over: the cache keys a real tensor by its
+        # values, which differ from one run to the next, and copies them to hash them)
+        example = [fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
+                             tracing_mode="fake")(*example)
+        # the graph's order is the plan's, whose memory the budget was solved for:
+        # inductor's reorderings (for locality, or its own estimate of peak memory)
+        # move recomputations away from their uses and keep more alive at once
+        with torch._inductor.config.patch(_KEEP_ORDER):
+            return compile_fx_inner(decomposed, example)
 
 
 #: while compiled costs are measured (``measure_compiled_costs``): seconds of each call of a
@@ -664,6 +683,19 @@ def measure_compiled_costs(hmod: Any, sample: Any, rounds: int = 3) -> dict[str,
     return report
 
 
+def _compiled_record(hmod: Any, budget: int | None) -> tuple[Any, str | None]:
+    """The plan cache and the key of this module's compiled-mode record (``None`` where
+    there is no cache or no budget)."""
+    from hrockmate.planning.cache import device_kind, open_cache
+
+    request = hmod._hr_request
+    store = open_cache(request.cache) if budget is not None else None
+    if store is None:
+        return None, None
+    return store, store.compiled_key(hmod.traced.graph, budget, request.solve_options,
+                                     device_kind(hmod.traced.device))
+
+
 #: how often ``check_compiled_peak`` halves the lowering of a budget no plan fits
 HALVINGS = 2
 
@@ -675,7 +707,9 @@ def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
     ``.grad``) is put back. Where the peak exceeds the budget (inductor's order kept more
     alive than the plan frees), the plan is made again for a budget lowered by the excess, or
     by half or a quarter of it where no plan fits that (``replan``), at most ``rounds``
-    times; ``CompiledModeError`` when it still exceeds it, so
+    times, and the budget it ended at is kept in the plan cache
+    (``PlanCache.save_compiled_budget``), where a rebuild plans for it at once;
+    ``CompiledModeError`` when it still exceeds it, so
     that a run over the budget is never left to be found in training. None (nothing run)
     where running the model's backward would act beyond the iteration
     (``capture.baseline.skip_reason``) or the model is in eval mode."""
@@ -695,7 +729,19 @@ def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
                                            device=hmod.traced.device).peak_bytes)
 
     budget = hmod.budget_bytes
+    store, record = _compiled_record(hmod, budget)
+    replans = 0
+    known = store.load_compiled_budget(record, budget) if store is not None else None
+    if known is not None and known < budget:
+        # an earlier build measured this plan over the budget and planned again for less:
+        # plan for that at once (from the plan cache) rather than compile and measure again
+        try:
+            hmod.replan(known, sample)
+            replans += 1
+        except InfeasibleBudget:
+            pass
     peak = measure()
+    measures = 1
     why = ""
     for _ in range(rounds if budget is not None else 0):
         if peak <= budget:
@@ -714,11 +760,21 @@ def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
                 over //= 2
                 continue
             why = ""
+            replans += 1
             break
         else:
             break
         peak = measure()
+        measures += 1
     hmod.__dict__["measured_peak_bytes"] = peak
+    pieces = getattr(hmod._compiled_program("its pieces"), "pieces", [])
+    # what building compiled mode cost beside planning (the plan's own solve time is in
+    # ``plan.stats["solve_seconds"]``): the pieces' compiles, the measuring runs, the replans
+    hmod.__dict__["compile_stats"] = {
+        "pieces": len(pieces), "compile_seconds": sum(p.compile_s for p in pieces),
+        "measuring_runs": 2 * measures, "replans": replans}
+    if store is not None and budget is not None and peak <= budget:
+        store.save_compiled_budget(record, hmod.budget_bytes)
     if budget is not None and peak > budget:
         over = peak - budget
         raise CompiledModeError(
