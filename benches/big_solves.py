@@ -36,7 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 #: name -> (model family, layers, sequence length, refusal budgets as fractions of store-all):
-#: the sizes of the issue's graphs (Mamba 8,549 ops, Jamba 9,260), those of
+#: about the sizes of the issue's graphs (Mamba 8,549 ops, Jamba 9,260), those of
 #: ``benches/program_cost.py``'s defaults
 MODELS: dict[str, tuple[str, int, int, tuple[float, ...]]] = {
     "mamba": ("mamba", 4, 61, (0.15,)),
@@ -137,10 +137,13 @@ def main(argv: list[str] | None = None) -> int:
                    f"traced once (batch {BATCH}, vocabulary {VOCAB}, hidden size 64, measured "
                    "op times). The machine was shared with other work, so wall times are "
                    "noisy and CPU times less so.")
-    doc["models"] = {name: {"family": f, "layers": L, "seq": s, "refusal_budgets": list(r)}
-                     for name, (f, L, s, r) in MODELS.items()}
     rows: list[dict[str, Any]] = []
-    doc["runs"][args.label] = {"pythonpath": args.pythonpath, "rows": rows}
+    # (each run names its models: runs of other labels may be of other sizes)
+    doc["runs"][args.label] = {
+        "pythonpath": args.pythonpath,
+        "models": {name: {"family": f, "layers": L, "seq": s, "refusal_budgets": list(r)}
+                   for name, (f, L, s, r) in MODELS.items()},
+        "rows": rows}
     for name in args.models.split(","):
         path = traced_graph(name, Path(args.graphs_dir))
         from hrockmate.ir.graph import Graph
