@@ -198,19 +198,6 @@ def test_measuring_leaves_rng_buffers_and_gradients_as_they_were() -> None:
     assert x.grad is x_grad_obj and torch.equal(x.grad, torch.ones_like(x))
 
 
-def test_one_thread_times_eager_by_cpu_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With one torch thread the iteration is timed by the process's CPU time (waits for a core
-    on a loaded machine must not count: op times barely see them), the fastest of the timed
-    runs kept."""
-    readings = iter([0.0, 2.0, 10.0, 15.0, 20.0, 24.0])  # runs of 2, 5 and 4 seconds
-    monkeypatch.setattr(baseline_mod, "_cpu_time", lambda: next(readings))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    torch.manual_seed(3)
-    found = measure_eager_baseline(_BNDropNet().train(), torch.randn(32, 16))
-    assert found.step_seconds == 2.0
-    assert next(readings, None) is None  # each timed run read the clock twice
-
-
 def test_measuring_does_not_reach_the_graph_an_input_came_from() -> None:
     torch.manual_seed(3)
     model = _BNDropNet().train()

@@ -64,7 +64,6 @@ class EagerBaseline:
 #: Plain iterations timed after the peak is measured (CPU): the fastest counts, since other
 #: processes only ever slow one down, as for the op times (``capture.costs``).
 TIMED_STEPS = 3
-_cpu_time = time.process_time  # (a module name of its own, so that a test can stand in for it)
 
 
 def skip_reason(model: nn.Module) -> str | None:
@@ -148,18 +147,14 @@ def measure_eager_baseline(model: nn.Module, sample: Any, *, loss_fn: Any = None
         peak = measure_peak_memory(step, params=params, device=device).peak_bytes
         seconds = None
         if device is None or torch.device(device).type == "cpu":
-            # (the peak's run is profiled, so it does not time the iteration: these do). One
-            # torch thread: the process's CPU time, which waits for a core on a loaded machine
-            # do not inflate, as they barely touch an op's fastest call, on which the plan's
-            # times are built; more threads share the work, so elapsed time then.
-            clock = _cpu_time if torch.get_num_threads() == 1 else time.perf_counter
+            # (the peak's run is profiled, so it does not time the iteration: these do)
             times = []
             for _ in range(TIMED_STEPS):
                 for t in fresh:
                     t.grad = None
-                t0 = clock()
+                t0 = time.perf_counter()
                 step()
-                times.append(clock() - t0)
+                times.append(time.perf_counter() - t0)
             seconds = min(times)
     return EagerBaseline(int(peak), str(device) if device is not None else "cpu",
                          step_seconds=seconds)
