@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -55,15 +54,6 @@ class EagerBaseline:
     device: str
     #: "measured" in this process, or "cache" when the plan cache held it
     source: str = "measured"
-    #: seconds of one plain iteration on the CPU (the fastest of ``TIMED_STEPS``), what the
-    #: plan's predicted time is set against (``Plan.eager_overhead``); None when not timed (a
-    #: cached peak, a CUDA device, where the host's per-op cost hides behind the kernels)
-    step_seconds: float | None = None
-
-
-#: Plain iterations timed after the peak is measured (CPU): the fastest counts, since other
-#: processes only ever slow one down, as for the op times (``capture.costs``).
-TIMED_STEPS = 3
 
 
 def skip_reason(model: nn.Module) -> str | None:
@@ -145,19 +135,7 @@ def measure_eager_baseline(model: nn.Module, sample: Any, *, loss_fn: Any = None
         for t in fresh:  # (measure_peak_memory gives the parameters zeros that are not counted)
             t.grad = None
         peak = measure_peak_memory(step, params=params, device=device).peak_bytes
-        seconds = None
-        if device is None or torch.device(device).type == "cpu":
-            # (the peak's run is profiled, so it does not time the iteration: these do)
-            times = []
-            for _ in range(TIMED_STEPS):
-                for t in fresh:
-                    t.grad = None
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            seconds = min(times)
-    return EagerBaseline(int(peak), str(device) if device is not None else "cpu",
-                         step_seconds=seconds)
+    return EagerBaseline(int(peak), str(device) if device is not None else "cpu")
 
 
 def budget_reference(traced_store_all: int, eager: EagerBaseline | None) -> int:
@@ -258,14 +236,8 @@ def eager_baseline_for(model: nn.Module, sample: Any, traced: Any, loss_fn: Any,
     return found
 
 
-def record_reference(plan: Any, eager: EagerBaseline | None, graph: Any = None) -> None:
+def record_reference(plan: Any, eager: EagerBaseline | None) -> None:
     """Note on ``plan`` what a fraction is of: ``stats["eager_peak_bytes"]`` (plain PyTorch's
-    measured peak, when measured) beside ``baseline_peak_bytes`` (the traced store-all's), and
-    plain PyTorch's iteration time (``stats["eager_seconds"]``) when it was timed and the op
-    times of ``graph`` (the planned one, when given) were measured, not estimated: only then
-    are the two on one clock."""
+    measured peak, when measured) beside ``baseline_peak_bytes`` (the traced store-all's)."""
     if eager is not None:
         plan.stats["eager_peak_bytes"] = int(eager.peak_bytes)
-        measured = graph is None or graph.meta.get("cost_report", {}).get("mode") == "measure"
-        if eager.step_seconds is not None and measured:
-            plan.stats["eager_seconds"] = float(eager.step_seconds)

@@ -88,18 +88,6 @@ class Plan:
         return self.time / self.baseline_time - 1.0 if self.baseline_time > 0 else 0.0
 
     @property
-    def eager_overhead(self) -> float | None:
-        """Predicted time relative to plain PyTorch's iteration (0.1 = 10% slower), where that
-        was timed (``stats["eager_seconds"]``, CPU): ``time`` sums each step's op as timed in
-        sequence (``capture.costs``), which is what the generated program pays per step, while
-        eager also pays its modules' Python and autograd's bookkeeping per op, so store-all can
-        come out faster than eager. None where eager was not timed."""
-        eager = self.stats.get("eager_seconds")
-        if not eager or self.time <= 0:
-            return None
-        return self.time / float(eager) - 1.0
-
-    @property
     def memory_ratio(self) -> float:
         """Predicted peak as a fraction of the store-all peak."""
         return self.peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else 0.0

@@ -263,11 +263,11 @@ def solve(model: Any, sample: Any, budget: BudgetLike, *, loss_fn: Any = None,
                              device_kind(traced.device), purpose="solve")
         cached = store.load_plan(key, graph)
         if cached is not None:
-            record_reference(cached, eager, graph)
+            record_reference(cached, eager)
             return cached
     measured_times(traced, model, sample, store)
     plan = solve_graph(graph, budget, **options)
-    record_reference(plan, eager, graph)
+    record_reference(plan, eager)
     if store is not None:
         store.save_plan(key, plan)
     return plan

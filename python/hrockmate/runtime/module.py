@@ -724,7 +724,7 @@ class HRockmate(nn.Module):
             self.__dict__["_hr_budget_bytes"] = budget_bytes
             self.__dict__["_hr_shape_info"] = info
             self._install(*chosen)
-        record_reference(self.plan, eager, self.traced.graph)
+        record_reference(self.plan, eager)
         # Taken after the trace: a model may edit itself in its forward (transformers' BigBird
         # swaps its attention modules for full attention on short inputs), and the trace and
         # the slots above are of the model as that call left it.
@@ -764,7 +764,7 @@ class HRockmate(nn.Module):
             self.__dict__["_hr_model"], sample, self.traced, resolved, None, options,
             self._compile, cache=request.cache, prepared=self.__dict__["_hr_prepared"],
         ))
-        record_reference(self.plan, eager, self.traced.graph)
+        record_reference(self.plan, eager)
         self._hr_request = _PlanRequest(budget, None, request.cache, options, request.loss_fn)
         # the new budget is this shape's from now on; other shapes plan again for it
         self.__dict__["_hr_budget_bytes"] = shapes.budget_in_bytes(resolved, self.traced.graph)
