@@ -144,9 +144,6 @@ def bench(name: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
             "steps_in_place": source.count("= W"),
             "made_by": plan.made_by,
             "predicted_overhead": plan.overhead,
-            # against plain eager, as timed when planning (None: store-all, not timed)
-            "predicted_eager_overhead": plan.eager_overhead,
-            "eager_seconds_at_plan": plan.stats.get("eager_seconds"),
             "measured_overhead_before": med["before"] / med["eager"] - 1.0,
             "measured_overhead_after": med["after"] / med["eager"] - 1.0,
             "eager_median_s": med["eager"], "before_median_s": med["before"],
@@ -158,23 +155,12 @@ def bench(name: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
             "load_average": os.getloadavg()[0],
         }
         rows.append(row)
-        against = row["predicted_eager_overhead"]
         print(f"{name:6s} budget {budget or 'store-all':<9} {g.num_ops} ops  predicted "
-              f"{100 * row['predicted_overhead']:+6.1f}% (against eager "
-              f"{'-' if against is None else f'{100 * against:+.1f}%'})  measured before "
+              f"{100 * row['predicted_overhead']:+6.1f}%  measured before "
               f"{100 * row['measured_overhead_before']:+6.1f}%  after "
               f"{100 * row['measured_overhead_after']:+6.1f}% (paired quartiles "
               f"{100 * quart[0]:+.1f} / {100 * quart[2]:+.1f}%)  ({row['steps_in_place']} steps "
               f"in place, eager {1e3 * med['eager']:.1f} ms)", flush=True)
-    # store-all plans on estimated op times and times no eager iteration: its prediction
-    # against eager is that of the store-all schedule in a measured plan of the same model
-    timed = [r for r in rows if r["eager_seconds_at_plan"]]
-    for r in rows:
-        if r["predicted_eager_overhead"] is None and timed:
-            t = timed[0]
-            r["predicted_eager_overhead"] = (
-                t["predicted_store_all_s"] / t["eager_seconds_at_plan"] - 1.0)
-            r["predicted_eager_overhead_from"] = t["budget"]
     return rows
 
 
