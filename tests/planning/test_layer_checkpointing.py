@@ -258,7 +258,7 @@ def test_gpt2_at_library_defaults_fits_its_own_checkpointing_peak_no_slower_than
     ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     budget = _held_peak_of(ckpt, sample) if hold else _dropped_peak_of(ckpt, sample)
     options = {} if hold else {"drop_outputs": True}
-    from hrockmate.integrations import transformers as integration
+    from hrockmate.integrations import use_cache as integration
 
     integration._told.discard(type(model))  # (told once per class)
     with caplog.at_level("WARNING", logger="hrockmate.runtime.module"):

@@ -16,66 +16,21 @@ transformers writes them, loadable with ``from_pretrained``) and takes the label
 the wrapped class. ``make_trainer_class(SomeTrainer)`` does the same for a subclass of
 ``Trainer`` (TRL's trainers, a user's own).
 
-``training_without_cache`` is the trace of a model given a budget: transformers' decoders
-run without their cache of keys and values, as transformers' own gradient checkpointing runs
-them in training.
+``training_without_cache`` (``hrockmate.integrations.use_cache``, named here too) is the trace of
+a model given a budget: transformers' decoders run without their cache of keys and values, as
+transformers' own gradient checkpointing runs them in training.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-import sys
-from typing import Any, Iterator
+from typing import Any
 
 import torch.nn as nn
 
+from hrockmate.integrations.use_cache import training_without_cache
+
 __all__ = ["HRockmateTrainer", "make_trainer_class", "training_without_cache", "unwrap"]
-
-logger = logging.getLogger("hrockmate.runtime.module")
-_told: set[type] = set()
-
-
-@contextlib.contextmanager
-def training_without_cache(model: nn.Module, sample: Any) -> Iterator[bool]:
-    """Within it, a transformers model in training mode whose configs turn the cache of keys
-    and values on (``use_cache=True``, the library's default for decoders) runs without it,
-    as transformers' own gradient checkpointing runs it: a training step never reads that
-    cache, and returning it keeps every layer's keys and values referenced by the caller,
-    so a plan could not free or recompute them. ``HRockmate`` traces within it when given a
-    budget or a plan. Nothing changes for a sample that passes ``use_cache`` itself (the
-    caller's choice: ``use_cache=True`` returns the cache, and the plan charges it), for a
-    model in eval mode, and for models that are not transformers'. Yields whether the cache
-    was turned off; the configs are restored on exit."""
-    configs = []
-    base = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
-    passed = isinstance(sample, dict) and "use_cache" in sample
-    if base is not None and isinstance(model, base) and model.training and not passed:
-        seen: set[int] = set()
-        for module in model.modules():
-            config = getattr(module, "config", None)
-            if config is None or id(config) in seen:
-                continue
-            seen.add(id(config))
-            if getattr(config, "use_cache", False) is True:
-                configs.append(config)
-    if configs and type(model) not in _told:
-        _told.add(type(model))  # (once per class: each input shape traces again)
-        logger.warning(
-            "HRockmate: tracing %s with use_cache=False, as transformers' gradient "
-            "checkpointing trains it: a training step never reads the cache of keys and "
-            "values, and returning it would keep them to the end of backward (pass "
-            "use_cache=True in the sample to return it, or use_cache=False to silence this)",
-            type(model).__name__)
-    try:
-        for config in configs:
-            config.use_cache = False
-        yield bool(configs)
-    finally:
-        for config in configs:
-            config.use_cache = True
-
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside ``HRockmate`` (itself when it is not one)."""

@@ -657,7 +657,7 @@ class HRockmate(nn.Module):
         # "estimate" also measures each op's workspace, which the predicted peak includes.
         from hrockmate.planning.cache import open_cache
 
-        from hrockmate.integrations.transformers import training_without_cache
+        from hrockmate.integrations.use_cache import training_without_cache
 
         # a budget or a plan checkpoints: a transformers model then trains without its cache
         # of keys and values, as with transformers' own gradient checkpointing
