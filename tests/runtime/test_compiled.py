@@ -326,3 +326,60 @@ def test_a_rebuild_plans_at_once_for_the_budget_an_earlier_build_ended_at(
         third = HRockmate(copy.deepcopy(model), x, budget=0.7, compile=True, loss_fn=_loss,
                           cache=tmp_path, progress=False)
     assert third.budget_bytes == asked and third.compile_stats["replans"] == 0
+
+
+def test_a_compiled_cost_plan_over_the_budget_falls_back_to_the_eager_cost_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the plan made on compiled op times measures over the budget whatever the replans,
+    the eager op times are put back and their plan measured before ``CompiledModeError``;
+    where that one fits, construction succeeds with it. (Compiling and measuring are stood in
+    for: this is about the order of the attempts.)"""
+    from hrockmate.runtime import inductor
+
+    model, x = models.mlp(batch=64, d_in=16, hidden=64, n_layers=3)
+    calls: list[str] = []
+    times: dict[str, list[float]] = {}
+
+    def fake_costs(hmod: Any, sample: Any, rounds: int = 3) -> dict[str, Any]:
+        graph = hmod.traced.graph
+        times["eager"] = [float(op.time) for op in graph.ops]
+        hmod.__dict__["_hr_eager_costs"] = (times["eager"], dict(graph.meta["cost_report"]))
+        for op in graph.ops:
+            op.time = 2.0 * float(op.time)
+        report = {"replanned": True}
+        hmod.__dict__["compiled_costs"] = report
+        calls.append("costs")
+        return report
+
+    def fake_check(hmod: Any, sample: Any, rounds: int = 2) -> int:
+        calls.append("check")
+        if calls.count("check") == 1:
+            raise CompiledModeError("measured over the budget")
+        hmod.__dict__["measured_peak_bytes"] = hmod.predicted_peak_bytes
+        return hmod.predicted_peak_bytes
+
+    monkeypatch.setattr(inductor, "measure_compiled_costs", fake_costs)
+    monkeypatch.setattr(inductor, "check_compiled_peak", fake_check)
+    hmod = HRockmate(model, x, budget=0.7, compile=True, loss_fn=_loss, cache=False,
+                     progress=False)
+    assert calls == ["costs", "check", "check"]
+    assert [float(op.time) for op in hmod.traced.graph.ops] == times["eager"]
+    assert hmod.compiled_costs["replanned"] is False
+    assert "_hr_eager_costs" not in hmod.__dict__
+    assert hmod.predicted_peak_bytes <= hmod.budget_bytes
+    # nothing to fall back to (the costs were not replaced): the refusal stands
+    calls.clear()
+
+    def no_costs(hmod: Any, sample: Any, rounds: int = 3) -> None:
+        calls.append("costs")
+
+    def always_over(hmod: Any, sample: Any, rounds: int = 2) -> int:
+        calls.append("check")
+        raise CompiledModeError("measured over the budget")
+
+    monkeypatch.setattr(inductor, "measure_compiled_costs", no_costs)
+    monkeypatch.setattr(inductor, "check_compiled_peak", always_over)
+    with pytest.raises(CompiledModeError):
+        HRockmate(copy.deepcopy(model), x, budget=0.7, compile=True, loss_fn=_loss,
+                  cache=False, progress=False)
+    assert calls == ["costs", "check"]
