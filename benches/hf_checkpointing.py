@@ -36,16 +36,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402  (benches/_report.py)
 
 
 def _model(layers: int, embd: int, heads: int, seq: int, vocab: int, defaults: bool) -> Any:
@@ -216,12 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         bitwise[name] = all(torch.equal(p.grad, q.grad) for p, q in
                             zip(m.wrapped_model.parameters(), ref.parameters()))
         m.zero_grad(set_to_none=True)
-    median = {k: statistics.median(v) for k, v in times.items()}
     result.update({
         "command": " ".join(["python benches/hf_checkpointing.py",
                              *(argv if argv is not None else sys.argv[1:])]),
-        "host": {"platform": platform.platform(), "torch": torch.__version__,
-                 "threads": torch.get_num_threads()},
+        "host": _report.host(),
         "model": {"family": "transformers GPT2LMHeadModel", "layers": args.layers,
                   "embd": args.embd, "heads": args.heads, "seq": args.seq,
                   "batch": args.batch, "vocab": args.vocab,
@@ -232,15 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                                 for k, v in peaks.items()},
         "within_budget": {k: peaks[k] <= r["budget_bytes"] for k, r in rows.items()
                           if k in peaks},
-        "step_s_median": {k: round(v, 5) for k, v in median.items()},
-        "step_ratio_to_plain": {k: round(v / median["plain/" + k.split("/")[1]], 4)
-                                for k, v in median.items()},
-        "steps_timed": {k: len(v) for k, v in times.items()},
+        **_report.step_summary(times, lambda name: "plain/" + name.split("/")[1]),
         "gradients_bitwise_equal_to_plain": bitwise,
     })
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    _report.write(result, args.out)
     return 0
 
 

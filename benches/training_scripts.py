@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402  (benches/_report.py)
 
 
 def _model(layers: int, embd: int, seq: int, vocab: int) -> Any:
@@ -141,27 +141,21 @@ def main(argv: list[str] | None = None) -> int:
         # (after training: the plan in use, made again with num_items_in_batch as an input)
         built[name].update(method=hm.plan.method, recomputed_ops=hm.recomputed_ops,
                            predicted_peak_bytes=hm.predicted_peak_bytes)
-    median = {k: statistics.median(v) for k, v in steps.items()}
     result = {
         "benchmark": "training_scripts",
         "command": " ".join(["python benches/training_scripts.py",
                              *(argv if argv is not None else sys.argv[1:])]),
-        "host": {"platform": platform.platform(), "torch": torch.__version__,
-                 "threads": torch.get_num_threads()},
+        "host": _report.host(),
         "model": {"family": "transformers GPT2LMHeadModel", "layers": args.layers,
                   "embd": args.embd, "seq": args.seq, "vocab": args.vocab,
                   "batch": args.batch},
         "hrockmate": built,
-        "step_s_median": {k: round(v, 5) for k, v in median.items()},
-        "step_ratio_to_plain": {k: round(v / median["plain"], 4) for k, v in median.items()},
-        "steps_timed": {k: len(v) for k, v in steps.items()},
+        **_report.step_summary(steps, lambda name: "plain"),
         "measured_peak_bytes": peaks,
         "peak_ratio_to_plain": {k: round(v / peaks["plain"], 4) for k, v in peaks.items()},
         "parameters_bitwise_equal_to_plain": bitwise,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    _report.write(result, args.out)
     return 0
 
 
