@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import hrockmate
 from hrockmate import models
-from hrockmate.capture.memory import eager_training_step, measure_eager_peak
+from hrockmate.capture.memory import eager_training_step, measure_eager_peak, measure_peak_memory
 from hrockmate.capture.trace import trace_model
 
 
@@ -77,3 +77,60 @@ def test_tangent_count_must_match_outputs() -> None:
 def test_unsupported_device_is_reported() -> None:
     with pytest.raises(ValueError, match="supports cpu and cuda"):
         hrockmate.measure_peak_memory(lambda: None, device="meta")
+
+
+def _freed_on_another_thread() -> None:
+    """4000 B and 8000 B allocated, the 8000 B buffer's last reference dropped on another
+    thread (as a collective's worker thread does), then 2000 B: the peak is 12000 B."""
+    import threading
+
+    held = [torch.ones(1000)]
+    box = [torch.ones(2000)]
+    worker = threading.Thread(target=box.clear)
+    worker.start()
+    worker.join()
+    held.append(torch.ones(500))
+
+
+def test_tensor_count_sees_frees_made_on_other_threads() -> None:
+    # the profiler misses the other thread's free and keeps those bytes: 14000 B
+    assert measure_peak_memory(_freed_on_another_thread, count="allocator").peak_bytes > 12000
+    live = measure_peak_memory(_freed_on_another_thread, count="tensors")
+    assert live.peak_bytes == 12000
+    assert live.timeline is not None and live.timeline[-1] == 0
+
+
+def test_tensor_count_ignores_views_of_earlier_tensors_and_follows_storage_resizes() -> None:
+    base = torch.zeros(1000)  # (allocated before the step: not counted, nor its views)
+    hold: list[torch.Tensor] = []
+
+    def step() -> None:
+        hold.append(base[10:].view(2, 495))
+        hold.append(base.add(1))  # 4000 B new
+        base.untyped_storage().resize_(2000 * 4)  # +4000 B in place (FSDP2 gathers so)
+        base.untyped_storage().resize_(0)  # -8000 B: the storage's own 4000 B freed too
+        hold.clear()  # -4000 B
+
+    live = measure_peak_memory(step, count="tensors")
+    assert live.peak_bytes == 8000
+    assert live.timeline == [4000, 8000, 0, -4000]
+
+
+def test_tensor_count_agrees_with_the_allocator_on_a_training_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    params = list(model.parameters())
+    allocator = measure_peak_memory(step, params=params, count="allocator").peak_bytes
+    tensors = measure_peak_memory(step, params=params, count="tensors").peak_bytes
+    # (the allocator also sees what an op allocates and frees within itself)
+    assert 0.9 * allocator <= tensors <= allocator
+
+
+def test_unknown_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="count must be"):
+        measure_peak_memory(lambda: None, count="bytes")

@@ -18,9 +18,18 @@ How ``measure_peak_memory`` implements it:
   above its value before the step, the allocator's cache emptied first: what the process holds
   from the driver, fragmentation included.
 - CPU: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free made
-  while the step runs (any thread); the peak of the running sum of their byte counts is the
-  peak. The profiler only sees allocations made during the step, so ``baseline_bytes`` is 0 on
-  CPU (the peak is relative to the start of the step by construction).
+  while the step runs on the threads it profiles; the peak of the running sum of their byte
+  counts is the peak. The profiler only sees allocations made during the step, so
+  ``baseline_bytes`` is 0 on CPU (the peak is relative to the start of the step by
+  construction). It does not see a free made on another thread: a collective's worker thread
+  (gloo) that drops the last reference to a buffer after the step's thread let it go frees it
+  unseen, and the running sum then keeps those bytes to the end, by chance. So with a process
+  group of more than one rank the CPU count is ``"tensors"``: the storages the step's ops create
+  (a dispatch mode sees every op, backward's included) and the storages resized in place
+  (FSDP2 gathers and frees its parameters so), each counted until it is freed on whichever
+  thread (a finalizer on the storage); allocations inside an op that do not outlive it are not
+  seen, nor those compiled code makes without dispatching ops (compiled mode's own checks use
+  the allocator's count).
 
 The step function's return value stays referenced until the measurement ends, so tensors it
 returns (e.g. the model's outputs) count until the end of the step, like ``output`` tensors in
@@ -111,13 +120,19 @@ def measure_peak_memory(
     *,
     device: torch.device | str | None = None,
     params: Iterable[torch.Tensor] | None = None,
+    count: str | None = None,
 ) -> PeakMeasurement:
     """Run ``step_fn()`` once and measure its activation-memory peak (see module docstring).
 
     ``params``: the parameters whose ``.grad`` must not count (zero ``.grad`` tensors are
     created for those that have none). ``device``: where to measure; default: the parameters'
-    device, else CPU.
+    device, else CPU. ``count`` (CPU only): ``"allocator"`` (the profiler's allocation events)
+    or ``"tensors"`` (live storages, right where other threads free memory); default
+    ``"tensors"`` inside a process group of more than one rank, else ``"allocator"``.
     """
+    if count not in (None, "allocator", "tensors"):
+        raise ValueError(f"measure_peak_memory: count must be 'allocator' or 'tensors', got "
+                         f"{count!r}")
     plist = list(params) if params is not None else []
     dev = _resolve_device(device, plist)
     with torch.no_grad():
@@ -141,6 +156,12 @@ def measure_peak_memory(
             f"measure_peak_memory supports cpu and cuda devices, got {dev}; "
             "move the model to one of them"
         )
+    if count is None:
+        count = "tensors" if _in_process_group() else "allocator"
+    if count == "tensors":
+        with _LiveStorages() as live:
+            result = step_fn()
+        return PeakMeasurement(live.peak, 0, str(dev), live.timeline, result)
     with cpu_memory_profile() as prof:
         result = step_fn()
     events = sorted(
@@ -155,6 +176,102 @@ def measure_peak_memory(
         peak = max(peak, running)
         timeline.append(running)
     return PeakMeasurement(int(peak), 0, str(dev), timeline, result)
+
+
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+class _LiveStorages:
+    """Counts the bytes of the storages alive above the start, for ``count="tensors"``: those
+    the ops run meanwhile create (their outputs' storages not seen before as inputs) and the
+    bytes any storage gains or loses by ``UntypedStorage.resize_``; a storage's bytes leave the
+    count when it is freed, by a finalizer that runs on the thread that frees it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.running = 0
+        self.peak = 0
+        self.timeline: list[int] = []
+        # id(storage) -> (its bytes when first seen if it existed before, else 0; the bytes
+        # counted for it now)
+        self.known: dict[int, tuple[int, int]] = {}
+
+    def _note(self, storage: Any, existed: bool) -> int:
+        """Start following ``storage`` (once); returns its key."""
+        import weakref
+
+        key = id(storage)
+        with self.lock:
+            if key in self.known:
+                return key
+            self.known[key] = (int(storage.nbytes()) if existed else 0, 0)
+        weakref.finalize(storage, self._freed, key)
+        return key
+
+    def _count(self, key: int, nbytes: int) -> None:
+        with self.lock:
+            base, counted = self.known.get(key, (0, 0))
+            now = nbytes - base
+            self.known[key] = (base, now)
+            self.running += now - counted
+            self.peak = max(self.peak, self.running)
+            self.timeline.append(self.running)
+
+    def _freed(self, key: int) -> None:
+        with self.lock:
+            base, counted = self.known.pop(key, (0, 0))
+            self.running -= counted + base
+            self.timeline.append(self.running)
+
+    @staticmethod
+    def _storages(tree: Any) -> Iterator[Any]:
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                try:
+                    yield t.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # (no storage: a wrapper subclass)
+                    continue
+
+    def __enter__(self) -> "_LiveStorages":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        live = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                kwargs = kwargs or {}
+                for st in live._storages((args, kwargs)):  # (an output aliasing an input is
+                    live._note(st, existed=True)  # not new memory)
+                out = func(*args, **kwargs)
+                for st in live._storages(out):
+                    if id(st) not in live.known:
+                        live._count(live._note(st, existed=False), int(st.nbytes()))
+                return out
+
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage: Any, size: int) -> Any:
+            if storage.device.type != "cpu":
+                return original(storage, size)
+            key = live._note(storage, existed=True)
+            result = original(storage, size)
+            live._count(key, int(storage.nbytes()))
+            return result
+
+        self._original = original
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._original  # type: ignore[method-assign]
 
 
 def _backward_roots(out: Any, loss_fn: Any) -> tuple[Any, list[torch.Tensor]]:

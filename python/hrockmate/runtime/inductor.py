@@ -725,8 +725,10 @@ def check_compiled_peak(hmod: Any, sample: Any, rounds: int = 2) -> int | None:
         with restored():
             step()  # (compiles every piece)
         with restored():
-            return int(measure_peak_memory(step, params=params,
-                                           device=hmod.traced.device).peak_bytes)
+            # (the allocator's count: compiled code allocates without dispatching ops, which
+            # the live-storage count would not see)
+            return int(measure_peak_memory(step, params=params, device=hmod.traced.device,
+                                           count="allocator").peak_bytes)
 
     budget = hmod.budget_bytes
     store, record = _compiled_record(hmod, budget)
