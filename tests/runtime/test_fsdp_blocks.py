@@ -306,6 +306,11 @@ def _mixed_precision_worker(rank: int, port: int, world: int, arch: str, reshard
         root = None if blocks_only else mp
         _shard(hm, blocks_of(hm), mesh, mp, root, reshard_after_forward=reshard)
         _shard(ref, blocks_of(ref), mesh, mp, root, reshard_after_forward=reshard)
+        def hooks() -> list[tuple[Any, ...]]:
+            return [(tuple(b._forward_pre_hooks), tuple(b._forward_hooks))
+                    for b in blocks_of(hm)]
+
+        sharded_hooks = hooks()
         opt = torch.optim.AdamW(hm.parameters(), lr=1e-2)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         for step in range(3):
@@ -313,6 +318,7 @@ def _mixed_precision_worker(rank: int, port: int, world: int, arch: str, reshard
             torch.manual_seed(step)
             hm(**batch)["loss"].backward()
             ours = counter.take()
+            assert hooks() == sharded_hooks  # (FSDP2's hooks back after the trace)
             torch.manual_seed(step)
             ref(**batch)["loss"].backward()
             theirs = counter.take()

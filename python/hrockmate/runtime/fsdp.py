@@ -42,6 +42,12 @@ per schedule step, the bytes of gathered block parameters the driver holds there
 ``fit_step_budget`` plans for a budget of the whole step (parameters, gradients, gathered
 blocks and activations).
 
+A ``MixedPrecisionPolicy`` that changes the ops the plan runs (``policy_changes_graph``: a
+``param_dtype``, a block's ``output_dtype``) has the module traced and planned again at its
+first training call, as plain per-block FSDP2 runs it (``as_run_under_policies``): the graph's
+dtypes and sizes are then those that run, and FSDP2's post-backward reduces the gradients,
+which come out in ``param_dtype``, in its ``reduce_dtype``.
+
 FSDP2's post-backward (``FSDPParamGroup.post_backward``) is private API; it and the few other
 private attributes read are reached in ``_Group`` only, which raises ``UnsupportedLayoutError``
 naming the torch version when they are missing.
