@@ -382,6 +382,55 @@ def test_bf16_blocks_casting_their_outputs_to_fp32_under_an_fp32_root() -> None:
            {"param_dtype": torch.bfloat16, "output_dtype": torch.float32}, True)
 
 
+def _mixed_budget_worker(rank: int, port: int, world: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from hrockmate.runtime.fsdp import driver_for
+
+    mesh = _init(rank, port, world)
+    try:
+        counter = _AllGathers()
+        model, blocks_of = _gpt2(layers=2)
+        ref = copy.deepcopy(model)
+        hm = HRockmate(model, _long_batch(0), budget=0.5, loss_fn="loss", cache=False)
+        fp32_budget = hm.plan.budget_bytes
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        _shard(hm, blocks_of(hm), mesh, mp)
+        _shard(ref, blocks_of(ref), mesh, mp)
+        n_blocks = len(blocks_of(model))
+        for step in range(2):
+            batch = _long_batch(10 * step + rank)
+            torch.manual_seed(step)
+            hm(**batch)["loss"].backward()
+            ours = counter.take()
+            torch.manual_seed(step)
+            ref(**batch)["loss"].backward()
+            theirs = counter.take()
+            assert ours == theirs + (n_blocks if step == 0 else 0), (step, ours, theirs)
+            diff = _largest_difference(hm, ref, of_grads=True)
+            assert diff == 0.0, f"rank {rank} step {step}: gradients differ by {diff:.3g}"
+            hm.zero_grad()
+            ref.zero_grad()
+        # planned again at the first call, for half of plain PyTorch's peak in bf16 (the
+        # activations' bytes halve), the op times measured on the bf16 ops, and the gathered
+        # blocks charged (in bf16) by the driver's replan
+        assert hm.recomputed_ops > 0 and hm.plan.method not in ("store-all", "given")
+        assert hm.traced.graph.meta.get("cost_report", {}).get("mode") == "measure"
+        assert hm.plan.budget_bytes < 0.75 * fp32_budget, (hm.plan.budget_bytes, fp32_budget)
+        assert "_hr_fsdp_charged" in hm.__dict__
+        block_bytes = sum(p.numel() * 2 for p in blocks_of(model)[0].parameters())
+        driver = driver_for(hm)
+        assert driver is not None and max(driver.gathered_bytes()) <= 2 * block_bytes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_half_budget_under_a_bf16_policy_is_planned_for_the_bf16_graph() -> None:
+    """Built for 50% before sharding: the first call plans the bf16 graph for half of plain
+    PyTorch's bf16 peak, with bitwise plain per-block FSDP2 gradients."""
+    _spawn(_mixed_budget_worker, 2)
+
+
 def _refusal_worker(rank: int, port: int, world: int) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
