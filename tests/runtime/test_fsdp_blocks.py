@@ -382,6 +382,44 @@ def test_bf16_blocks_casting_their_outputs_to_fp32_under_an_fp32_root() -> None:
            {"param_dtype": torch.bfloat16, "output_dtype": torch.float32}, True)
 
 
+def _whole_module_policy_worker(rank: int, port: int, world: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = _init(rank, port, world)
+    try:
+        model, _ = _llama()
+        ref = copy.deepcopy(model)
+        hm = HRockmate(model, _batch(0), loss_fn="loss", cache=False)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        fully_shard(hm, mesh=mesh, mp_policy=mp)
+        fully_shard(ref, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.AdamW(hm.parameters(), lr=1e-2)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(2):
+            batch = _batch(100 * step + rank)
+            hm(**batch)["loss"].backward()
+            ref(**batch)["loss"].backward()
+            diff = _largest_difference(hm, ref, of_grads=True)
+            assert diff == 0.0, f"rank {rank} step {step}: gradients differ by {diff:.3g}"
+            if step == 0:
+                hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+                dtypes = {hm.traced.graph.tensors[int(t)].dtype
+                          for t, (kind, _) in hm.traced.sources.items() if kind == "param"}
+                assert {d.removeprefix("torch.") for d in dtypes} == {"bfloat16"}, dtypes
+            for o in (opt, opt_ref):
+                o.step()
+                o.zero_grad()
+        diff = _largest_difference(hm, ref, of_grads=False)
+        assert diff == 0.0, f"rank {rank}: parameters after 2 AdamW steps differ by {diff:.3g}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_bf16_policy_on_the_whole_module_trains_as_plain_fsdp2() -> None:
+    """``fully_shard(hmod, mp_policy=...)`` alone: traced in bf16 at the first call too."""
+    _spawn(_whole_module_policy_worker, 2)
+
+
 def _mixed_budget_worker(rank: int, port: int, world: int) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -65,9 +65,10 @@ import torch.nn as nn
 
 from hrockmate.capture.layout import UnsupportedLayoutError, check_layout
 
-__all__ = ["BlockDriver", "as_run_under_policies", "policy_changes_graph", "StepBudgetError", "StepFit", "blocks_of", "driver_for",
-           "fit_step_budget", "gathered_excess_bytes", "is_fsdp_module", "place",
-           "plan_with_blocks", "set_extra_gathers", "set_prefetch", "sharded_blocks"]
+__all__ = ["as_run_under_policies", "BlockDriver", "blocks_of", "driver_for", "fit_step_budget",
+           "gathered_excess_bytes", "is_fsdp_module", "place", "plan_with_blocks",
+           "policy_changes_graph", "set_extra_gathers", "set_prefetch", "sharded_blocks",
+           "StepBudgetError", "StepFit"]
 
 
 def _fsdp_types() -> tuple[Any, Any]:
@@ -886,9 +887,10 @@ def first_call_check(hmod: nn.Module, args: tuple[Any, ...] = (),
         return
     if sharded_blocks(hmod):
         blocks_of(hmod)  # (raises where the per-block layout cannot run under the plan)
-        changes = policy_changes_graph(hmod)
-        if changes and "_hr_fsdp_policies" not in hmod.__dict__:
-            hmod._follow_policies(args, dict(kwargs or {}), changes)
     else:
         check_layout(hmod.__dict__["_hr_model"], "HRockmate was called", with_tensors=True)
+    # (also for fully_shard(hmod) alone: its parameters are gathered in param_dtype too)
+    changes = policy_changes_graph(hmod)
+    if changes and "_hr_fsdp_policies" not in hmod.__dict__:
+        hmod._follow_policies(args, dict(kwargs or {}), changes)
     hmod.__dict__["_hr_layout_checked"] = True

@@ -587,6 +587,8 @@ class HRockmate(nn.Module):
 
     Mixed precision: build it within the ``torch.autocast`` region the training calls use (a
     call under other regions traces and plans again) and call ``backward()`` after the region.
+    Under per-block FSDP2 a ``MixedPrecisionPolicy`` that casts the parameters is traced and
+    planned at the first training call after sharding (``_follow_policies``).
     """
 
     def __init__(
