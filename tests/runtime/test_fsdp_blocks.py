@@ -449,7 +449,7 @@ def _mixed_budget_worker(rank: int, port: int, world: int) -> None:
             assert diff == 0.0, f"rank {rank} step {step}: gradients differ by {diff:.3g}"
             hm.zero_grad()
             ref.zero_grad()
-        # planned again at the first call, for half of plain PyTorch's peak in bf16 (the
+        # planned again at the first call, for half of the bf16 graph's store-all peak (most
         # activations' bytes halve), the op times measured on the bf16 ops, and the gathered
         # blocks charged (in bf16) by the driver's replan
         assert hm.recomputed_ops > 0 and hm.plan.method not in ("store-all", "given")
@@ -464,8 +464,8 @@ def _mixed_budget_worker(rank: int, port: int, world: int) -> None:
 
 
 def test_a_half_budget_under_a_bf16_policy_is_planned_for_the_bf16_graph() -> None:
-    """Built for 50% before sharding: the first call plans the bf16 graph for half of plain
-    PyTorch's bf16 peak, with bitwise plain per-block FSDP2 gradients."""
+    """Built for 50% before sharding: the first call plans the bf16 graph for half of its
+    store-all peak, with bitwise plain per-block FSDP2 gradients."""
     _spawn(_mixed_budget_worker, 2)
 
 
