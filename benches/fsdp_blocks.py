@@ -22,6 +22,12 @@ same initial model, all in one process, in turn:
 - ``hrockmate_step_budget``: planned by ``fit_step_budget`` for ``--step-budget`` (80%) of
   plain's whole step (this rank's sharded parameters plus the step peak).
 
+``--param-dtype bfloat16``: every ``fully_shard`` (blocks and root) gets
+``MixedPrecisionPolicy(param_dtype=...)``, as torchtitan applies it; the layouts are
+``plain``, ``checkpointed`` and ``hrockmate`` (whose first call traces and plans the model in
+that dtype; the others reuse a fixed plan, which such a policy refuses), compared with plain
+per-block FSDP2 under the same policy.
+
 Per layout: the step peak (``hrockmate.measure_peak_memory`` around one forward and backward,
 rank 0: activations, gathered parameters, gradients; allocations made during the step), the
 all-gathers of one step (FSDP2's ``foreach_all_gather`` calls), the median step time over
@@ -90,6 +96,11 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
                                         set_prefetch)
 
     mesh = init_device_mesh("cpu", (args.world,))
+    policy: dict[str, Any] = {}
+    if args.param_dtype:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, args.param_dtype))
     count = [0]
     original = _fsdp_param_group.foreach_all_gather
 
@@ -109,15 +120,17 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
             hm = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), budget=args.budget,
                                      loss_fn="loss", cache=False)
             build_s = time.perf_counter() - t0
-            whole = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), plan=hm.plan,
-                                        loss_fn="loss", cache=False)
-            extra = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), plan=hm.plan,
-                                        loss_fn="loss", cache=False)
-            ahead = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), plan=hm.plan,
-                                        loss_fn="loss", cache=False)
-            # (built with a budget: fit_step_budget plans again on the op times measured here)
-            fitted = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), budget=args.budget,
-                                         loss_fn="loss", cache=False)
+            whole = extra = ahead = fitted = None  # (a fixed plan: refused under a policy)
+            if not policy:
+                whole = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), plan=hm.plan,
+                                            loss_fn="loss", cache=False)
+                extra = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), plan=hm.plan,
+                                            loss_fn="loss", cache=False)
+                ahead = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), plan=hm.plan,
+                                            loss_fn="loss", cache=False)
+                # (built with a budget: fit_step_budget plans again on the op times measured here)
+                fitted = hrockmate.HRockmate(copy.deepcopy(model), _batch(0), budget=args.budget,
+                                             loss_fn="loss", cache=False)
             checkpointed = copy.deepcopy(model)
             checkpointed.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -125,13 +138,17 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
                     "hrockmate_extra_gathers": extra, "hrockmate_prefetch": ahead,
                     "hrockmate_whole": whole,
                     "hrockmate_step_budget": fitted}
+            if policy:
+                runs = {k: v for k, v in runs.items() if k in ("plain", "checkpointed",
+                                                               "hrockmate")}
             for name, m in runs.items():
                 if name != "hrockmate_whole":
                     for b in blocks_of(m):
-                        fully_shard(b, mesh=mesh)
-                fully_shard(m, mesh=mesh)
-            set_extra_gathers(extra, len(blocks_of(model)))
-            set_prefetch(ahead)
+                        fully_shard(b, mesh=mesh, **policy)
+                fully_shard(m, mesh=mesh, **policy)
+            if not policy:
+                set_extra_gathers(extra, len(blocks_of(model)))
+                set_prefetch(ahead)
             batch = _batch(rank + 1)
             grads: dict[str, list[torch.Tensor]] = {}
             fit = None
@@ -182,9 +199,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
                 "driver_most_gathered_bytes": max(driver.gathered_bytes()),
                 "driver_peak_with_gathered_bytes": driver.peak_with_gathered_bytes,
                 "extra_gathers_driver_peak_with_gathered_bytes":
-                    driver_for(extra).peak_with_gathered_bytes,
+                    None if policy else driver_for(extra).peak_with_gathered_bytes,
                 "prefetch_driver_peak_with_gathered_bytes":
-                    driver_for(ahead).peak_with_gathered_bytes,
+                    None if policy else driver_for(ahead).peak_with_gathered_bytes,
+                "param_dtype": args.param_dtype,
                 "plan_charges_gathered_blocks": "_hr_fsdp_charged" in hm.__dict__,
                 "step_budget_fraction_of_plain_whole_step": args.step_budget,
                 "step_budget": dataclasses.asdict(fit) if fit is not None else None,
@@ -204,6 +222,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--step-budget", type=float, default=0.8,
                     help="whole-step budget of the step-budget layout, of plain's whole step")
+    ap.add_argument("--param-dtype", default=None,
+                    help="MixedPrecisionPolicy(param_dtype=...) on every fully_shard, e.g. "
+                         "bfloat16 (then plain, checkpointed and hrockmate only)")
     ap.add_argument("--out", type=Path, default=_OUT)
     args = ap.parse_args()
     with socket.socket() as s:

@@ -87,12 +87,17 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def _shard(model: nn.Module, blocks: Any, mesh: Any, **options: Any) -> None:
+def _shard(model: nn.Module, blocks: Any, mesh: Any, mp_policy: Any = None,
+           root_policy: Any = "same", **options: Any) -> None:
+    """``fully_shard`` each block (with ``options``), then the root; a ``mp_policy`` is
+    given to both, as torchtitan does, unless ``root_policy`` says otherwise."""
     from torch.distributed.fsdp import fully_shard
 
+    root_policy = mp_policy if isinstance(root_policy, str) else root_policy
     for block in blocks:
-        fully_shard(block, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **({} if mp_policy is None else {"mp_policy": mp_policy}),
+                    **options)
+    fully_shard(model, mesh=mesh, **({} if root_policy is None else {"mp_policy": root_policy}))
 
 
 class _AllGathers:
@@ -284,10 +289,191 @@ def test_half_budget_step_peak_is_at_most_0_8x_plain_without_more_all_gathers(ar
     _spawn(_budget_worker, 2, arch)
 
 
+def _mixed_precision_worker(rank: int, port: int, world: int, arch: str, reshard: bool,
+                            policy: dict[str, Any], blocks_only: bool = False) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from hrockmate.runtime.fsdp import driver_for
+
+    mesh = _init(rank, port, world)
+    try:
+        counter = _AllGathers()
+        model, blocks_of = _BUILD[arch]()
+        ref = copy.deepcopy(model)
+        hm = HRockmate(model, _batch(0), loss_fn="loss", cache=False)
+        n_blocks = len(blocks_of(model))
+        mp = MixedPrecisionPolicy(**policy)
+        root = None if blocks_only else mp
+        _shard(hm, blocks_of(hm), mesh, mp, root, reshard_after_forward=reshard)
+        _shard(ref, blocks_of(ref), mesh, mp, root, reshard_after_forward=reshard)
+        def hooks() -> list[tuple[Any, ...]]:
+            return [(tuple(b._forward_pre_hooks), tuple(b._forward_hooks))
+                    for b in blocks_of(hm)]
+
+        sharded_hooks = hooks()
+        opt = torch.optim.AdamW(hm.parameters(), lr=1e-2)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(3):
+            batch = _batch(100 * step + rank)
+            torch.manual_seed(step)
+            hm(**batch)["loss"].backward()
+            ours = counter.take()
+            assert hooks() == sharded_hooks  # (FSDP2's hooks back after the trace)
+            torch.manual_seed(step)
+            ref(**batch)["loss"].backward()
+            theirs = counter.take()
+            assert theirs == 1 + n_blocks * (2 if reshard else 1), theirs
+            # the first call also gathers each block once to trace the model as it runs
+            assert ours == theirs + (n_blocks if step == 0 else 0), (step, ours, theirs)
+            diff = _largest_difference(hm, ref, of_grads=True)
+            assert diff == 0.0, f"rank {rank} step {step}: gradients differ by {diff:.3g}"
+            opt.step()
+            opt_ref.step()
+            opt.zero_grad()
+            opt_ref.zero_grad()
+            if step == 0:
+                # traced as it runs: each parameter of the graph a tensor of its gathered
+                # dtype (bf16 in the blocks; the root's too unless it has no policy)
+                graph = hm.traced.graph
+                in_blocks = {id(p) for b in blocks_of(model) for p in b.parameters()}
+                numel = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
+                named = dict(model.named_parameters(remove_duplicate=False))
+                for tid, (kind, name) in hm.traced.sources.items():
+                    if kind != "param":
+                        continue
+                    t = graph.tensors[int(tid)]
+                    bf16 = not blocks_only or id(named[name]) in in_blocks
+                    assert t.dtype.removeprefix("torch.") == ("bfloat16" if bf16 else "float32")
+                    if t.alias_of is None:
+                        assert t.bytes == numel[name] * (2 if bf16 else 4), (name, t.bytes)
+                # then every forward op recomputed in the backward, for the later steps
+                hm.use_plan(hrockmate.recompute_all_schedule(graph))
+                assert hm.recomputed_ops > 0
+        diff = _largest_difference(hm, ref, of_grads=False)
+        assert diff == 0.0, f"rank {rank}: parameters after 3 AdamW steps differ by {diff:.3g}"
+        driver = driver_for(hm)
+        assert driver is not None and driver.gathers_per_iteration == ours - 1
+        # the gathered blocks are counted in param_dtype (half the fp32 parameters' bytes)
+        block_bytes = sum(p.numel() * 2 for p in blocks_of(model)[0].parameters())
+        forward = driver.gathered_bytes()[:hm.schedule.forward_len]
+        assert max(forward) == (block_bytes if reshard else n_blocks * block_bytes)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_bf16_param_dtype_policy_trains_as_plain_per_block_fsdp2(arch: str) -> None:
+    """``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` on the blocks and the root: the
+    first call traces the model in bf16; gradients after each of 3 steps (a store-all plan,
+    then recompute-all) and parameters after 3 AdamW steps are bitwise plain per-block
+    FSDP2's with the same policy, with as many all-gathers after the first call."""
+    _spawn(_mixed_precision_worker, 2, arch, True, {"param_dtype": torch.bfloat16})
+
+
+def test_bf16_params_with_fp32_reduction_kept_gathered_into_backward() -> None:
+    _spawn(_mixed_precision_worker, 2, "llama", False,
+           {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32})
+
+
+def test_bf16_blocks_casting_their_outputs_to_fp32_under_an_fp32_root() -> None:
+    """Only the blocks in bf16 (their inputs cast to bf16, their outputs to fp32), the
+    embeddings, final norm and head in fp32."""
+    _spawn(_mixed_precision_worker, 2, "gpt2", True,
+           {"param_dtype": torch.bfloat16, "output_dtype": torch.float32}, True)
+
+
+def _whole_module_policy_worker(rank: int, port: int, world: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = _init(rank, port, world)
+    try:
+        model, _ = _llama()
+        ref = copy.deepcopy(model)
+        hm = HRockmate(model, _batch(0), loss_fn="loss", cache=False)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        fully_shard(hm, mesh=mesh, mp_policy=mp)
+        fully_shard(ref, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.AdamW(hm.parameters(), lr=1e-2)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(2):
+            batch = _batch(100 * step + rank)
+            hm(**batch)["loss"].backward()
+            ref(**batch)["loss"].backward()
+            diff = _largest_difference(hm, ref, of_grads=True)
+            assert diff == 0.0, f"rank {rank} step {step}: gradients differ by {diff:.3g}"
+            if step == 0:
+                hm.use_plan(hrockmate.recompute_all_schedule(hm.traced.graph))
+                dtypes = {hm.traced.graph.tensors[int(t)].dtype
+                          for t, (kind, _) in hm.traced.sources.items() if kind == "param"}
+                assert {d.removeprefix("torch.") for d in dtypes} == {"bfloat16"}, dtypes
+            for o in (opt, opt_ref):
+                o.step()
+                o.zero_grad()
+        diff = _largest_difference(hm, ref, of_grads=False)
+        assert diff == 0.0, f"rank {rank}: parameters after 2 AdamW steps differ by {diff:.3g}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_bf16_policy_on_the_whole_module_trains_as_plain_fsdp2() -> None:
+    """``fully_shard(hmod, mp_policy=...)`` alone: traced in bf16 at the first call too."""
+    _spawn(_whole_module_policy_worker, 2)
+
+
+def _mixed_budget_worker(rank: int, port: int, world: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from hrockmate.runtime.fsdp import driver_for
+
+    mesh = _init(rank, port, world)
+    try:
+        counter = _AllGathers()
+        model, blocks_of = _gpt2(layers=2)
+        ref = copy.deepcopy(model)
+        hm = HRockmate(model, _long_batch(0), budget=0.5, loss_fn="loss", cache=False)
+        fp32_budget = hm.plan.budget_bytes
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        _shard(hm, blocks_of(hm), mesh, mp)
+        _shard(ref, blocks_of(ref), mesh, mp)
+        n_blocks = len(blocks_of(model))
+        for step in range(2):
+            batch = _long_batch(10 * step + rank)
+            torch.manual_seed(step)
+            hm(**batch)["loss"].backward()
+            ours = counter.take()
+            torch.manual_seed(step)
+            ref(**batch)["loss"].backward()
+            theirs = counter.take()
+            assert ours == theirs + (n_blocks if step == 0 else 0), (step, ours, theirs)
+            diff = _largest_difference(hm, ref, of_grads=True)
+            assert diff == 0.0, f"rank {rank} step {step}: gradients differ by {diff:.3g}"
+            hm.zero_grad()
+            ref.zero_grad()
+        # planned again at the first call, for half of the bf16 graph's store-all peak (most
+        # activations' bytes halve), the op times measured on the bf16 ops, and the gathered
+        # blocks charged (in bf16) by the driver's replan
+        assert hm.recomputed_ops > 0 and hm.plan.method not in ("store-all", "given")
+        assert hm.traced.graph.meta.get("cost_report", {}).get("mode") == "measure"
+        assert hm.plan.budget_bytes < 0.75 * fp32_budget, (hm.plan.budget_bytes, fp32_budget)
+        assert "_hr_fsdp_charged" in hm.__dict__
+        block_bytes = sum(p.numel() * 2 for p in blocks_of(model)[0].parameters())
+        driver = driver_for(hm)
+        assert driver is not None and max(driver.gathered_bytes()) <= 2 * block_bytes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_half_budget_under_a_bf16_policy_is_planned_for_the_bf16_graph() -> None:
+    """Built for 50% before sharding: the first call plans the bf16 graph for half of its
+    store-all peak, with bitwise plain per-block FSDP2 gradients."""
+    _spawn(_mixed_budget_worker, 2)
+
+
 def _refusal_worker(rank: int, port: int, world: int) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from hrockmate.runtime.distributed import UnsupportedLayoutError
+    from hrockmate.runtime.fsdp import StepBudgetError, fit_step_budget, plan_with_blocks
 
     mesh = _init(rank, port, world)
     try:
@@ -295,19 +481,29 @@ def _refusal_worker(rank: int, port: int, world: int) -> None:
         hm = HRockmate(model, _batch(0), loss_fn="loss", cache=False)
         _shard(hm, blocks_of(hm), mesh,
                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        with pytest.raises(UnsupportedLayoutError, match=r"param_dtype=torch.bfloat16.*autocast"):
-            hm(**_batch(0))
+        # before the first call the graph is of fp32 parameters: planning it for the step
+        # would cost what does not run
+        with pytest.raises(UnsupportedLayoutError, match=r"bfloat16.*first training call"):
+            plan_with_blocks(hm, 0.5)
         # a whole-step budget needs the op times measured before sharding (built for
         # store-all, this module never measured them)
-        from hrockmate.runtime.fsdp import StepBudgetError, fit_step_budget
-
         with pytest.raises(StepBudgetError, match=r"op times were not measured.*budget"):
             fit_step_budget(hm, 10**9)
+        # a fixed plan is of the fp32 graph
+        model, blocks_of = _gpt2(layers=1, width=32)
+        sample = {**_batch(0), "use_cache": False}  # (the same graph with a plan as without)
+        plain = HRockmate(model, sample, loss_fn="loss", cache=False)
+        fixed = HRockmate(model, sample, plan=plain.schedule, loss_fn="loss", cache=False)
+        _shard(fixed, blocks_of(fixed), mesh,
+               mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        with pytest.raises(UnsupportedLayoutError, match=r"fixed plan=.*bfloat16.*budget"):
+            fixed(**sample)
     finally:
         dist.destroy_process_group()
 
 
-def test_a_param_dtype_policy_and_unmeasured_step_fit_are_refused() -> None:
+def test_a_fixed_plan_under_a_param_dtype_policy_and_unmeasured_step_fit_are_refused(
+) -> None:
     _spawn(_refusal_worker, 2)
 
 

@@ -5,9 +5,29 @@ the shards' state. Per-block FSDP2 runs when applied after ``HRockmate`` was bui
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch.nn as nn
 
-__all__ = ["UnsupportedLayoutError", "check_layout"]
+__all__ = ["UnsupportedLayoutError", "check_layout", "gathered_blocks_traced"]
+
+# set while the runtime traces a model whose sharded blocks it has gathered itself (FSDP2's
+# hooks set aside: ``hrockmate.runtime.fsdp.as_run_under_policies``)
+_BLOCKS_GATHERED = contextvars.ContextVar("hrockmate_blocks_gathered", default=False)
+
+
+@contextlib.contextmanager
+def gathered_blocks_traced() -> Iterator[None]:
+    """Within: ``check_layout`` lets FSDP2-sharded submodules through (their DTensor
+    parameters are still refused), for the runtime's trace of a model whose blocks it
+    gathered and whose FSDP2 hooks it set aside."""
+    token = _BLOCKS_GATHERED.set(True)
+    try:
+        yield
+    finally:
+        _BLOCKS_GATHERED.reset(token)
 
 
 class UnsupportedLayoutError(RuntimeError):
@@ -23,7 +43,7 @@ def _sharded_parts(model: nn.Module, with_tensors: bool) -> list[str]:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - a torch without FSDP2
         FSDPModule = ()  # type: ignore[assignment,misc]
-    if FSDPModule:
+    if FSDPModule and not _BLOCKS_GATHERED.get():
         found += [name or "the model itself" for name, mod in model.named_modules()
                   if isinstance(mod, FSDPModule)]
     if with_tensors:

@@ -98,7 +98,7 @@ def signed_forward(hmod: nn.Module) -> Callable[..., Any]:
             if not hmod.__dict__.get("_hr_layout_checked"):
                 from hrockmate.runtime.fsdp import first_call_check
 
-                first_call_check(hmod)
+                first_call_check(hmod, args, kwargs)
             if kwargs:
                 _follow_new_keywords(hmod, args, kwargs)
         return type(hmod).forward(hmod, *args, **kwargs)

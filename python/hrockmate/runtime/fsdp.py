@@ -42,6 +42,12 @@ per schedule step, the bytes of gathered block parameters the driver holds there
 ``fit_step_budget`` plans for a budget of the whole step (parameters, gradients, gathered
 blocks and activations).
 
+A ``MixedPrecisionPolicy`` that changes the ops the plan runs (``policy_changes_graph``: a
+``param_dtype``, a block's ``output_dtype``) has the module traced and planned again at its
+first training call, as plain per-block FSDP2 runs it (``as_run_under_policies``): the graph's
+dtypes and sizes are then those that run, and FSDP2's post-backward reduces the gradients,
+which come out in ``param_dtype``, in its ``reduce_dtype``.
+
 FSDP2's post-backward (``FSDPParamGroup.post_backward``) is private API; it and the few other
 private attributes read are reached in ``_Group`` only, which raises ``UnsupportedLayoutError``
 naming the torch version when they are missing.
@@ -50,17 +56,19 @@ naming the torch version when they are missing.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
 from hrockmate.capture.layout import UnsupportedLayoutError, check_layout
 
-__all__ = ["BlockDriver", "StepBudgetError", "StepFit", "blocks_of", "driver_for",
-           "fit_step_budget", "gathered_excess_bytes", "is_fsdp_module", "place",
-           "plan_with_blocks", "set_extra_gathers", "set_prefetch", "sharded_blocks"]
+__all__ = ["as_run_under_policies", "BlockDriver", "blocks_of", "driver_for", "fit_step_budget",
+           "gathered_excess_bytes", "is_fsdp_module", "place", "plan_with_blocks",
+           "policy_changes_graph", "set_extra_gathers", "set_prefetch", "sharded_blocks",
+           "StepBudgetError", "StepFit"]
 
 
 def _fsdp_types() -> tuple[Any, Any]:
@@ -97,6 +105,9 @@ class _Group:
         try:
             self.params = list(group.fsdp_params)
             self.post_backward_fn = group.post_backward
+            # (gradients left in the dtype the ops made, as FSDP2's pre-backward does:
+            # torch versions whose gradients follow the parameters' grad_dtype have it)
+            self.defer_upcast = getattr(group, "_set_unsharded_grad_dtypes", None)
             uses_other_mesh = bool(group._use_post_forward_mesh)
             self.reshard_after_forward = bool(group._reshard_after_forward)
             self.unsharded_bytes = sum(int(p._orig_size.numel()) * _elem_size(p)
@@ -112,15 +123,6 @@ class _Group:
                 "post_backward. Shard the whole HRockmate module instead "
                 "(fully_shard(hmod) only), or use the torch version this hrockmate supports"
             ) from exc
-        cast = sorted({str(p.param_dtype) for p in self.params
-                       if getattr(p, "param_dtype", None) is not None})
-        if cast:
-            raise UnsupportedLayoutError(
-                f"HRockmate: a block is sharded with MixedPrecisionPolicy(param_dtype="
-                f"{', '.join(cast)}); the plan was traced with the parameters' own dtype, so its "
-                "ops would get parameters of another dtype. Shard the blocks without a "
-                "param_dtype, and train under torch.autocast (build HRockmate within the "
-                "autocast region) for low-precision compute")
         if uses_other_mesh:
             raise UnsupportedLayoutError(
                 "HRockmate: a block sharded with reshard_after_forward=<int> (resharding onto a "
@@ -133,10 +135,21 @@ class _Group:
         return bool(self.group.is_unsharded)
 
 
+def _gathered_dtype(p: Any) -> torch.dtype | None:
+    """The dtype an FSDPParam is gathered in when its policy casts it, else None (FSDP2 sets
+    ``param_dtype`` at its lazy initialisation, the root's first forward; before, it is read
+    from the parameter's own policy, as that initialisation does)."""
+    if hasattr(p, "param_dtype"):
+        return p.param_dtype
+    policy = getattr(p, "mp_policy", None)
+    want = getattr(policy, "param_dtype", None)
+    orig = p.sharded_param.dtype
+    return want if want is not None and want != orig and orig.is_floating_point else None
+
+
 def _elem_size(p: Any) -> int:
-    """Bytes per element of an FSDPParam's gathered parameter (``param_dtype`` is set by
-    FSDP2's lazy initialisation, at the root's first forward)."""
-    dtype = getattr(p, "param_dtype", None) or p.sharded_param.dtype
+    """Bytes per element of an FSDPParam's gathered parameter."""
+    dtype = _gathered_dtype(p) or p.sharded_param.dtype
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -170,6 +183,132 @@ def blocks_of(hmod: nn.Module) -> list[_Group]:
             ) from exc
         groups += [_Group(mod, group) for group in state_groups]
     return groups
+
+
+def _policy(mod: nn.Module) -> Any:
+    """The ``MixedPrecisionPolicy`` ``fully_shard`` was given for ``mod`` (None: unknown)."""
+    try:
+        return mod._get_fsdp_state()._mp_policy
+    except AttributeError:
+        return None
+
+
+def policy_changes_graph(hmod: nn.Module) -> list[str]:
+    """What the ``MixedPrecisionPolicy`` of ``hmod``'s per-block layout changes in the ops
+    the plan runs, in words (empty: nothing): a ``param_dtype`` gathers parameters (of the
+    root's group or a block's) in another dtype than the traced one, and a block's
+    ``output_dtype`` casts its outputs. (The root's input and output casts are made by its
+    own hooks, around the plan.)"""
+    fsdp_module, _ = _fsdp_types()
+    if not fsdp_module or not isinstance(hmod, fsdp_module):
+        return []
+    found: list[str] = []
+    for name, mod in [("the HRockmate module", hmod)] + sharded_blocks(hmod):
+        try:
+            params = [p for grp in mod._get_fsdp_state()._fsdp_param_groups
+                      for p in grp.fsdp_params]
+        except AttributeError as exc:
+            raise UnsupportedLayoutError(
+                f"HRockmate: FSDP2's internals changed in torch {torch.__version__} ({exc}); "
+                "per-block fully_shard under a plan reads each FSDP module's parameter "
+                "groups. Shard the whole HRockmate module instead (fully_shard(hmod) only)"
+            ) from exc
+        cast = sorted({str(_gathered_dtype(p)) for p in params
+                       if _gathered_dtype(p) is not None})
+        if cast:
+            found.append(f"{name or 'the model'} gathers its parameters in {', '.join(cast)}")
+        policy = _policy(mod)
+        if mod is not hmod and policy is not None and policy.output_dtype is not None:
+            found.append(f"{name} casts its outputs to {policy.output_dtype}")
+    return found
+
+
+def _cast_floats(dtype: torch.dtype, tree: Any) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype``, as FSDP2 casts a module's
+    inputs and outputs."""
+    import torch.utils._pytree as pytree
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    try:  # (FSDP2's own walk: it also reaches into dataclasses such as ModelOutput)
+        from torch.distributed.utils import _apply_to_tensors
+    except ImportError:  # pragma: no cover - depends on the torch version
+        return pytree.tree_map(cast, tree)
+    return _apply_to_tensors(cast, tree)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _is_fsdp_hook(fn: Any) -> bool:
+    return str(getattr(fn, "__module__", "") or "").startswith("torch.distributed.fsdp")
+
+
+@contextlib.contextmanager
+def as_run_under_policies(hmod: nn.Module) -> Iterator[None]:
+    """Within: the wrapped model is the model plain per-block FSDP2 runs under its
+    ``MixedPrecisionPolicy``, as a plain module to trace (and to measure op times on): every
+    block gathered (``FSDPModule.unshard``: in ``param_dtype``), its FSDP2 forward hooks set
+    aside and in their place the casts they make (floating-point inputs to ``param_dtype``
+    with ``cast_forward_inputs``, outputs to ``output_dtype``); the root is gathered already
+    (this runs within its forward). Afterwards the blocks are resharded and their hooks back.
+    A collective (every block is all-gathered once): every rank enters it."""
+    from hrockmate.capture.layout import gathered_blocks_traced
+
+    modules = [mod for _, mod in sharded_blocks(hmod)]
+    saved: list[tuple[nn.Module, list[dict[Any, Any]]]] = []
+    handles: list[Any] = []
+    try:
+        for mod in modules:
+            mod.unshard()
+        for mod in modules:
+            dicts = [getattr(mod, name) for name in _HOOK_DICTS]
+            saved.append((mod, [dict(d) for d in dicts]))
+            for name in ("_forward_pre_hooks", "_forward_hooks"):
+                hooks = getattr(mod, name)
+                for key in [k for k, fn in hooks.items() if _is_fsdp_hook(fn)]:
+                    del hooks[key]
+                    for d in dicts:
+                        if d is not hooks:
+                            d.pop(key, None)
+            policy = _policy(mod)
+            if policy is None:
+                continue
+            if policy.cast_forward_inputs and policy.param_dtype is not None:
+                dtype = policy.param_dtype
+
+                def cast_inputs(_m: nn.Module, args: Any, kwargs: Any,
+                                dtype: torch.dtype = dtype) -> Any:
+                    return _cast_floats(dtype, args), _cast_floats(dtype, kwargs)
+
+                handles.append(mod.register_forward_pre_hook(cast_inputs, prepend=True,
+                                                             with_kwargs=True))
+            if policy.output_dtype is not None:
+                out_dtype = policy.output_dtype
+
+                def cast_outputs(_m: nn.Module, _args: Any, out: Any,
+                                 dtype: torch.dtype = out_dtype) -> Any:
+                    return _cast_floats(dtype, out)
+
+                handles.append(mod.register_forward_hook(cast_outputs))
+        with gathered_blocks_traced():
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for mod, dicts in saved:
+            for name, content in zip(_HOOK_DICTS, dicts):
+                d = getattr(mod, name)
+                d.clear()
+                d.update(content)
+        for mod in modules:
+            for p in mod.parameters():  # (the unsharded ones: what tracing left behind)
+                p.grad = None
+            mod.reshard()
 
 
 @dataclass
@@ -422,6 +561,11 @@ class BlockDriver:
         """Hand group ``g``'s finished gradients to its unsharded parameters' ``.grad`` and run
         FSDP2's post-backward for it (reshard, reduce-scatter into the sharded ``.grad``)."""
         grp = self.groups[g]
+        if grp.defer_upcast is not None:
+            # a gathered parameter in param_dtype takes a gradient of that dtype (its
+            # grad_dtype is the sharded parameter's until FSDP2's pre-backward lifts it; the
+            # reduce-scatter casts to reduce_dtype)
+            grp.defer_upcast(defer_upcast=True)
         for j, (gi, i) in self.plan.slot_group.items():
             if gi != g:
                 continue
@@ -578,6 +722,7 @@ def plan_with_blocks(hmod: nn.Module, budget: Any = None, *, groups: list[_Group
         raise UnsupportedLayoutError(
             "plan_with_blocks: no block of the HRockmate module is sharded; call fully_shard "
             "on each block, then on the HRockmate module, first")
+    _check_policies_followed(hmod, "plan_with_blocks")
     if hmod.traced.graph.meta.get("cost_report", {}).get("mode") != "measure":
         raise StepBudgetError(
             "plan_with_blocks: the module's op times were not measured (it was built for "
@@ -606,6 +751,19 @@ def plan_with_blocks(hmod: nn.Module, budget: Any = None, *, groups: list[_Group
     agree_on_plan(hmod)
     hmod.__dict__.pop("_hr_fsdp_driver", None)
     return hmod.plan
+
+
+def _check_policies_followed(hmod: nn.Module, what: str) -> None:
+    """Raise ``UnsupportedLayoutError`` where a ``MixedPrecisionPolicy`` changes the ops the
+    plan runs and the module was not traced again as it runs them yet."""
+    changes = policy_changes_graph(hmod)
+    if changes and "_hr_fsdp_policies" not in hmod.__dict__:
+        raise UnsupportedLayoutError(
+            f"{what}: under FSDP2's MixedPrecisionPolicy {', '.join(changes)}, and the "
+            "module's graph is still the one traced with the parameters' own dtypes, so its "
+            "plans would be costed for ops that do not run. Its first training call traces "
+            "and plans it as the policy runs it: make one training call (forward and "
+            f"backward) first, then call {what}")
 
 
 class StepBudgetError(ValueError):
@@ -669,6 +827,7 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, rounds: int = 4) -> StepF
         raise UnsupportedLayoutError(
             "fit_step_budget: no block of the HRockmate module is sharded; call fully_shard "
             "on each block, then on the HRockmate module, before fitting the step budget")
+    _check_policies_followed(hmod, "fit_step_budget")
     block_ids = {id(p.sharded_param) for grp in groups for p in grp.params}
     sharded = sum(_local_bytes(p) for p in hmod.parameters())
     root = sum(int(p.numel()) * p.element_size() for p in hmod.parameters()
@@ -718,13 +877,20 @@ def fit_step_budget(hmod: nn.Module, step_budget: int, rounds: int = 4) -> StepF
         + "; raise the budget or shard over more ranks")
 
 
-def first_call_check(hmod: nn.Module) -> None:
+def first_call_check(hmod: nn.Module, args: tuple[Any, ...] = (),
+                     kwargs: dict[str, Any] | None = None) -> None:
     """The layout check at a module's first training call (FSDP2 may shard blocks after the
-    module was built)."""
+    module was built), called with that call's arguments: a ``MixedPrecisionPolicy`` that
+    changes the ops the plan runs has the module traced and planned again as the policy runs
+    it (``HRockmate._follow_policies``)."""
     if hmod.__dict__.get("_hr_layout_checked"):
         return
     if sharded_blocks(hmod):
         blocks_of(hmod)  # (raises where the per-block layout cannot run under the plan)
     else:
         check_layout(hmod.__dict__["_hr_model"], "HRockmate was called", with_tensors=True)
+    # (also for fully_shard(hmod) alone: its parameters are gathered in param_dtype too)
+    changes = policy_changes_graph(hmod)
+    if changes and "_hr_fsdp_policies" not in hmod.__dict__:
+        hmod._follow_policies(args, dict(kwargs or {}), changes)
     hmod.__dict__["_hr_layout_checked"] = True

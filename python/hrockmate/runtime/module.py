@@ -587,6 +587,8 @@ class HRockmate(nn.Module):
 
     Mixed precision: build it within the ``torch.autocast`` region the training calls use (a
     call under other regions traces and plans again) and call ``backward()`` after the region.
+    Under per-block FSDP2 a ``MixedPrecisionPolicy`` that casts the parameters is traced and
+    planned at the first training call after sharding (``_follow_policies``).
     """
 
     def __init__(
@@ -1062,6 +1064,51 @@ class HRockmate(nn.Module):
                        "the autocast region the training calls use to trace once)", what)
         self._build(self._sample_of_call(args, kwargs), budget=self._budget_bytes(),
                     change=what)
+
+    def _follow_policies(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         changes: list[str]) -> None:
+        """Per-block FSDP2 whose ``MixedPrecisionPolicy`` changes the ops the plan runs
+        (``fsdp.policy_changes_graph``: parameters gathered in ``param_dtype``, block outputs
+        cast): at the first training call, trace and plan again the model as plain
+        per-block FSDP2 runs it (``fsdp.as_run_under_policies``), so that the graph's dtypes
+        and sizes, and the plan, are of what runs. A collective call, as every rank's first
+        training call is. Raises ``UnsupportedLayoutError`` with a fixed ``plan=``."""
+        from hrockmate.capture.layout import UnsupportedLayoutError
+        from hrockmate.runtime import distributed
+
+        what = _listed(changes)
+        request: _PlanRequest = self._hr_request
+        if request.plan is not None:
+            raise UnsupportedLayoutError(
+                f"HRockmate was built with a fixed plan= for the graph traced with the "
+                f"parameters' own dtypes, and under FSDP2's MixedPrecisionPolicy {what}, so "
+                "the ops the plan would run are others; build HRockmate with a budget (or "
+                "none, for store-all) instead: its first training call after sharding traces "
+                "and plans the model as the policy runs it")
+        plan = self.__dict__.get("_hr_plan")
+        if plan is not None and plan.method == "given":
+            logger.warning(
+                "HRockmate: the schedule given to use_plan is of the graph traced with the "
+                "parameters' own dtypes; under FSDP2's MixedPrecisionPolicy %s, so the model "
+                "is traced and planned again for its budget. Call use_plan after this call "
+                "with a schedule of hmod.traced.graph", what)
+        sample = self._sample_of_call(args, kwargs)
+        for key in ("_hr_fsdp_driver", "_hr_fsdp_charged"):
+            self.__dict__.pop(key, None)
+        logger.info("HRockmate: under FSDP2's MixedPrecisionPolicy %s; tracing and planning "
+                    "the model as it runs so", what)
+        with fsdp.as_run_under_policies(self):
+            self._build(sample, change=f"under FSDP2's MixedPrecisionPolicy {what}")
+            if distributed.should_agree():
+                distributed.agree_on_plan(self)
+        # the model as the calls see it (the root gathered, the blocks sharded), not as traced
+        model: nn.Module = self.__dict__["_hr_model"]
+        self._hr_fingerprint = _ModelCheck(model)
+        self._hr_snapshot = _ModelSnapshot.of(model)
+        programs = self.__dict__.get("_hr_shapes")
+        if programs is not None:
+            programs.clear()
+        self.__dict__["_hr_fsdp_policies"] = list(changes)
 
     def _budget_bytes(self) -> Any:
         """The budget a changed graph of this shape is planned for: the bytes it was resolved
