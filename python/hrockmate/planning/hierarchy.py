@@ -248,11 +248,11 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
             try:
                 sp = ilp.solve_level(lvl.problem, **a, time_limit=limit,  # type: ignore[arg-type]
                                      mip_rel_gap=gap)
-            except (ilp.LevelInfeasible, ilp.LevelNoSolution) as exc:
-                sp = exc
+            except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+                sp = False  # (no schedule; not the exception, whose traceback keeps frames)
             if key is not None:
                 st.leaf_solutions[key] = sp
-        if isinstance(sp, Exception):
+        if sp is False:
             return None
         return make_option(ctx, block, lvl, sp, free_recomputed=st.low_peak)
 
