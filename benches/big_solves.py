@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     doc.setdefault("runs", {})
-    doc["note"] = ("CPU seconds (time.process_time, all threads) of one solve_graph call each, "
+    doc["note"] = ("CPU seconds (time.process_time, all threads) of one solve_graph call each "
+                   "(runs whose 'measures' is 'HRockmate(...)': of the whole constructor), "
                    "a fresh process per solve, OMP_NUM_THREADS=1, plan cache off; graphs "
                    f"traced once (batch {BATCH}, vocabulary {VOCAB}, hidden size 64, measured "
                    "op times). The machine was shared with other work, so wall times are "
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         for fraction in fractions:
             found = (build_in_child(name, fraction, args.pythonpath) if args.whole
                      else solve_in_child(path, fraction, args.pythonpath))
-            row = {"model": name, "ops": found.pop("ops", ops), "budget": fraction, **found}
+            ops = found.pop("ops", None) or ops  # (a refusal has no graph: its build's)
+            row = {"model": name, "ops": ops, "budget": fraction, **found}
             rows.append(row)
             print(json.dumps(row), flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)
