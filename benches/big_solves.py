@@ -19,6 +19,10 @@ run in the JSON, which keeps the runs of other labels already in the file.
     OMP_NUM_THREADS=1 HROCKMATE_CACHE_DIR=off python benches/big_solves.py --label before \\
         --pythonpath /path/to/main/python
 
+``--whole`` times the whole ``HRockmate(model, sample, budget)`` instead (trace, op times,
+block options, solve, compile; a fresh process per budget, the model built as above), as a
+user's build or refusal costs it.
+
 Writes ``benches/results/big_solves.json`` (after every case).
 """
 
@@ -108,10 +112,45 @@ print("ROW " + json.dumps(row))
 """
 
 
+WHOLE_CHILD = r"""
+import json, sys, time, warnings
+sys.path.insert(0, sys.argv[1])
+import torch
+from big_solves import BATCH, MODELS, VOCAB, build
+from hrockmate import HRockmate
+from hrockmate.ir.plan import InfeasibleBudget
+family, layers, seq, _ = MODELS[sys.argv[2]]
+fraction = float(sys.argv[3])
+model = build(family, layers)
+ids = torch.randint(0, VOCAB, (BATCH, seq))
+t0, w0 = time.process_time(), time.perf_counter()
+row = {}
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hm = HRockmate(model, {"input_ids": ids, "labels": ids}, budget=fraction,
+                       loss_fn="loss", progress=False)
+    row.update(status="plan", overhead=hm.plan.overhead, made_by=hm.plan.made_by,
+               ops=hm.traced.graph.num_ops)
+except InfeasibleBudget as exc:
+    row.update(status="refused", min_bytes=exc.min_bytes, proven=exc.proven_minimum)
+row.update(cpu_s=round(time.process_time() - t0, 2), wall_s=round(time.perf_counter() - w0, 2))
+print("ROW " + json.dumps(row))
+"""
+
+
 def solve_in_child(path: Path, fraction: float, pythonpath: str) -> dict[str, Any]:
+    return _child([CHILD, str(path), str(fraction)], pythonpath)
+
+
+def build_in_child(name: str, fraction: float, pythonpath: str) -> dict[str, Any]:
+    return _child([WHOLE_CHILD, str(REPO / "benches"), name, str(fraction)], pythonpath)
+
+
+def _child(args: list[str], pythonpath: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1",
                HROCKMATE_CACHE_DIR="off")
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(fraction)], env=env,
+    out = subprocess.run([sys.executable, "-c", *args], env=env,
                          capture_output=True, text=True, check=False)
     for line in out.stdout.splitlines():
         if line.startswith("ROW "):
@@ -128,11 +167,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the python folder whose hrockmate solves (default: this checkout's)")
     ap.add_argument("--graphs-dir", default=str(Path(tempfile.gettempdir()) / "big_solves"))
     ap.add_argument("--out", default=str(REPO / "benches" / "results" / "big_solves.json"))
+    ap.add_argument("--whole", action="store_true",
+                    help="time the whole HRockmate(model, sample, budget) per budget")
     args = ap.parse_args(argv)
     out = Path(args.out)
     doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     doc.setdefault("runs", {})
-    doc["note"] = ("CPU seconds (time.process_time, all threads) of one solve_graph call each, "
+    doc["note"] = ("CPU seconds (time.process_time, all threads) of one solve_graph call each "
+                   "(runs whose 'measures' is 'HRockmate(...)': of the whole constructor), "
                    "a fresh process per solve, OMP_NUM_THREADS=1, plan cache off; graphs "
                    f"traced once (batch {BATCH}, vocabulary {VOCAB}, hidden size 64, measured "
                    "op times). The machine was shared with other work, so wall times are "
@@ -141,18 +183,24 @@ def main(argv: list[str] | None = None) -> int:
     # (each run names its models: runs of other labels may be of other sizes)
     doc["runs"][args.label] = {
         "pythonpath": args.pythonpath,
+        "measures": "HRockmate(...)" if args.whole else "solve_graph",
         "models": {name: {"family": f, "layers": L, "seq": s, "refusal_budgets": list(r)}
                    for name, (f, L, s, r) in MODELS.items()},
         "rows": rows}
     for name in args.models.split(","):
-        path = traced_graph(name, Path(args.graphs_dir))
-        from hrockmate.ir.graph import Graph
+        fractions = [float(b) for b in args.budgets.split(",") if b] + list(MODELS[name][3])
+        if args.whole:
+            ops = None
+        else:
+            from hrockmate.ir.graph import Graph
 
-        ops = Graph.load(path).num_ops
-        fractions = [float(b) for b in args.budgets.split(",")] + list(MODELS[name][3])
+            path = traced_graph(name, Path(args.graphs_dir))
+            ops = Graph.load(path).num_ops
         for fraction in fractions:
-            row = {"model": name, "ops": ops, "budget": fraction,
-                   **solve_in_child(path, fraction, args.pythonpath)}
+            found = (build_in_child(name, fraction, args.pythonpath) if args.whole
+                     else solve_in_child(path, fraction, args.pythonpath))
+            ops = found.pop("ops", None) or ops  # (a refusal has no graph: its build's)
+            row = {"model": name, "ops": ops, "budget": fraction, **found}
             rows.append(row)
             print(json.dumps(row), flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -152,3 +152,51 @@ def test_plans_of_the_low_peak_model_reuse_its_blocks(data_graphs, monkeypatch) 
     for plan in plans:
         assert plan.stats.get("low_peak") is True and not plan.stats.get("fallback")
         assert simulate(g, plan.schedule).peak_bytes == plan.peak_bytes <= budget
+
+
+def test_the_low_peak_twin_solves_only_the_leaf_milps_its_hierarchy_did_not(
+        monkeypatch) -> None:
+    """A leaf's MILP is the same under both memory models: the low-peak twin built ``like`` a
+    hierarchy reads the solutions of the MILPs both solve with the same arguments (each leaf's
+    fastest, its caps on what it keeps, its lowest peak) and solves only the others."""
+    from hrockmate import models
+    from hrockmate.planning import ilp
+
+    model, sample = models.gpt2_tiny(n_layer=2)
+    g = hrockmate.trace(model, sample, cost="estimate")
+    h = hierarchy_mod.prepare(g, flat_ops=0, progress=False, workers=1)
+    shared = set(h.leaf_solutions)
+    leaves_solved = sum(1 for b in _blocks(h) if not b.children and b.solver == "ilp")
+    assert leaves_solved > 0 and len(shared) >= leaves_solved
+    current: list[Any] = []
+    leaf_milps: list[int] = []
+    real_options, real_solve = hierarchy_mod._block_options, ilp.solve_level
+
+    def options(ctx, block, st):
+        current[:] = [block]
+        return real_options(ctx, block, st)
+
+    def solve(*args, **kwargs):
+        if not current[0].children:
+            leaf_milps.append(1)
+        return real_solve(*args, **kwargs)
+
+    monkeypatch.setattr(hierarchy_mod, "_block_options", options)
+    monkeypatch.setattr(ilp, "solve_level", solve)
+    twin = hierarchy_mod.prepare(g, flat_ops=0, progress=False, workers=1, low_peak=True,
+                                 like=h)
+    assert twin.low_peak and twin.solved_blocks == h.solved_blocks
+    # one solve per new entry, none for an entry the first hierarchy made, and fewer than it
+    assert len(leaf_milps) == len(set(h.leaf_solutions) - shared)
+    assert len(leaf_milps) < len(shared)
+    # and every block of the twin has its options
+    assert all(b.options for b in _blocks(twin))
+
+
+def _blocks(h: Any) -> list[Any]:
+    out, stack = [], list(h.root.children)
+    while stack:
+        b = stack.pop()
+        stack.extend(b.children)
+        out.append(b)
+    return out

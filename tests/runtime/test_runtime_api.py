@@ -391,6 +391,68 @@ def test_a_budget_no_round_fits_names_the_lowest_peak_schedule_as_compiled(
     assert info.value.min_bytes == totals[-1] and not info.value.why
 
 
+def test_fixed_runtime_bytes_refuse_the_least_peak_without_compiling_it(monkeypatch) -> None:
+    """Where every schedule compiles to store-all's runtime bytes (no random op, no buffer
+    update, no skippable region), a budget below the least peak with them is refused without
+    compiling any lowest-peak schedule (recompute-all's, the least peak of large graphs, has
+    millions of steps there), naming the same number as with them compiled; at that number,
+    only the schedule returned is compiled."""
+    from graph_builders import training_graph
+
+    from hrockmate import InfeasibleBudget
+    from hrockmate.ir.schedule import recompute_all_schedule, simulate, store_all_schedule
+    from hrockmate.planning import minima
+    from hrockmate.planning.entry import least_peak_within
+
+    graph = training_graph(12, seed=3)
+    rc = recompute_all_schedule(graph)
+    rc_peak = int(simulate(graph, rc).peak_bytes)
+    store_all = store_all_schedule(graph)
+    sa_peak = int(simulate(graph, store_all).peak_bytes)
+    assert rc_peak < sa_peak
+    rows = tuple((peak, 0.0, label, tuple((str(k), int(i)) for k, i in s.steps),
+                  int(s.forward_len))
+                 for peak, label, s in ((rc_peak, "recompute-all", rc),
+                                        (sa_peak, "store-all", store_all)))
+    least = minima.LeastPeak(rows[0][3], rows[0][4], rc_peak, "recompute-all", False, "", rows)
+    monkeypatch.setattr(minima, "least_peak_for_options", lambda g, o: least)
+    extra = 8
+    compiled: list[int] = []
+
+    def compile_fn(schedule):
+        compiled.append(len(schedule.steps))
+        return _Program(extra)
+
+    named = []
+    for fixed in (False, True):
+        compiled.clear()
+        with pytest.raises(InfeasibleBudget) as info:
+            least_peak_within(graph, rc_peak + extra - 1, {}, compile_fn, reserve_bytes=extra,
+                              reserve_fixed=fixed)
+        named.append(info.value.min_bytes)
+        assert len(compiled) == (0 if fixed else 1)
+    assert named == [rc_peak + extra, rc_peak + extra]
+    compiled.clear()
+    plan, peak, program = least_peak_within(graph, rc_peak + extra, {}, compile_fn,
+                                            reserve_bytes=extra, reserve_fixed=True)
+    assert peak == rc_peak and program.extra_bytes == extra
+    assert compiled == [len(rc.steps)]
+
+
+def test_a_model_without_random_ops_compiles_to_fixed_runtime_bytes() -> None:
+    """The compiler says when no schedule can change the runtime's bytes: a plain MLP's
+    programs all have the same ``extra_bytes``, a dropout model's are not fixed."""
+    model, x = _recompute_model()
+    h = HRockmate(model, x, budget=0.6, cache=False, progress=False)
+    assert h.recomputed_ops > 0 and h._hr_program.extra_bytes_fixed
+    store_all = HRockmate(model, x, budget=None, cache=False, progress=False)
+    assert store_all._hr_program.extra_bytes == h._hr_program.extra_bytes
+    torch.manual_seed(0)
+    drop = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.1), nn.ReLU(), nn.Linear(64, 8))
+    d = HRockmate(drop, torch.randn(16, 32), budget=None, cache=False, progress=False)
+    assert not d._hr_program.extra_bytes_fixed
+
+
 def test_after_a_plan_overflows_the_next_round_sets_aside_all_a_plan_may_add(
         monkeypatch) -> None:
     """A plan's runtime bytes grow as plans tighten (each may recompute one more BatchNorm):

@@ -25,6 +25,8 @@ class CompiledProgram(Protocol):
 
     extra_bytes: int
     possible_extra_bytes: int
+    # (optional) every schedule of the graph compiles to these extra bytes
+    # extra_bytes_fixed: bool
 
 
 Compile = Callable[[Any], Any]
@@ -137,7 +139,8 @@ def plan_for_runtime(
     # first round solves for what is left, so that a tight budget is not solved twice
     new_plan, peak, program = solve_within_budget(
         graph, budget_bytes, options, compile_fn, reserve_bytes=program.extra_bytes,
-        possible_reserve_bytes=program.possible_extra_bytes)
+        possible_reserve_bytes=program.possible_extra_bytes,
+        reserve_fixed=bool(getattr(program, "extra_bytes_fixed", False)))
     if store is not None:
         store.save_plan(key, new_plan)
     return new_plan.schedule, new_plan, peak, program
@@ -253,7 +256,7 @@ MAX_ROUNDS = 6
 def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                         compile_fn: Compile,
                         reserve_bytes: int = 0, possible_reserve_bytes: int = 0,
-                        ) -> tuple[Any, int, Any]:
+                        reserve_fixed: bool = False) -> tuple[Any, int, Any]:
     """The solver's plan for ``graph`` (``solve_graph`` with ``options``) whose predicted peak,
     the simulated one plus what the runtime keeps beyond the graph's tensors
     (``Program.extra_bytes``: saved generator states, old buffer values, the CUDA allocator's
@@ -269,7 +272,8 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
     would not is replaced by the target without them; one whose plan fits is compared with the
     plan for the budget less the last plan's extra bytes (one more solve), and the faster that
     fits as compiled is kept. Returns (plan, simulated peak, its
-    compiled program); raises InfeasibleBudget when no round fits."""
+    compiled program); raises InfeasibleBudget when no round fits. ``reserve_fixed``: every
+    schedule's runtime bytes are ``reserve_bytes`` (``least_peak_within``)."""
     from hrockmate.ir.plan import InfeasibleBudget
 
     reserve_bytes = max(0, int(reserve_bytes))
@@ -329,7 +333,8 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
                 target, give_back = budget_bytes - reserve_bytes - possible_all, target
                 looser = give_back
     if options.get("method", "hrockmate") == "hrockmate":
-        return least_peak_within(graph, budget_bytes, options, compile_fn, reserve_bytes)
+        return least_peak_within(graph, budget_bytes, options, compile_fn, reserve_bytes,
+                                 reserve_fixed)
     # the smallest a compiled plan reached (it fits a budget of its peak with its runtime
     # bytes), else the solver's lowest peak with the reserve
     raise InfeasibleBudget(budget_bytes, min(reached) if reached else
@@ -337,13 +342,20 @@ def solve_within_budget(graph: Any, budget_bytes: int, options: dict[str, Any],
 
 
 def least_peak_within(graph: Any, budget_bytes: int, options: dict[str, Any],
-                      compile_fn: Compile, reserve_bytes: int = 0) -> tuple[Any, int, Any]:
+                      compile_fn: Compile, reserve_bytes: int = 0, reserve_fixed: bool = False
+                      ) -> tuple[Any, int, Any]:
     """The lowest-peak schedule found for ``graph`` (``minima.least_peak``, the same for every
     budget) as (plan, simulated peak, compiled program) when, compiled, it fits
     ``budget_bytes``; else the refusal that names its peak with its compiled program's extra
     bytes: a budget of that many bytes is one this schedule fits as compiled. The peaks the
     rounds' plans reached are not named: they come from searches at other targets, which a
-    solve at that number would not repeat."""
+    solve at that number would not repeat.
+
+    Only schedules that may lower the best total are compiled: every schedule's runtime keeps
+    ``reserve_bytes`` at least (store-all's, the fewest), and with ``reserve_fixed`` exactly
+    that, so only the one returned is compiled. (The least peak is often recompute-all's, of
+    millions of steps on graphs of thousands of ops: compiling it to refuse a budget cost more
+    than the whole solve.)"""
     from hrockmate.ir.plan import InfeasibleBudget
     from hrockmate.ir.schedule import Schedule
     from hrockmate.planning.api import least_peak_plan
@@ -352,20 +364,27 @@ def least_peak_within(graph: Any, budget_bytes: int, options: dict[str, Any],
     least = least_peak_for_options(graph, options)
     best: tuple[int, int, Any, Any] | None = None  # (total, simulated peak, schedule, program)
     for peak, _t, _label, steps, fl in least.schedules:
-        if best is not None and peak >= best[0]:
+        if best is not None and peak + reserve_bytes >= best[0]:
             break  # (by ascending peak: no later one can have a smaller total)
         schedule = Schedule(steps=list(steps), forward_len=fl)
+        if reserve_fixed and peak + reserve_bytes > budget_bytes:
+            # (the least total, and over the budget: its bytes are known without compiling)
+            best = (peak + reserve_bytes, peak, schedule, None)
+            break
         program = compile_fn(schedule)
         total = peak + int(program.extra_bytes)
         if best is None or total < best[0]:
             best = (total, peak, schedule, program)
+        if reserve_fixed:
+            break  # (the first has the least total)
     assert best is not None
     total, peak, schedule, program = best
     if total <= budget_bytes:
         return least_peak_plan(graph, schedule, least.label, budget_bytes), peak, program
+    extra = total - peak
     # (a proven least peak stays proven with the fewest runtime bytes any plan keeps)
-    proof = least.proof if peak == least.peak and program.extra_bytes <= reserve_bytes else ""
-    if proof and program.extra_bytes:
+    proof = least.proof if peak == least.peak and extra <= reserve_bytes else ""
+    if proof and extra:
         proof += ", and the runtime keeps no fewer bytes beside the graph's tensors"
     raise InfeasibleBudget(budget_bytes, total, graph.name, proof=proof)
 

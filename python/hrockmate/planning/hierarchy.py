@@ -179,6 +179,11 @@ class _Settings:
     # the low-peak model: a block's backward frees the forward outputs it makes again after
     # their last read (``level.recomputed_outputs_freed``; ``prepare(low_peak=True)``)
     low_peak: bool = False
+    # leaf MILP solutions by (the leaf's ops, the solve's arguments): a leaf's MILP is the same
+    # under both memory models (they differ in how a solution is expanded into fragments), so
+    # the low-peak twin of a hierarchy reads the solutions its leaves share with it from here
+    # (``prepare(like=)``) instead of solving those MILPs again
+    leaf_solutions: dict[Any, Any] = field(default_factory=dict)
 
     def go_lean(self) -> None:
         self.lean = True
@@ -233,10 +238,21 @@ def _block_options(ctx: GraphFacts, block: Block, st: _Settings) -> list[BlockOp
                 raise HierarchyTimeout(f"the time limit ran out while solving the blocks of "
                                        f"'{ctx.graph.name}'")
             limit = min(limit, left)
-        try:
-            sp = ilp.solve_level(lvl.problem, **a, time_limit=limit,  # type: ignore[arg-type]
-                                 mip_rel_gap=max(st.mip_rel_gap, 1e-2 if limited else 1e-3))
-        except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+        gap = max(st.mip_rel_gap, 1e-2 if limited else 1e-3)
+        # (a start is the problem's own leanest schedule: named, not compared)
+        key = None if block.children else (
+            tuple(block.fwd_ops), tuple(block.bwd_ops), limit, gap,
+            tuple(sorted((k, "lean" if k == "start" else v) for k, v in a.items())))
+        sp = st.leaf_solutions.get(key) if key is not None else None
+        if sp is None:
+            try:
+                sp = ilp.solve_level(lvl.problem, **a, time_limit=limit,  # type: ignore[arg-type]
+                                     mip_rel_gap=gap)
+            except (ilp.LevelInfeasible, ilp.LevelNoSolution):
+                sp = False  # (no schedule; not the exception, whose traceback keeps frames)
+            if key is not None:
+                st.leaf_solutions[key] = sp
+        if sp is False:
             return None
         return make_option(ctx, block, lvl, sp, free_recomputed=st.low_peak)
 
@@ -350,6 +366,8 @@ class Hierarchy:
     # hierarchy for all its solves, and a refused budget is often followed by a build at the
     # least budget named, which needs the low-peak model too)
     low_peak_twins: dict[Any, "Hierarchy"] = field(default_factory=dict, repr=False)
+    # the leaves' MILP solutions (``_Settings.leaf_solutions``), for a twin built ``like`` this
+    leaf_solutions: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def solver_counts(self) -> dict[str, int]:
         """How many blocks each solver gave options to (``renamed``: copied from an equal
@@ -369,7 +387,8 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
             sub_time_limit: float | None = None,
             mip_rel_gap: float = 1e-4, progress: bool = True,
             workers: int | None = None, solvers: Mapping[str, str] | None = None,
-            near_store_all: bool = True, low_peak: bool = False) -> Hierarchy:
+            near_store_all: bool = True, low_peak: bool = False,
+            like: Hierarchy | None = None) -> Hierarchy:
     """Build the hierarchy and compute the options of every block below the root.
 
     Blocks of the same height are independent: ``workers`` threads solve them at once (HiGHS
@@ -382,7 +401,9 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
     (``level.recomputed_outputs_freed``). Its options' peaks are lower or equal, so this model
     plans lower budgets. It is not the default: on its changed coefficients the top MILPs search
     worse at budgets both models plan, so ``solve_graph`` uses it only where the default model
-    has no schedule (``policy.run_method``)."""
+    has no schedule (``policy.run_method``). ``like``: a hierarchy of the same graph built with
+    the other model; the leaves' MILPs it solved with the same arguments are not solved
+    again."""
     t0 = _time.perf_counter()
     ctx = GraphFacts(graph)
     chosen = level_solvers.check_solvers(solvers)
@@ -397,6 +418,8 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
                    mip_rel_gap, solvers=chosen,
                    deadline=None if time_limit is None
                    else t0 + HIERARCHY_TIME_SHARE * time_limit, low_peak=low_peak)
+    if like is not None and like.graph is graph:
+        st.leaf_solutions = like.leaf_solutions  # (shared: each model's leaves fill it)
     if not near_store_all:
         st.near_store_all_fractions = ()
     by_height: dict[int, list[Block]] = {}
@@ -479,7 +502,8 @@ def prepare(graph: Graph, *, flat_ops: int = 60, leaf_size: int = LEAF_SIZE,
             pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     return Hierarchy(graph, root, ctx, _time.perf_counter() - t0, total, solved, chosen,
-                     lean=st.lean, leaf_size=leaf_size, low_peak=low_peak)
+                     lean=st.lean, leaf_size=leaf_size, low_peak=low_peak,
+                     leaf_solutions=st.leaf_solutions)
 
 
 # Block-solving threads at most: beyond this, the serial Python parts dominate.

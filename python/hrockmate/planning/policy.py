@@ -332,7 +332,7 @@ def _prepared(run: _Run, hierarchy: Hierarchy | None, near_store_all: bool
             group_size=ctx.group_size, top_size=ctx.top_size, time_limit=ctx.time_left(),
             sub_time_limit=ctx.sub_time_limit, mip_rel_gap=ctx.mip_rel_gap,
             progress=ctx.progress, solvers=ctx.solvers, near_store_all=near_store_all,
-            low_peak=ctx.low_peak)
+            low_peak=ctx.low_peak, like=ctx.twin_of)
         if ctx.twin_of is not None and built.low_peak and not built.lean:
             # (a lean twin, cut short by this solve's time, is not kept for solves with more)
             ctx.twin_of.low_peak_twins[twin_key(ctx, near_store_all)] = built

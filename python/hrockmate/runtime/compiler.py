@@ -89,6 +89,11 @@ class Program:
     #: every updated buffer (what a planner sets aside so that its plan fits with the runtime's
     #: bytes)
     possible_extra_bytes: int = 0
+    #: every schedule of this graph compiles to these ``extra_bytes`` (no random op, no buffer
+    #: update, no skippable region: nothing the runtime keeps depends on where the schedule
+    #: puts its ops), so planning reads another schedule's bytes here instead of compiling it
+    #: (compiling recompute-all's millions of steps, only to refuse a budget, took a minute)
+    extra_bytes_fixed: bool = False
     #: per parameter / tensor-input slot, the outputs its gradient depends on (bit k: output
     #: k's gradient): a gradient that only outputs which received none reach is handed over
     #: as None, as eager autograd leaves ``.grad`` (the plan computes zeros there)
@@ -708,6 +713,8 @@ class _Compiler:
             + allocator_slack_bytes(g, tr.device),
             possible_extra_bytes=possible_state_bytes + sum(
                 g.tensors[old].bytes for _, old in update_target.values() if old is not None),
+            extra_bytes_fixed=not random_ops and not update_target
+            and not getattr(tr, "skippable", None),
             param_tangents=param_tangents,
             input_tangents=input_tangents,
             num_decision_slots=skips.num_slots,

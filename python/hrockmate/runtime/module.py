@@ -806,8 +806,10 @@ class HRockmate(nn.Module):
         # per-block FSDP2 with the gathered blocks charged (fsdp.plan_with_blocks): the bytes
         # they add to this schedule's peak are bytes the runtime keeps beside the graph's
         # tensors, which planning fits into the budget with the rest
-        program.extra_bytes += fsdp.gathered_excess_bytes(self, schedule.steps,
-                                                          schedule.forward_len)
+        gathered = fsdp.gathered_excess_bytes(self, schedule.steps, schedule.forward_len)
+        if self.__dict__.get("_hr_fsdp_charged"):
+            program.extra_bytes_fixed = False  # (the gathered blocks depend on the schedule)
+        program.extra_bytes += gathered
         return program
 
     def _install(self, schedule: Any, plan: Any, predicted: int, program: Program) -> None:
