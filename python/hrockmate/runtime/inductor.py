@@ -13,9 +13,14 @@ inputs of that call (a program belongs to one input shape).
 Memory: a compiled piece is called with the boxed convention: it receives a list holding the
 only references to the inputs the schedule frees within the piece (they are dropped from the
 environment ``E`` before the call), clears it, and releases each input after its last use, as
-it releases its intermediates; fused intermediates are never materialised. So within a piece
-the memory can only be lower than the schedule's, except where inductor's own order keeps a
-buffer longer: the peak is measured (``measured_peak_bytes``), not assumed.
+it releases its intermediates; fused intermediates are never materialised. Inductor would
+still keep some buffers longer than the schedule: an input no kernel reads (held by the
+call's locals to its end), what a C++ function of several kernels reads (freed only after
+all of them), what a pointwise node reads where its result is made only at the kernel that
+needs it. ``_inductor_compile`` removes each of these (``_drop_unused_inputs``,
+``_cpu_kernels_end_at_frees``, ``_realize_where_freed``); what is left of inductor's own
+memory (a fused kernel holds its inputs and outputs at once) is measured
+(``measured_peak_bytes``), not assumed.
 
 Random ops run eagerly between pieces, with the eager program's generator replay (the state
 saved at an op's first run, restored for each recomputation), so forward and recomputation
@@ -178,10 +183,16 @@ def _plan_order_kept() -> Iterator[None]:
     """Inductor set to keep the plan's order and frees (see ``_inductor_compile``)."""
     from torch._inductor.virtualized import V
 
-    choices = _plan_order_choices()
+    try:
+        choices = _plan_order_choices()
+        handler = V.set_choices_handler(choices)
+    except (ImportError, AttributeError):  # (an inductor without these hooks: its own fusions)
+        with torch._inductor.config.patch(_KEEP_ORDER), _cpu_kernels_end_at_frees():
+            yield
+        return
     with torch._inductor.config.patch({**_KEEP_ORDER,
                                        "inductor_choices_class": lambda: choices}), \
-            V.set_choices_handler(choices), _cpu_kernels_end_at_frees():
+            handler, _cpu_kernels_end_at_frees():
         yield
 
 
