@@ -274,10 +274,13 @@ def _realize_where_freed(gm: torch.fx.GraphModule) -> int:
     node's result, across the kernels between: the clone of attention's values that a later
     ``bmm`` reads held the first ``bmm``'s result across the dropout mask's kernel and an
     ``mm``. Such a node is marked ``inductor_realize_to_strides`` (inductor realizes it as it
-    lowers it, with the strides the trace recorded) where its result is a buffer anyway
-    (the first node that needs it is not a fused one: a reduction, another marked node), a
-    kernel that allocates lies between it and that node, and what it frees is at least its
-    own size; everywhere else it stays inlined and its intermediates never exist."""
+    lowers it, with the strides the trace recorded) where its result becomes a buffer anyway
+    (what first needs it, through other pointwise nodes and views, is a library kernel, an
+    output or another marked node, not a reduction it would be fused into) and what it frees
+    is at least its own size. Where it frees more than its size it is also kept apart from
+    its users (``_FREES``, ``_plan_order_choices``): fused into them, what it frees would stay
+    alive beside their results (a dropout's ``ne`` frees its source, four times its size).
+    Everywhere else nodes stay inlined and their intermediates never exist."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     root: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -300,7 +303,8 @@ def _realize_where_freed(gm: torch.fx.GraphModule) -> int:
         return isinstance(n.target, torch._ops.OpOverload) and torch.Tag.reduction in n.target.tags
 
     marked: set[torch.fx.Node] = set()
-    # where each lazy node (or view of one) is first needed: (position, needed as a buffer)
+    # where each lazy node (or view of one) is first needed: (position, as a buffer); in
+    # reverse order, so that its users are known (whether marked among them)
     need: dict[torch.fx.Node, tuple[int, bool]] = {}
     for n in reversed(nodes):
         if not (_lazy(n) or _view(n)) or not n.users:
@@ -318,8 +322,7 @@ def _realize_where_freed(gm: torch.fx.GraphModule) -> int:
             need[n] = (pos[u], not (_lazy(u) or _view(u)))
         if not _lazy(n) or "val" not in n.meta:
             continue
-        at, as_buffer = need[n]
-        if not as_buffer:
+        if not need[n][1]:
             continue
         freed = {root[a] for a in n.all_input_nodes
                  if last.get(root[a]) is n and root[a].op != "get_attr"}
