@@ -164,7 +164,8 @@ def _plan_order_choices() -> Any:
         @staticmethod
         def can_fuse_vertical(scheduler: Any, node1: Any, node2: Any,
                               shared_data_score: int) -> bool:
-            if any(_frees_here(n) for n in node1.get_nodes()):
+            if any(_frees_here(n) for n in node1.get_nodes()) \
+                    or _fusion_delays_frees(scheduler, node1, node2):
                 return False
             return InductorChoices.can_fuse_vertical(scheduler, node1, node2,
                                                      shared_data_score)
@@ -173,9 +174,46 @@ def _plan_order_choices() -> Any:
             # (in the key of inductor's FX graph cache: a piece compiled otherwise, by an
             # earlier version, is not loaded in its place; says what the C++ kernel groups do
             # too, see _cpu_kernels_end_at_frees)
-            return "hrockmate plan order: no fusion past a free; C++ groups end at frees (2)"
+            return "hrockmate plan order: no fusion past a free; C++ groups end at frees (3)"
 
     return _PlanOrderChoices()
+
+
+def _fusion_delays_frees(scheduler: Any, node1: Any, node2: Any) -> bool:
+    """Whether fusing producer ``node1`` into ``node2`` would only delay frees: ``node1`` is
+    the last to read a buffer (freed after it when apart) and its own results stay (an output
+    of the graph, or read beyond ``node2``), so that fused nothing is saved and what it frees
+    stays alive beside ``node2``'s results (a dropout's mask ``ne``, read only by the kernel
+    that makes the scaled mask, an output, beside the masked weights)."""
+    from torch._inductor.virtualized import V
+
+    inside1 = set(node1.get_nodes())
+    inside = inside1 | set(node2.get_nodes())
+    outputs = set(V.graph.get_output_names())
+    kept = False
+    written = set()
+    for buf in node1.get_outputs():
+        name = buf.get_name()
+        written.add(name)
+        if name in outputs or any(getattr(u, "node", None) not in inside for u in buf.users):
+            kept = True
+    if not kept:
+        return False
+    for dep in node1.read_writes.reads:
+        name = dep.name
+        if name in written or name in outputs:
+            continue
+        buf = scheduler.name_to_buf.get(name)
+        if buf is not None:
+            readers = {getattr(u, "node", None) for u in buf.users}
+        elif name in V.graph.graph_inputs:
+            readers = {n for s in scheduler.nodes for n in s.get_nodes()
+                       if name in {d.name for d in n.read_writes.reads}}
+        else:
+            continue
+        if readers and readers <= inside1:
+            return True
+    return False
 
 
 @contextlib.contextmanager
