@@ -134,8 +134,9 @@ def test_the_compiled_peak_stays_at_the_plans_on_a_gpt2_with_dropout() -> None:
     compiled program measured 1.9% to 18.6% above its plan's predicted peak (an input read
     only for its shape held to the end of its piece, independent kernels emitted as one C++
     function, pointwise results made only where a matmul reads them, all holding what the
-    plan freed); now it stays within 1.5% of it (what is left: a dropout mask's fused
-    kernel holds its source and the masked result at once). The plan is eager mode's, given,
+    plan freed, a fused producer freeing only after its consumer's results exist); now it
+    stays within 1.5% of it (measured: exactly at it; what inductor may still add is a fused
+    kernel's inputs and outputs alive at once). The plan is eager mode's, given,
     so the compiled program is measured on exactly the plan it was predicted for; then the
     module built on its own budget fits it."""
     model, sample = models.gpt2_tiny(n_layer=1, n_embd=32, seq=32, batch=4, dropout=0.3)

@@ -17,8 +17,10 @@ it releases its intermediates; fused intermediates are never materialised. Induc
 still keep some buffers longer than the schedule: an input no kernel reads (held by the
 call's locals to its end), what a C++ function of several kernels reads (freed only after
 all of them), what a pointwise node reads where its result is made only at the kernel that
-needs it. ``_inductor_compile`` removes each of these (``_drop_unused_inputs``,
-``_cpu_kernels_end_at_frees``, ``_realize_where_freed``); what is left of inductor's own
+needs it, what a producer frees when fused into its consumer although its result stays.
+``_inductor_compile`` removes each of these (``_drop_unused_inputs``,
+``_cpu_kernels_end_at_frees``, ``_realize_where_freed``, ``_fusion_delays_frees``); what is
+left of inductor's own
 memory (a fused kernel holds its inputs and outputs at once) is measured
 (``measured_peak_bytes``), not assumed.
 
