@@ -176,7 +176,7 @@ def _plan_order_choices() -> Any:
             # (in the key of inductor's FX graph cache: a piece compiled otherwise, by an
             # earlier version, is not loaded in its place; says what the C++ kernel groups do
             # too, see _cpu_kernels_end_at_frees)
-            return "hrockmate plan order: no fusion past a free; C++ groups end at frees (3)"
+            return "hrockmate plan order: no fusion past a free; C++ groups end at frees (5)"
 
     return _PlanOrderChoices()
 
@@ -292,6 +292,13 @@ def _lazy(node: torch.fx.Node) -> bool:
             or target.overloadpacket.__name__ in _LAZY_UNTAGGED)
 
 
+def _allocates(node: torch.fx.Node) -> bool:
+    """Whether ``node`` runs a kernel of its own that allocates its result (a library kernel,
+    a reduction), not a pointwise node inductor may inline or a view."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and not node.target.is_view and not _lazy(node))
+
+
 def _view(node: torch.fx.Node) -> bool:
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
             and node.target.is_view)
@@ -354,7 +361,7 @@ def _realize_where_freed(gm: torch.fx.GraphModule) -> int:
             need[n] = (pos[u], True)
         elif u in marked:  # (made at its place: what it inlines frees only then)
             need[n] = (pos[u], True)
-        elif reduction(u):  # (fused into the reduction: its result never exists)
+        elif reduction(u):
             need[n] = (pos[u], False)
         elif (_lazy(u) or _view(u)) and u in need:
             need[n] = need[u]
@@ -362,7 +369,12 @@ def _realize_where_freed(gm: torch.fx.GraphModule) -> int:
             need[n] = (pos[u], not (_lazy(u) or _view(u)))
         if not _lazy(n) or "val" not in n.meta:
             continue
-        if not need[n][1]:
+        at, as_buffer = need[n]
+        # fused into a reduction its result never exists, but what it reads stays alive
+        # until the reduction runs: it is made at its place where other kernels come between
+        # (a dropout mask applied to a gradient, which the softmax's backward reads after a
+        # recomputed layer norm and matmul)
+        if not as_buffer and not any(_allocates(m) for m in nodes[pos[n] + 1:at]):
             continue
         freed = {root[a] for a in n.all_input_nodes
                  if last.get(root[a]) is n and root[a].op != "get_attr"}
