@@ -321,10 +321,10 @@ def _realize_where_freed(gm: torch.fx.GraphModule) -> int:
     node's result, across the kernels between: the clone of attention's values that a later
     ``bmm`` reads held the first ``bmm``'s result across the dropout mask's kernel and an
     ``mm``. Such a node is marked ``inductor_realize_to_strides`` (inductor realizes it as it
-    lowers it, with the strides the trace recorded) where its result becomes a buffer anyway
-    (what first needs it, through other pointwise nodes and views, is a library kernel, an
-    output or another marked node, not a reduction it would be fused into) and what it frees
-    is at least its own size. Where it frees more than its size it is also kept apart from
+    lowers it, with the strides the trace recorded) where what it frees is at least its own
+    size and its result becomes a buffer anyway (what first needs it, through other pointwise
+    nodes and views, is a library kernel, an output or another marked node) or the reduction
+    it would be fused into comes after other kernels. Where it frees more than its size it is also kept apart from
     its users (``_FREES``, ``_plan_order_choices``): fused into them, what it frees would stay
     alive beside their results (a dropout's ``ne`` frees its source, four times its size).
     Everywhere else nodes stay inlined and their intermediates never exist."""
