@@ -129,6 +129,31 @@ def test_dropout_masks_agree_between_forward_and_recomputation() -> None:
         _assert_close(_grads(model), _grads(eager_model))
 
 
+def test_the_compiled_peak_stays_at_the_plans_on_a_gpt2_with_dropout() -> None:
+    """Compiled pieces keep the plan's frees: on a one-layer GPT-2 with dropout at 50% the
+    compiled program measured 1.9% to 18.6% above its plan's predicted peak (an input read
+    only for its shape held to the end of its piece, independent kernels emitted as one C++
+    function, pointwise results made only where a matmul reads them, all holding what the
+    plan freed, a fused producer freeing only after its consumer's results exist); now it
+    stays within 1.5% of it (measured: exactly at it; what inductor may still add is a fused
+    kernel's inputs and outputs alive at once). The plan is eager mode's, given,
+    so the compiled program is measured on exactly the plan it was predicted for; then the
+    module built on its own budget fits it."""
+    model, sample = models.gpt2_tiny(n_layer=1, n_embd=32, seq=32, batch=4, dropout=0.3)
+    eager = HRockmate(copy.deepcopy(model), sample, budget=0.5, cost="estimate", cache=False)
+    assert eager.recomputed_ops > 0
+    compiled = HRockmate(copy.deepcopy(model), sample, plan=eager.schedule, compile=True,
+                         cache=False)
+    assert compiled.predicted_peak_bytes == eager.predicted_peak_bytes
+    measured, predicted = compiled.measured_peak_bytes, compiled.predicted_peak_bytes
+    assert 0 < measured <= 1.015 * predicted, (measured, predicted)
+    # the budget compiled mode is built for: planned and measured within it, replanning for
+    # the little that is left where it must
+    hmod = HRockmate(model, sample, budget=0.5, compile=True, cost="estimate", cache=False)
+    assert 0 < hmod.measured_peak_bytes <= eager.budget_bytes
+    assert hmod.compile_stats["replans"] <= 2
+
+
 def test_batchnorm_buffers_updated_once() -> None:
     model, x = models.cnn_bn(batch=4, image=16, width=8, n_blocks=1)
     eager_model = copy.deepcopy(model)

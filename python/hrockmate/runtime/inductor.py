@@ -13,9 +13,16 @@ inputs of that call (a program belongs to one input shape).
 Memory: a compiled piece is called with the boxed convention: it receives a list holding the
 only references to the inputs the schedule frees within the piece (they are dropped from the
 environment ``E`` before the call), clears it, and releases each input after its last use, as
-it releases its intermediates; fused intermediates are never materialised. So within a piece
-the memory can only be lower than the schedule's, except where inductor's own order keeps a
-buffer longer: the peak is measured (``measured_peak_bytes``), not assumed.
+it releases its intermediates; fused intermediates are never materialised. Inductor would
+still keep some buffers longer than the schedule: an input no kernel reads (held by the
+call's locals to its end), what a C++ function of several kernels reads (freed only after
+all of them), what a pointwise node reads where its result is made only at the kernel that
+needs it, what a producer frees when fused into its consumer although its result stays.
+``_inductor_compile`` removes each of these (``_drop_unused_inputs``,
+``_cpu_kernels_end_at_frees``, ``_realize_where_freed``, ``_fusion_delays_frees``); what is
+left of inductor's own
+memory (a fused kernel holds its inputs and outputs at once) is measured
+(``measured_peak_bytes``), not assumed.
 
 Random ops run eagerly between pieces, with the eager program's generator replay (the state
 saved at an op's first run, restored for each recomputation), so forward and recomputation
@@ -25,12 +32,13 @@ statistics) are written back once, at the op's first run, after the piece that m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import statistics
 import time
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -126,11 +134,299 @@ def _inductor_compile(gm: torch.fx.GraphModule, args: list[Any]) -> Callable[[li
         example = [fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
                              tracing_mode="fake")(*example)
+        used = _drop_unused_inputs(decomposed)
+        _realize_where_freed(decomposed)
         # the graph's order is the plan's, whose memory the budget was solved for:
         # inductor's reorderings (for locality, or its own estimate of peak memory)
         # move recomputations away from their uses and keep more alive at once
-        with torch._inductor.config.patch(_KEEP_ORDER):
-            return compile_fx_inner(decomposed, example)
+        with _plan_order_kept():
+            compiled = compile_fx_inner(decomposed, [example[i] for i in used])
+    if len(used) == len(args):
+        return compiled
+    return _UsedInputs(compiled, used)
+
+
+#: node meta of a node ``_realize_where_freed`` made a buffer: it is not fused into its users
+_FREES = "hrockmate_frees_here"
+
+
+def _frees_here(snode: Any) -> bool:
+    ir_node = getattr(snode, "node", None)
+    origins = getattr(ir_node, "origins", None) or ()
+    return any(getattr(o, "meta", {}).get(_FREES) for o in origins)
+
+
+def _plan_order_choices() -> Any:
+    """Inductor's choices, less the vertical fusions that would undo ``_realize_where_freed``:
+    a node made a buffer where the plan frees what it reads is not fused into its users (fused,
+    what it frees would stay alive until their kernel ends, with their results)."""
+    from torch._inductor.choices import InductorChoices
+
+    class _PlanOrderChoices(InductorChoices):
+        @staticmethod
+        def can_fuse_vertical(scheduler: Any, node1: Any, node2: Any,
+                              shared_data_score: int) -> bool:
+            if any(_frees_here(n) for n in node1.get_nodes()) \
+                    or _fusion_delays_frees(scheduler, node1, node2):
+                return False
+            return InductorChoices.can_fuse_vertical(scheduler, node1, node2,
+                                                     shared_data_score)
+
+        def uuid(self) -> str:
+            # (in the key of inductor's FX graph cache: a piece compiled otherwise, by an
+            # earlier version, is not loaded in its place; says what the C++ kernel groups do
+            # too, see _cpu_kernels_end_at_frees)
+            return "hrockmate plan order: no fusion past a free; C++ groups end at frees (5)"
+
+    return _PlanOrderChoices()
+
+
+def _fusion_delays_frees(scheduler: Any, node1: Any, node2: Any) -> bool:
+    """Whether fusing producer ``node1`` into ``node2`` would only delay frees: ``node1`` is
+    the last to read a buffer (freed after it when apart) and its own results stay (an output
+    of the graph, or read beyond ``node2``), so that fused nothing is saved and what it frees
+    stays alive beside ``node2``'s results (a dropout's mask ``ne``, read only by the kernel
+    that makes the scaled mask, an output, beside the masked weights)."""
+    from torch._inductor.virtualized import V
+
+    inside1 = set(node1.get_nodes())
+    inside = inside1 | set(node2.get_nodes())
+    outputs = set(V.graph.get_output_names())
+    kept = False
+    written = set()
+    for buf in node1.get_outputs():
+        name = buf.get_name()
+        written.add(name)
+        if name in outputs or any(getattr(u, "node", None) not in inside for u in buf.users):
+            kept = True
+    if not kept:
+        return False
+    for dep in node1.read_writes.reads:
+        name = dep.name
+        if name in written or name in outputs:
+            continue
+        buf = scheduler.name_to_buf.get(name)
+        if buf is not None:
+            readers = {getattr(u, "node", None) for u in buf.users}
+        elif name in V.graph.graph_inputs:
+            readers = {n for s in scheduler.nodes for n in s.get_nodes()
+                       if name in {d.name for d in n.read_writes.reads}}
+        else:
+            continue
+        if readers and readers <= inside1:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _plan_order_kept() -> Iterator[None]:
+    """Inductor set to keep the plan's order and frees (see ``_inductor_compile``)."""
+    from torch._inductor.virtualized import V
+
+    try:
+        choices = _plan_order_choices()
+        handler = V.set_choices_handler(choices)
+    except (ImportError, AttributeError):  # (an inductor without these hooks: its own fusions)
+        with torch._inductor.config.patch(_KEEP_ORDER), _cpu_kernels_end_at_frees():
+            yield
+        return
+    with torch._inductor.config.patch({**_KEEP_ORDER,
+                                       "inductor_choices_class": lambda: choices}), \
+            handler, _cpu_kernels_end_at_frees():
+        yield
+
+
+@contextlib.contextmanager
+def _cpu_kernels_end_at_frees() -> Iterator[None]:
+    """Inductor's C++ backend emits consecutive generated kernels as one C++ function (a
+    kernel group, flushed at a library call): the wrapper allocates the outputs of every
+    kernel of the group before calling it and frees what the group read last after it
+    returns. So two neighbouring kernels that share nothing (the clone of attention's values
+    next to a dropout mask) hold at once what the plan frees between them: the values' copy
+    was alive with the mask's inputs. Here a group ends after each kernel that reads a buffer
+    or an input for the last time, so that it is freed before the next kernel allocates, as
+    the plan has it; kernels that free nothing stay together."""
+    try:
+        from torch._inductor.codegen.cpp import CppScheduling
+    except ImportError:
+        yield
+        return
+    original = CppScheduling.codegen_node
+    if getattr(original, "_hr_ends_at_frees", False):  # (nested: already in effect)
+        yield
+        return
+
+    def codegen_node(self: Any, node: Any) -> None:
+        original(self, node)
+        scheduler = self.scheduler
+        from torch._inductor.virtualized import V
+
+        graph = V.graph
+        removed = graph.removed_buffers
+        if any(name not in removed and (name in scheduler.name_to_buf
+                                        or name in graph.graph_inputs)
+               for name in node.last_usage):
+            self._set_flush_status(True)
+
+    codegen_node._hr_ends_at_frees = True  # type: ignore[attr-defined]
+    CppScheduling.codegen_node = codegen_node
+    try:
+        yield
+    finally:
+        CppScheduling.codegen_node = original
+
+
+#: ops inductor lowers as a pointwise computation without the pointwise tag
+_LAZY_UNTAGGED = frozenset({"_to_copy", "clone", "copy", "full_like", "zeros_like", "ones_like"})
+
+
+def _lazy(node: torch.fx.Node) -> bool:
+    """Whether inductor lowers ``node`` lazily: a pointwise computation, inlined into its
+    users and made a buffer only where one needs it (a library kernel, an output)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.is_view:
+        return False
+    return (torch.Tag.pointwise in target.tags
+            or target.overloadpacket.__name__ in _LAZY_UNTAGGED)
+
+
+def _allocates(node: torch.fx.Node) -> bool:
+    """Whether ``node`` runs a kernel of its own that allocates its result (a library kernel,
+    a reduction), not a pointwise node inductor may inline or a view."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and not node.target.is_view and not _lazy(node))
+
+
+def _view(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.is_view)
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
+
+
+def _realize_where_freed(gm: torch.fx.GraphModule) -> int:
+    """Have inductor make a buffer of a pointwise node at its place in the graph (the plan's
+    order) where it would otherwise keep what the plan frees there alive across other
+    kernels; returns how many nodes it marked.
+
+    Inductor lowers a pointwise node lazily: inlined into its users, made a buffer only where
+    one needs it (a library kernel, an output), and computed there. Where such a node is the
+    last to read a buffer (an input of the piece, a library kernel's result), the plan frees
+    that buffer right after it, but compiled it stays alive until the kernel that needs the
+    node's result, across the kernels between: the clone of attention's values that a later
+    ``bmm`` reads held the first ``bmm``'s result across the dropout mask's kernel and an
+    ``mm``. Such a node is marked ``inductor_realize_to_strides`` (inductor realizes it as it
+    lowers it, with the strides the trace recorded) where what it frees is at least its own
+    size and its result becomes a buffer anyway (what first needs it, through other pointwise
+    nodes and views, is a library kernel, an output or another marked node) or the reduction
+    it would be fused into comes after other kernels. Where it frees more than its size it is also kept apart from
+    its users (``_FREES``, ``_plan_order_choices``): fused into them, what it frees would stay
+    alive beside their results (a dropout's ``ne`` frees its source, four times its size).
+    Everywhere else nodes stay inlined and their intermediates never exist."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    root: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in nodes:
+        if _view(n) and n.args and isinstance(n.args[0], torch.fx.Node):
+            root[n] = root.get(n.args[0], n.args[0])
+        else:
+            root[n] = n
+    # the last node (not a view) reading each storage, through any of its views
+    last: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in nodes:
+        if n.op == "output" or _view(n):
+            continue
+        for a in n.all_input_nodes:
+            r = root[a]
+            if r not in last or pos[n] > pos[last[r]]:
+                last[r] = n
+
+    def reduction(n: torch.fx.Node) -> bool:
+        return isinstance(n.target, torch._ops.OpOverload) and torch.Tag.reduction in n.target.tags
+
+    marked: set[torch.fx.Node] = set()
+    # where each lazy node (or view of one) is first needed: (position, as a buffer); in
+    # reverse order, so that its users are known (whether marked among them)
+    need: dict[torch.fx.Node, tuple[int, bool]] = {}
+    for n in reversed(nodes):
+        if not (_lazy(n) or _view(n)) or not n.users:
+            continue
+        u = min(n.users, key=lambda x: pos[x])
+        if u.op == "output":
+            need[n] = (pos[u], True)
+        elif u in marked:  # (made at its place: what it inlines frees only then)
+            need[n] = (pos[u], True)
+        elif reduction(u):
+            need[n] = (pos[u], False)
+        elif (_lazy(u) or _view(u)) and u in need:
+            need[n] = need[u]
+        else:
+            need[n] = (pos[u], not (_lazy(u) or _view(u)))
+        if not _lazy(n) or "val" not in n.meta:
+            continue
+        at, as_buffer = need[n]
+        # fused into a reduction its result never exists, but what it reads stays alive
+        # until the reduction runs: it is made at its place where other kernels come between
+        # (a dropout mask applied to a gradient, which the softmax's backward reads after a
+        # recomputed layer norm and matmul)
+        if not as_buffer and not any(_allocates(m) for m in nodes[pos[n] + 1:at]):
+            continue
+        freed = {root[a] for a in n.all_input_nodes
+                 if last.get(root[a]) is n and root[a].op != "get_attr"}
+        freed = {r for r in freed if r.op == "placeholder" or not _lazy(r) or r in marked}
+        frees = sum(_nbytes(r) for r in freed)
+        if frees < max(_nbytes(n), 1):
+            continue
+        n.meta["inductor_realize_to_strides"] = True
+        if frees > _nbytes(n):  # (kept apart from its users only where that saves memory)
+            n.meta[_FREES] = True
+        marked.add(n)
+    return len(marked)
+
+
+def _drop_unused_inputs(gm: torch.fx.GraphModule) -> list[int]:
+    """Remove the inputs the decomposed graph ``gm`` does not read (an op that needs only
+    its input's shape, as ``nll_loss_backward`` of its ``self``, reads none of its data once
+    decomposed with static shapes); returns the positions of those it keeps.
+
+    Inductor's generated code deletes an input after its last use but never one that no
+    kernel reads: handed over, such an input stays referenced by the call's locals until it
+    returns, and where the plan frees it inside the piece (or it shares its storage with one
+    the plan frees there, as a ``detach`` does), it would stay alive through the whole piece."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    used = [i for i, n in enumerate(placeholders) if n.users]
+    if len(used) < len(placeholders):
+        for n in placeholders:
+            if not n.users:
+                gm.graph.erase_node(n)
+        gm.recompile()
+    return used
+
+
+class _UsedInputs:
+    """A compiled piece called with the boxed convention on all of the piece's inputs that
+    passes on only those its compiled graph reads: the list it is given is cleared first, so
+    the inputs it does not read die at once rather than at the end of the call."""
+
+    __slots__ = ("compiled", "used")
+
+    def __init__(self, compiled: Callable[[list[Any]], Any], used: list[int]) -> None:
+        self.compiled = compiled
+        self.used = used
+
+    def __call__(self, args: list[Any]) -> Any:
+        kept = [args[i] for i in self.used]
+        args.clear()
+        return self.compiled(kept)
+
+    @property
+    def source_code(self) -> str | None:
+        return getattr(self.compiled, "source_code", None)
 
 
 #: while compiled costs are measured (``measure_compiled_costs``): seconds of each call of a
