@@ -171,18 +171,19 @@ def blocks_of(hmod: nn.Module) -> list[_Group]:
             f"({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) but the HRockmate "
             "module is not. Per-block FSDP2 needs a root: call fully_shard(hmod) after "
             "sharding the blocks (torchtitan's layout), so that FSDP2's root hooks run")
-    groups = []
-    for _, mod in found:
-        try:
-            state_groups = list(mod._get_fsdp_state()._fsdp_param_groups)
-        except AttributeError as exc:
-            raise UnsupportedLayoutError(
-                f"HRockmate: FSDP2's internals changed in torch {torch.__version__} ({exc}); "
-                "per-block fully_shard under a plan reads each FSDP module's parameter "
-                "groups. Shard the whole HRockmate module instead (fully_shard(hmod) only)"
-            ) from exc
-        groups += [_Group(mod, group) for group in state_groups]
-    return groups
+    return [_Group(mod, group) for _, mod in found for group in _param_groups(mod)]
+
+
+def _param_groups(mod: nn.Module) -> list[Any]:
+    """FSDP2's parameter groups of the FSDP module ``mod`` (private state)."""
+    try:
+        return list(mod._get_fsdp_state()._fsdp_param_groups)
+    except AttributeError as exc:
+        raise UnsupportedLayoutError(
+            f"HRockmate: FSDP2's internals changed in torch {torch.__version__} ({exc}); "
+            "per-block fully_shard under a plan reads each FSDP module's parameter "
+            "groups. Shard the whole HRockmate module instead (fully_shard(hmod) only)"
+        ) from exc
 
 
 def _policy(mod: nn.Module) -> Any:
@@ -204,17 +205,8 @@ def policy_changes_graph(hmod: nn.Module) -> list[str]:
         return []
     found: list[str] = []
     for name, mod in [("the HRockmate module", hmod)] + sharded_blocks(hmod):
-        try:
-            params = [p for grp in mod._get_fsdp_state()._fsdp_param_groups
-                      for p in grp.fsdp_params]
-        except AttributeError as exc:
-            raise UnsupportedLayoutError(
-                f"HRockmate: FSDP2's internals changed in torch {torch.__version__} ({exc}); "
-                "per-block fully_shard under a plan reads each FSDP module's parameter "
-                "groups. Shard the whole HRockmate module instead (fully_shard(hmod) only)"
-            ) from exc
-        cast = sorted({str(_gathered_dtype(p)) for p in params
-                       if _gathered_dtype(p) is not None})
+        dtypes = {_gathered_dtype(p) for grp in _param_groups(mod) for p in grp.fsdp_params}
+        cast = sorted(str(d) for d in dtypes if d is not None)
         if cast:
             found.append(f"{name or 'the model'} gathers its parameters in {', '.join(cast)}")
         policy = _policy(mod)
